@@ -1,0 +1,30 @@
+"""Pure compression algorithms, each a generator over collectives (see ``base``)."""
+
+from commpress.compressors import allreduce as _allreduce  # noqa: F401  (registers built-ins)
+from commpress.compressors.base import (
+    AllGather,
+    AllReduce,
+    Bucket,
+    Collective,
+    Compressor,
+    Context,
+    ParamSlot,
+    Reduction,
+)
+from commpress.compressors.registry import available, build, check_params, compressor_class, register_compressor
+
+__all__ = [
+    "AllGather",
+    "AllReduce",
+    "Bucket",
+    "Collective",
+    "Compressor",
+    "Context",
+    "ParamSlot",
+    "Reduction",
+    "available",
+    "build",
+    "check_params",
+    "compressor_class",
+    "register_compressor",
+]

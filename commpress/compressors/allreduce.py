@@ -1,0 +1,60 @@
+"""Baselines that all-reduce the whole bucket: ``none`` (full precision) and the dtype
+casts ``fp16`` / ``bf16`` (half the bytes on the wire)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from commpress.compressors.base import AllReduce, Bucket, Compressor, Context, Reduction
+from commpress.compressors.registry import register_compressor
+
+__all__ = ["BF16Compressor", "FP16Compressor", "NoneCompressor"]
+
+
+@register_compressor
+class NoneCompressor(Compressor):
+    """Plain averaging all-reduce, the reference: divides by the world size first, then
+    sums, exactly like DDP without a hook, so parameters stay bit-identical."""
+
+    name: ClassVar[str] = "none"
+
+    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
+        self.check_dtype(bucket)
+        if bucket.buffer.numel() == 0:
+            return
+        bucket.buffer.div_(ctx.world_size)
+        summed = yield AllReduce(bucket.buffer)
+        if summed is not bucket.buffer:
+            bucket.buffer.copy_(summed)
+
+
+class _CastCompressor(Compressor):
+    """All-reduce in a narrower floating dtype, averaging before the cast to avoid overflow."""
+
+    wire_dtype: ClassVar[torch.dtype]
+
+    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
+        self.check_dtype(bucket)
+        if bucket.buffer.numel() == 0:
+            return
+        wire = bucket.buffer.div(ctx.world_size).to(self.wire_dtype)
+        summed = yield AllReduce(wire)
+        bucket.buffer.copy_(summed)
+
+
+@register_compressor
+class FP16Compressor(_CastCompressor):
+    """IEEE half precision on the wire: 2 bytes per element."""
+
+    name: ClassVar[str] = "fp16"
+    wire_dtype: ClassVar[torch.dtype] = torch.float16
+
+
+@register_compressor
+class BF16Compressor(_CastCompressor):
+    """bfloat16 on the wire: 2 bytes per element, fp32's exponent range (works on gloo)."""
+
+    name: ClassVar[str] = "bf16"
+    wire_dtype: ClassVar[torch.dtype] = torch.bfloat16

@@ -1,0 +1,168 @@
+"""The contract every compressor follows: pure algorithm code, written as a generator.
+
+A compressor's :meth:`Compressor.reduce` does its local work, ``yield``s a collective
+request (:class:`AllReduce` or :class:`AllGather`), receives the result, may yield again,
+and finally writes the *averaged* gradient into the bucket. It never touches a process
+group, so the same code runs on torch.distributed, MPI and the in-process simulated world.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+__all__ = [
+    "AllGather",
+    "AllReduce",
+    "Bucket",
+    "Collective",
+    "Compressor",
+    "Context",
+    "ParamSlot",
+    "Reduction",
+]
+
+
+@dataclass
+class AllReduce:
+    """Reduce ``tensor`` over all ranks; the result (same shape and dtype) is sent back.
+
+    ``op`` is ``"sum"`` (the default) or ``"max"``.
+    """
+
+    tensor: torch.Tensor
+    op: Literal["sum", "max"] = "sum"
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+@dataclass
+class AllGather:
+    """Gather ``tensor`` (1-D) from every rank; the list of all ranks' tensors is sent back.
+
+    Sizes may differ per rank unless ``uniform`` is true, which lets a backend skip the
+    exchange of sizes.
+    """
+
+    tensor: torch.Tensor
+    uniform: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+Collective = AllReduce | AllGather
+# What ``reduce`` is: yields collectives, receives their results, returns nothing.
+Reduction = Generator[Collective, Any, None]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter's gradient lives inside a bucket's flat buffer."""
+
+    name: str
+    shape: torch.Size
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Bucket:
+    """A flat gradient buffer, the parameters it holds, and a stable index.
+
+    ``index`` stays the same for the same parameters across steps, so compressors key
+    their per-bucket state (error feedback, warm starts) on it.
+    """
+
+    index: int
+    buffer: torch.Tensor
+    slots: Sequence[ParamSlot] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.buffer.dim() != 1:
+            raise ValueError(f"Bucket.buffer must be 1-D, got shape {tuple(self.buffer.shape)}")
+        if not self.slots:
+            self.slots = (ParamSlot("flat", self.buffer.shape, 0),)
+        end = max(s.offset + s.numel for s in self.slots)
+        if end > self.buffer.numel():
+            raise ValueError(f"Bucket slots reach element {end}, buffer has {self.buffer.numel()}")
+
+    @property
+    def layout(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(name, shape) of every slot: per-bucket state is valid only for the same layout
+        (DDP rebuilds its buckets after the first step, so an index may change members)."""
+        return tuple((s.name, tuple(s.shape)) for s in self.slots)
+
+    def views(self) -> list[torch.Tensor]:
+        """One view of the buffer per parameter, shaped like the parameter."""
+        return [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    @classmethod
+    def from_tensors(cls, index: int, tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> Bucket:
+        """Copy ``tensors`` into a new flat buffer (tests and simulations use this)."""
+        names = list(names) if names is not None else [f"p{i}" for i in range(len(tensors))]
+        slots, offset = [], 0
+        for name, t in zip(names, tensors, strict=True):
+            slots.append(ParamSlot(name, t.shape, offset))
+            offset += t.numel()
+        dtype = tensors[0].dtype if tensors else torch.float32
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=dtype)
+        return cls(index, flat, tuple(slots))
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a compressor may know about the world: its rank, the world size, the step."""
+
+    rank: int
+    world_size: int
+    step: int
+
+
+class Compressor(ABC):
+    """A gradient compressor. Subclasses set ``name`` and implement :meth:`reduce`.
+
+    Constructor keyword arguments are the method's config parameters; the registry
+    validates names and types from the signature, the constructor checks ranges and
+    raises :class:`commpress.config.ConfigError`.
+    """
+
+    name: ClassVar[str]
+    #: Most collective rounds one ``reduce`` call yields (backends open one ordered
+    #: channel per round).
+    rounds: ClassVar[int] = 1
+    #: Gradient dtypes this compressor accepts.
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+
+    @abstractmethod
+    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
+        """Average ``bucket.buffer`` over ranks in place, yielding the collectives needed."""
+
+    def check_dtype(self, bucket: Bucket) -> None:
+        """Raise a clear error for a gradient dtype this compressor does not handle."""
+        if bucket.buffer.dtype not in self.dtypes:
+            accepted = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            raise TypeError(
+                f"compressor {self.name!r} does not support gradient dtype "
+                f"{str(bucket.buffer.dtype).removeprefix('torch.')}; accepted: {accepted}"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-bucket state to checkpoint; stateless compressors return ``{}``."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"compressor {self.name!r} holds no state, got keys {sorted(state)}")

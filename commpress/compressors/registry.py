@@ -1,0 +1,48 @@
+"""Compressors by name, so new methods plug in without touching hooks or backends."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from commpress.compressors.base import Compressor
+from commpress.errors import ConfigError
+from commpress.schema import check_kwargs, signature_fields
+
+__all__ = ["available", "build", "check_params", "compressor_class", "register_compressor"]
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+C = TypeVar("C", bound=type[Compressor])
+
+
+def register_compressor(cls: C) -> C:
+    """Class decorator: make ``cls`` available under ``cls.name``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"compressor name {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available() -> list[str]:
+    """Names of every registered compressor."""
+    return sorted(_REGISTRY)
+
+
+def compressor_class(method: str) -> type[Compressor]:
+    """The class registered as ``method``, or a ConfigError listing the accepted names."""
+    try:
+        return _REGISTRY[method]
+    except KeyError:
+        raise ConfigError(f"method = {method!r} is not a known compressor; accepted: {', '.join(available())}") from None
+
+
+def check_params(method: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate parameter names and types for ``method`` (ranges are checked on build)."""
+    cls = compressor_class(method)
+    return check_kwargs(f"method {method!r}", params, signature_fields(cls.__init__))
+
+
+def build(method: str, params: Mapping[str, Any] | None = None) -> Compressor:
+    """A new compressor instance of ``method`` with validated ``params``."""
+    cls = compressor_class(method)
+    return cls(**check_params(method, params or {}))

@@ -1,0 +1,204 @@
+"""One validated configuration, read from a TOML file or a dict.
+
+Top-level keys choose the gradient compressor for hooks::
+
+    method = "powersgd"        # any name in commpress.compressors.available()
+    start_iter = 10            # uncompressed ("none") steps before compression starts
+    backend = "torch"          # "torch" (torch.distributed) or "mpi" (mpi4py)
+
+    [params]                   # the method's parameters
+    rank = 4
+
+    [[overrides]]              # per-parameter-name exceptions, first match wins
+    params = ["*.bias", "*norm*"]
+    method = "none"
+
+Other subsystems (local SGD, FSDP, the bandwidth layer, ...) own a table each, registered
+with :func:`register_section`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from commpress.compressors import build, check_params
+from commpress.compressors.base import Compressor
+from commpress.errors import ConfigError
+
+__all__ = ["BACKENDS", "Config", "ConfigError", "Override", "parse_method_spec", "register_section"]
+
+BACKENDS = ("torch", "mpi")
+_SECTIONS: dict[str, Callable[[Mapping[str, Any]], Any]] = {}
+
+
+def register_section(name: str, parse: Callable[[Mapping[str, Any]], Any]) -> None:
+    """Let a subsystem own the table ``[name]``; ``parse`` validates it (raising ConfigError)
+    and returns a dataclass."""
+    _SECTIONS[name] = parse
+
+
+@dataclass(frozen=True)
+class Override:
+    """Parameters whose names match any glob in ``params`` use ``method`` instead."""
+
+    params: tuple[str, ...]
+    method: str
+    method_params: Mapping[str, Any] = field(default_factory=dict)
+
+    def matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The resolved configuration. Build it with :meth:`load`."""
+
+    method: str = "none"
+    params: Mapping[str, Any] = field(default_factory=dict)
+    start_iter: int = 0
+    backend: str = "torch"
+    overrides: tuple[Override, ...] = ()
+    sections: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", check_params(self.method, self.params))
+        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 0:
+            raise ConfigError(f"start_iter = {self.start_iter!r} is not accepted; expected an integer >= 0")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend = {self.backend!r} is not accepted; accepted: {', '.join(BACKENDS)}")
+        build(self.method, self.params)  # range checks happen in the compressor
+        for ov in self.overrides:
+            build(ov.method, ov.method_params)
+
+    @classmethod
+    def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
+        """A Config from a Config, a dict, or the path of a TOML file."""
+        if source is None:
+            return cls()
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, (str, os.PathLike)):
+            path = Path(source)
+            try:
+                with path.open("rb") as fh:
+                    data = tomllib.load(fh)
+            except FileNotFoundError:
+                raise ConfigError(f"config file {str(path)!r} does not exist") from None
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+            return cls.from_dict(data)
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        raise ConfigError(f"config must be a Config, a dict or a TOML path, got {type(source).__name__}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        data = dict(data)
+        core = {k: data.pop(k) for k in ("method", "params", "start_iter", "backend") if k in data}
+        if "params" in core and not isinstance(core["params"], Mapping):
+            raise ConfigError(f"params = {core['params']!r} is not accepted; expected a table")
+        overrides = tuple(_parse_override(i, o) for i, o in enumerate(_as_list(data.pop("overrides", []))))
+        sections = {}
+        for key, value in data.items():
+            if key not in _SECTIONS:
+                accepted = ", ".join(["method", "params", "start_iter", "backend", "overrides", *sorted(_SECTIONS)])
+                raise ConfigError(f"unknown config key {key!r}; accepted keys: {accepted}")
+            sections[key] = _SECTIONS[key](value)
+        return cls(overrides=overrides, sections=sections, **core)
+
+    def section(self, name: str) -> Any | None:
+        """The parsed ``[name]`` table, or None when the config has none."""
+        return self.sections.get(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain data (TOML-shaped), sorted and with defaults filled in."""
+        out: dict[str, Any] = {
+            "method": self.method,
+            "params": dict(sorted(self.params.items())),
+            "start_iter": self.start_iter,
+            "backend": self.backend,
+        }
+        if self.overrides:
+            out["overrides"] = [
+                {"params": list(o.params), "method": o.method, "method_params": dict(o.method_params)}
+                for o in self.overrides
+            ]
+        for name, sec in sorted(self.sections.items()):
+            out[name] = dataclasses.asdict(sec) if dataclasses.is_dataclass(sec) else sec
+        return out
+
+    def digest(self) -> str:
+        """A hash of the resolved config; ranks compare it at registration."""
+        text = json.dumps(self.to_dict(), sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def method_for(self, param_name: str) -> tuple[str, Mapping[str, Any]]:
+        """(method, params) that apply to the parameter called ``param_name``."""
+        for ov in self.overrides:
+            if ov.matches(param_name):
+                return ov.method, ov.method_params
+        return self.method, self.params
+
+    def build_compressor(self) -> Compressor:
+        """A fresh instance of the main method."""
+        return build(self.method, self.params)
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, Mapping) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"overrides = {value!r} is not accepted; expected a list of tables ([[overrides]])")
+    return list(value)
+
+
+def _parse_override(i: int, raw: Any) -> Override:
+    where = f"overrides[{i}]"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a table with keys params, method, method_params")
+    unknown = sorted(set(raw) - {"params", "method", "method_params"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; accepted keys: method, method_params, params")
+    patterns = raw.get("params")
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not patterns or not all(isinstance(p, str) for p in patterns):
+        raise ConfigError(f"{where}: params = {patterns!r} is not accepted; expected a list of name globs")
+    method = raw.get("method", "none")
+    method_params = check_params(method, raw.get("method_params", {}))
+    return Override(tuple(patterns), method, method_params)
+
+
+def parse_method_spec(spec: str) -> dict[str, Any]:
+    """``"powersgd:rank=4,start_iter=2"`` -> ``{"method": "powersgd", "params": {"rank": 4}, ...}``.
+
+    Values are read as TOML values (numbers, booleans, quoted strings) or bare strings.
+    ``start_iter`` and ``backend`` go to the top level, everything else to ``params``.
+    """
+    method, _, rest = spec.partition(":")
+    out: dict[str, Any] = {"method": method.strip(), "params": {}}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise ConfigError(f"method spec {spec!r}: {item!r} is not key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        key = key.strip()
+        if key in ("start_iter", "backend"):
+            out[key] = value
+        else:
+            out["params"][key] = value
+    return out

@@ -1,0 +1,111 @@
+"""Checks keyword settings against type hints, so every config error names key, value and
+what is accepted. Used for compressor parameters and for config sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar
+
+from commpress.errors import ConfigError
+
+__all__ = ["check_kwargs", "parse_dataclass", "signature_fields"]
+
+T = TypeVar("T")
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "none"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, converted value) for ``value`` against type ``tp``."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True, value
+    if origin is Literal:
+        return (value in typing.get_args(tp)), value
+    if origin in (types.UnionType, typing.Union):
+        for arg in typing.get_args(tp):
+            ok, conv = _coerce(value, arg)
+            if ok:
+                return True, conv
+        return False, value
+    if origin in (tuple, list):
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            return False, value
+        (item,) = typing.get_args(tp)[:1]
+        out = []
+        for v in value:
+            ok, conv = _coerce(v, item)
+            if not ok:
+                return False, value
+            out.append(conv)
+        return True, tuple(out)
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    return isinstance(value, tp), value
+
+
+def check_kwargs(where: str, data: Mapping[str, Any], fields: Mapping[str, tuple[Any, bool]]) -> dict[str, Any]:
+    """Validate ``data`` against ``fields`` (name -> (type, required)); return converted values."""
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        accepted = ", ".join(sorted(fields)) or "none"
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; accepted keys: {accepted}")
+    missing = [k for k, (_, required) in fields.items() if required and k not in data]
+    if missing:
+        raise ConfigError(f"{where}: missing required key {missing[0]!r}")
+    out = {}
+    for key, value in data.items():
+        tp = fields[key][0]
+        ok, conv = _coerce(value, tp)
+        if not ok:
+            raise ConfigError(f"{where}: {key} = {value!r} is not accepted; expected {_describe(tp)}")
+        out[key] = conv
+    return out
+
+
+def signature_fields(fn: Callable[..., Any]) -> dict[str, tuple[Any, bool]]:
+    """The keyword parameters of ``fn`` as ``check_kwargs`` fields (from its type hints)."""
+    hints = typing.get_type_hints(fn)
+    fields = {}
+    for p in inspect.signature(fn).parameters.values():
+        if p.name == "self" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            continue
+        fields[p.name] = (hints.get(p.name, Any), p.default is inspect.Parameter.empty)
+    return fields
+
+
+def parse_dataclass(where: str, cls: type[T], data: Mapping[str, Any]) -> T:
+    """Build dataclass ``cls`` from ``data``, with clear errors for unknown or mistyped keys."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a table of settings, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {
+        f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.init
+    }
+    return cls(**check_kwargs(where, data, fields))

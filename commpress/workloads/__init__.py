@@ -1,0 +1,1 @@
+"""Workloads shared by the demo, the benchmarks and the tests."""

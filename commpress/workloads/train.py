@@ -1,0 +1,90 @@
+"""One DDP training run of the demo task on an initialized process group.
+
+Shared by ``commpress demo`` and the multi-rank tests so both train exactly the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from commpress.hooks import register
+from commpress.workloads.charlm import CharTask
+
+__all__ = ["TrainResult", "cosine_lr", "train_ddp"]
+
+
+@dataclass
+class TrainResult:
+    """What one rank saw in one run."""
+
+    losses: list[float]
+    eval_loss: float
+    bytes_per_step: float
+    step_seconds: float  # median wall time of a step after the first few
+    compute_seconds_per_step: float  # time inside compressor code
+    params: torch.Tensor | None = None  # flat final parameters, when asked for
+    state: dict[str, Any] | None = field(default=None, repr=False)  # CommState.state_dict()
+
+
+def cosine_lr(base_lr: float, steps: int) -> Callable[[int], float]:
+    """The learning rate at each step: cosine decay from ``base_lr`` to 0 over ``steps``."""
+    return lambda step: base_lr * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+
+
+def train_ddp(
+    config: Mapping[str, Any] | str | None,
+    steps: int = 200,
+    lr: float = 0.2,
+    task: CharTask | None = None,
+    bucket_cap_mb: float | None = None,
+    return_params: bool = False,
+    hook: Callable[[DistributedDataParallel], Any] | None = None,
+) -> TrainResult:
+    """Train the demo model with DDP and the commpress ``config`` (None: DDP's own all-reduce;
+    ``hook`` instead registers some other comm hook). SGD with momentum, cosine schedule."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    task = task or CharTask(batch_size=64)
+    model = task.model()
+    kwargs = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb is not None else {}
+    ddp = DistributedDataParallel(model, **kwargs)
+    state = register(ddp, config) if config is not None else None
+    if hook is not None:
+        hook(ddp)
+    schedule = cosine_lr(lr, steps)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    losses, times = [], []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = schedule(step)
+        x, y = task.batch(step, rank, world)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(ddp(x), y)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    xe, ye = task.eval_batch()
+    with torch.no_grad():
+        eval_loss = F.cross_entropy(model(xe), ye).item()
+    traffic = state.traffic.snapshot() if state is not None else {"bytes_sent": 0, "compute_seconds": 0.0}
+    return TrainResult(
+        losses=losses,
+        eval_loss=eval_loss,
+        bytes_per_step=traffic["bytes_sent"] / steps,
+        step_seconds=statistics.median(times[min(5, steps - 1) :]),
+        compute_seconds_per_step=traffic["compute_seconds"] / steps,
+        params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]) if return_params else None,
+        state=state.state_dict() if state is not None else None,
+    )
