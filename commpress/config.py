@@ -129,8 +129,7 @@ class Config:
         }
         if self.overrides:
             out["overrides"] = [
-                {"params": list(o.params), "method": o.method, "method_params": dict(o.method_params)}
-                for o in self.overrides
+                {"params": list(o.params), "method": o.method, "method_params": dict(o.method_params)} for o in self.overrides
             ]
         for name, sec in sorted(self.sections.items()):
             out[name] = dataclasses.asdict(sec) if dataclasses.is_dataclass(sec) else sec

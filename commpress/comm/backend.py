@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from commpress.compressors.base import AllGather, AllReduce, Collective, Reduction
 from commpress.comm.traffic import Traffic
+from commpress.compressors.base import AllGather, AllReduce, Collective, Reduction
 
 __all__ = ["Backend"]
 

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from commpress.compressors.base import AllGather, AllReduce, Bucket, Compressor, Context, Reduction
 from commpress.comm.traffic import Traffic
+from commpress.compressors.base import AllGather, AllReduce, Bucket, Compressor, Context, Reduction
 
 __all__ = ["SimulatedWorld"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from commpress.compressors.base import AllGather, AllReduce, Collective
 from commpress.comm.backend import Backend
+from commpress.compressors.base import AllGather, AllReduce, Collective
 
 __all__ = ["TorchBackend"]
 
@@ -25,7 +25,7 @@ class TorchBackend(Backend):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "the torch backend needs torch.distributed initialized: call "
-                "torch.distributed.init_process_group(...) first (or use backend = \"mpi\" under mpirun)"
+                'torch.distributed.init_process_group(...) first (or use backend = "mpi" under mpirun)'
             )
         group = process_group if process_group is not None else dist.group.WORLD
         super().__init__(dist.get_rank(group), dist.get_world_size(group), rounds)

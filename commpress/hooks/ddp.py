@@ -4,7 +4,7 @@
 # and needs the real GradBucket / Future types, not strings.
 
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ def ddp_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[
 
 def register(
     model: DistributedDataParallel,
-    config: Union[Config, Mapping[str, Any], str, None] = None,
+    config: Config | Mapping[str, Any] | str | None = None,
     process_group: Any = None,
 ) -> CommState:
     """Build a :class:`CommState` for ``model`` from ``config`` and register :func:`ddp_hook`.

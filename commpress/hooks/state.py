@@ -48,7 +48,8 @@ class CommState:
         for i, ov in enumerate(self.config.overrides):
             self.compressors[f"override{i}"] = build(ov.method, ov.method_params)
         self._warmup = build("none")
-        rounds = max(c.rounds for c in self.compressors.values())
+        # method groups of one bucket run one after another: their rounds add up
+        rounds = sum(c.rounds for c in self.compressors.values())
         self.backend = backend if backend is not None else make_backend(self.config.backend, process_group, rounds)
         self.step = 0
         self._layouts: dict[int, tuple[tuple[int, ...], tuple[_Part, ...]]] = {}
@@ -63,7 +64,7 @@ class CommState:
         return self.backend.world_size
 
     @property
-    def traffic(self):  # noqa: ANN201 - Traffic, re-exported from the backend
+    def traffic(self):
         """Bytes sent and compute time of this rank (see :class:`commpress.comm.Traffic`)."""
         return self.backend.traffic
 

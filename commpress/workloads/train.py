@@ -48,9 +48,11 @@ def train_ddp(
     bucket_cap_mb: float | None = None,
     return_params: bool = False,
     hook: Callable[[DistributedDataParallel], Any] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Train the demo model with DDP and the commpress ``config`` (None: DDP's own all-reduce;
-    ``hook`` instead registers some other comm hook). SGD with momentum, cosine schedule."""
+    ``hook`` instead registers some other comm hook). SGD with momentum, cosine schedule.
+    ``on_step(n)`` is called after every step (progress displays)."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,6 +77,8 @@ def train_ddp(
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(step + 1)
     xe, ye = task.eval_batch()
     with torch.no_grad():
         eval_loss = F.cross_entropy(model(xe), ye).item()
