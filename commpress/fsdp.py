@@ -1,0 +1,64 @@
+"""Compressed communication for sharded training (FSDP2 ``fully_shard`` and FSDP1).
+
+One call, on every rank, after sharding and before the first forward::
+
+    import commpress.fsdp
+    state = commpress.fsdp.apply(model, {"weight_bits": 8, "grad_bits": 8})
+
+For FSDP2 it quantizes every ``fully_shard``-ed module's parameter all-gather (QSDP: b-bit
+weights, full-precision master shards) and gradient reduce-scatter; for an FSDP1 root it
+registers :func:`quantized_hook`. ``config`` is an :class:`FSDPConfig`, the ``[fsdp]``
+table's keys as a dict, a full commpress config (dict or TOML path) with an ``[fsdp]``
+table, or None (defaults: 8-bit weights and gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from commpress.hooks.fsdp1 import (
+    LowPrecisionState,
+    QuantizedState,
+    low_precision_hook,
+    quantized_hook,
+    register_fsdp1,
+)
+from commpress.hooks.fsdp2 import FSDP2State, apply_fsdp2
+from commpress.hooks.fsdp2_grads import QuantizedReduceScatter
+from commpress.hooks.fsdp2_weights import QuantizedAllGather
+from commpress.hooks.fsdp_config import FSDPConfig
+
+__all__ = [
+    "FSDP2State",
+    "FSDPConfig",
+    "LowPrecisionState",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "QuantizedState",
+    "apply",
+    "low_precision_hook",
+    "quantized_hook",
+]
+
+
+def apply(
+    model: torch.nn.Module,
+    config: Any = None,
+    *,
+    recurse: bool = True,
+    root: torch.nn.Module | None = None,
+) -> FSDP2State | QuantizedState:
+    """Quantize ``model``'s FSDP communication as ``config`` says; returns the state
+    (``traffic()`` / ``traffic``, ``state_dict()``).
+
+    FSDP2: every ``fully_shard``-ed module in ``model`` (only ``model`` itself with
+    ``recurse=False``); ``exclude`` globs match names relative to ``root`` (default
+    ``model``). FSDP1: ``model`` must be the root ``FullyShardedDataParallel``.
+    """
+    cfg = FSDPConfig.load(config)
+    if isinstance(model, FullyShardedDataParallel):
+        return register_fsdp1(model, cfg)
+    return apply_fsdp2(model, cfg, recurse=recurse, root=root)

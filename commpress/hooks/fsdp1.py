@@ -1,0 +1,133 @@
+"""Comm hooks for FSDP1 (``FullyShardedDataParallel.register_comm_hook``).
+
+- :func:`quantized_hook` with :class:`QuantizedState`: b-bit stochastically quantized
+  gradients; sharded strategies get a quantized reduce-scatter (each rank receives the
+  average of its shard), ``NO_SHARD`` a quantized all-reduce.
+- :func:`low_precision_hook` with :class:`LowPrecisionState`: fp16/bf16 gradients that,
+  unlike PyTorch's ``fp16_compress_hook``, also run on CPU (no ``record_stream``).
+
+FSDP1 hands a hook one flat gradient per FSDP unit, mixing every parameter of the unit, so
+``exclude`` globs do not apply here; units smaller than ``min_numel`` and ``grad_bits = 32``
+use PyTorch's default hooks, which is exactly plain FSDP. ``weight_bits`` is FSDP2-only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._comm_hooks import default_hooks
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+from commpress.comm.traffic import Traffic
+from commpress.hooks.fsdp_collectives import quantized_all_reduce, quantized_reduce_scatter
+from commpress.hooks.fsdp_config import FULL_PRECISION, FSDPConfig
+from commpress.hooks.fsdp_wire import Segments, Wire
+
+__all__ = ["LowPrecisionState", "QuantizedState", "low_precision_hook", "quantized_hook", "register_fsdp1"]
+
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class QuantizedState(default_hooks.DefaultState):
+    """State of :func:`quantized_hook`: the config, the process group, a call counter that
+    seeds stochastic rounding (hooks run in the same order on every rank), and the bytes
+    this rank sent (``traffic``)."""
+
+    __slots__ = ["config", "traffic", "steps", "_wires"]
+
+    def __init__(self, config: FSDPConfig, process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(process_group if process_group is not None else dist.group.WORLD)
+        self.config = config
+        self.traffic = Traffic()
+        self.steps = 0
+        self._wires: dict[tuple[int, torch.dtype], Wire] = {}
+
+    def wire(self, n: int, dtype: torch.dtype) -> Wire | None:
+        """The payload format for flat gradients of ``n`` elements; None: full precision."""
+        if self.config.grad_bits == FULL_PRECISION or n < self.config.min_numel:
+            return None
+        key = (n, dtype)
+        if key not in self._wires:
+            self._wires[key] = Wire(Segments(n, ((0, n),)), self.config.grad_bits, self.config.bucket_size, dtype)
+        return self._wires[key]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+
+
+def quantized_hook(state: QuantizedState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
+    """Average ``grad`` over ranks with b-bit quantization: into ``output`` (this rank's
+    shard) for sharded strategies, in place for ``NO_SHARD``."""
+    step, state.steps = state.steps, state.steps + 1
+    group, world = state.process_group, state.world_size
+    rank = dist.get_rank(group)
+    wire = state.wire(output.numel() if output is not None else grad.numel(), grad.dtype)
+    if wire is None:
+        nbytes = grad.numel() * grad.element_size()
+        state.traffic.add(nbytes=nbytes, collectives=1)
+        if output is None:
+            default_hooks.allreduce_hook(state, grad)
+        else:
+            default_hooks.reduce_scatter_hook(state, grad, output)
+        return
+    from commpress.cuda import derive_seed
+
+    seed = state.config.seed
+    if output is None:
+        quantized_all_reduce(wire, grad, group, derive_seed(seed, step, rank), state.traffic)
+        return
+    seeds = [derive_seed(seed, step, rank, dest) for dest in range(world)]
+    quantized_reduce_scatter(wire, grad.view(world, -1), output, group, seeds, dist.ReduceOp.AVG, state.traffic)
+
+
+class LowPrecisionState(default_hooks.DefaultState):
+    """State of :func:`low_precision_hook`: the wire dtype (fp16 or bf16) and bytes sent."""
+
+    __slots__ = ["dtype", "traffic"]
+
+    def __init__(self, dtype: torch.dtype = torch.float16, process_group: dist.ProcessGroup | None = None) -> None:
+        if dtype not in _LOW_PRECISION:
+            raise TypeError(f"dtype = {dtype} is not accepted; accepted: torch.float16, torch.bfloat16")
+        super().__init__(process_group if process_group is not None else dist.group.WORLD)
+        self.dtype = dtype
+        self.traffic = Traffic()
+
+
+def low_precision_hook(state: LowPrecisionState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
+    """Average ``grad`` over ranks in ``state.dtype`` (pre- and post-divided like PyTorch's
+    default hooks); the result is cast back into ``output`` (or ``grad`` for ``NO_SHARD``)."""
+    low = grad.to(state.dtype)
+    state.traffic.add(nbytes=low.numel() * low.element_size(), collectives=1)
+    if output is None:
+        default_hooks.allreduce_hook(state, low)
+        grad.copy_(low)
+    else:
+        low_out = low.new_empty(output.shape)
+        default_hooks.reduce_scatter_hook(state, low, low_out)
+        output.copy_(low_out)
+
+
+def register_fsdp1(model: FullyShardedDataParallel, config: FSDPConfig) -> QuantizedState:
+    """Register :func:`quantized_hook` on the root FSDP1 instance ``model``."""
+    if not isinstance(model, FullyShardedDataParallel):
+        raise TypeError(f"expected a FullyShardedDataParallel model, got {type(model).__name__}")
+    if not model.check_is_root():
+        raise ValueError(
+            "FSDP1 comm hooks can only be registered on the root FullyShardedDataParallel instance (they apply to "
+            "every unit inside it): call commpress.fsdp.apply on the outermost FSDP module"
+        )
+    strategies = {m.sharding_strategy for m in FullyShardedDataParallel.fsdp_modules(model)}
+    if strategies & set(_HYBRID):
+        raise ValueError(
+            f"FSDP1 does not accept comm hooks with hybrid sharding ({', '.join(sorted(s.name for s in strategies))}); "
+            "use FSDP2 (fully_shard with a 2-D device mesh) for quantized HSDP"
+        )
+    state = QuantizedState(config, model.process_group)
+    model.register_comm_hook(state, quantized_hook)
+    return state

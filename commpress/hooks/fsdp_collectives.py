@@ -1,0 +1,91 @@
+"""Quantized reduce-scatter, all-reduce and all-gather over a :class:`Wire` payload, shared
+by the FSDP2 custom collectives and the FSDP1 comm hooks. Each counts the bytes this rank
+contributes (the collective's input) and the seconds spent encoding and decoding."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from commpress.comm.traffic import Traffic
+from commpress.hooks.fsdp_wire import Wire
+
+__all__ = ["quantized_all_gather", "quantized_all_reduce", "quantized_reduce_scatter"]
+
+
+def quantized_reduce_scatter(
+    wire: Wire,
+    rows: torch.Tensor,
+    output: torch.Tensor,
+    group: dist.ProcessGroup,
+    seeds: Sequence[int],
+    op: dist.ReduceOp,
+    traffic: Traffic,
+) -> None:
+    """``output`` = reduction (``op`` AVG or SUM) over ranks of their row ``rank`` of ``rows``
+    (``[world, n]``): quantized ranges through an all-to-all of payloads (row ``r`` encoded
+    with ``seeds[r]``), raw ranges through the ordinary reduce-scatter."""
+    world = rows.shape[0]
+    t0 = time.perf_counter()
+    payloads = torch.empty(world, wire.nbytes, dtype=torch.uint8, device=rows.device)
+    for dest in range(world):
+        wire.encode(rows[dest], seeds[dest], payloads[dest], raw=False)
+    received = torch.empty_like(payloads)
+    t1 = time.perf_counter()
+    dist.all_to_all_single(received, payloads, group=group)
+    traffic.add(nbytes=payloads.numel(), collectives=1)
+    t2 = time.perf_counter()
+    wire.accumulate(received, output, average=op == dist.ReduceOp.AVG)
+    traffic.add(seconds=t1 - t0 + time.perf_counter() - t2)
+    segments = wire.segments
+    if segments.nraw:
+        raw_in = segments.take(rows, "raw").contiguous()
+        raw_out = raw_in.new_empty(segments.nraw)
+        dist.reduce_scatter_single(raw_out, raw_in.view(-1), group=group, op=op)
+        traffic.add(nbytes=raw_in.numel() * raw_in.element_size(), collectives=1)
+        segments.put(output, raw_out, "raw")
+
+
+def quantized_all_reduce(wire: Wire, flat: torch.Tensor, group: dist.ProcessGroup, seed: int, traffic: Traffic) -> None:
+    """Replace ``flat`` (quantized ranges) by the average over ranks: every rank's payload is
+    all-gathered and accumulated. Raw ranges are averaged by an ordinary all-reduce."""
+    world = group.size()
+    t0 = time.perf_counter()
+    payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=flat.device)
+    wire.encode(flat, seed, payload, raw=False)
+    gathered = torch.empty(world * wire.nbytes, dtype=torch.uint8, device=flat.device)
+    t1 = time.perf_counter()
+    dist.all_gather_single(gathered, payload, group=group)
+    traffic.add(nbytes=payload.numel(), collectives=1)
+    t2 = time.perf_counter()
+    wire.accumulate(gathered.view(world, wire.nbytes), flat, average=True)
+    traffic.add(seconds=t1 - t0 + time.perf_counter() - t2)
+    segments = wire.segments
+    if segments.nraw:
+        raw = segments.take(flat, "raw").contiguous()
+        dist.all_reduce(raw, group=group, op=dist.ReduceOp.AVG)
+        traffic.add(nbytes=raw.numel() * raw.element_size(), collectives=1)
+        segments.put(flat, raw, "raw")
+
+
+def quantized_all_gather(
+    wire: Wire, shard: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup, seed: int, traffic: Traffic
+) -> None:
+    """``output`` (``world * n``) = every rank's dequantized ``shard``, this rank's included,
+    so all ranks hold the same values; raw ranges arrive bit-exact."""
+    world, n = group.size(), shard.numel()
+    t0 = time.perf_counter()
+    payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=shard.device)
+    wire.encode(shard, seed, payload)
+    gathered = torch.empty(world * wire.nbytes, dtype=torch.uint8, device=shard.device)
+    t1 = time.perf_counter()
+    dist.all_gather_single(gathered, payload, group=group)
+    traffic.add(nbytes=wire.nbytes, collectives=1)
+    t2 = time.perf_counter()
+    rows, out = gathered.view(world, wire.nbytes), output.view(world, n)
+    for r in range(world):
+        wire.decode(rows[r], out[r])
+    traffic.add(seconds=t1 - t0 + time.perf_counter() - t2)
