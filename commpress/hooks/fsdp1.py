@@ -36,7 +36,7 @@ class QuantizedState(default_hooks.DefaultState):
     seeds stochastic rounding (hooks run in the same order on every rank), and the bytes
     this rank sent (``traffic``)."""
 
-    __slots__ = ["config", "traffic", "steps", "_wires"]
+    __slots__ = ["_wires", "config", "steps", "traffic"]
 
     def __init__(self, config: FSDPConfig, process_group: dist.ProcessGroup | None = None) -> None:
         super().__init__(process_group if process_group is not None else dist.group.WORLD)

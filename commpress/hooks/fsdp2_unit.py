@@ -66,5 +66,8 @@ class Unit:
             bits = self.config.weight_bits if side == "weights" else self.config.grad_bits
             segments = self.segments(bits)
             usable = n == self.shard_numel and segments.nq > 0
-            self._wires[key] = Wire(segments, bits, self.config.bucket_size, dtype) if usable else None
+            # weights carry raw ranges in the payload; gradients reduce them separately
+            self._wires[key] = (
+                Wire(segments, bits, self.config.bucket_size, dtype, carry_raw=side == "weights") if usable else None
+            )
         return self._wires[key]

@@ -32,7 +32,7 @@ def quantized_reduce_scatter(
     t0 = time.perf_counter()
     payloads = torch.empty(world, wire.nbytes, dtype=torch.uint8, device=rows.device)
     for dest in range(world):
-        wire.encode(rows[dest], seeds[dest], payloads[dest], raw=False)
+        wire.encode(rows[dest], seeds[dest], payloads[dest])
     received = torch.empty_like(payloads)
     t1 = time.perf_counter()
     dist.all_to_all_single(received, payloads, group=group)
@@ -55,7 +55,7 @@ def quantized_all_reduce(wire: Wire, flat: torch.Tensor, group: dist.ProcessGrou
     world = group.size()
     t0 = time.perf_counter()
     payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=flat.device)
-    wire.encode(flat, seed, payload, raw=False)
+    wire.encode(flat, seed, payload)
     gathered = torch.empty(world * wire.nbytes, dtype=torch.uint8, device=flat.device)
     t1 = time.perf_counter()
     dist.all_gather_single(gathered, payload, group=group)

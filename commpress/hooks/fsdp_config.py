@@ -47,12 +47,10 @@ class FSDPConfig:
         for key in ("weight_bits", "grad_bits"):
             value = getattr(self, key)
             if value not in (*BITS, FULL_PRECISION) or isinstance(value, bool):
-                raise ConfigError(
-                    f"fsdp.{key} = {value!r} is not accepted; accepted: 2, 4, 8 (quantized) or 32 (full precision)"
-                )
-        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 8 or self.bucket_size % 8:
+                raise ConfigError(f"fsdp.{key} = {value!r} is not accepted; accepted: 2, 4, 8 (quantized) or 32 (full precision)")
+        if not isinstance(self.bucket_size, int) or self.bucket_size < 8 or self.bucket_size % 8:
             raise ConfigError(f"fsdp.bucket_size = {self.bucket_size!r} is not accepted; expected a multiple of 8, >= 8")
-        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) or self.min_numel < 0:
+        if not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ConfigError(f"fsdp.min_numel = {self.min_numel!r} is not accepted; expected an integer >= 0")
         if isinstance(self.exclude, str) or not all(isinstance(p, str) for p in self.exclude):
             raise ConfigError(f"fsdp.exclude = {self.exclude!r} is not accepted; expected a list of parameter-name globs")

@@ -9,6 +9,9 @@ order, are encoded by the b-bit stochastic quantizer of :mod:`commpress.cuda` in
 
 padded to a multiple of 4 bytes so that rows of a gathered ``[world, nbytes]`` buffer can be
 viewed as float32 without copies. Per element that is ``bits/8`` bytes plus 8 bytes per bucket.
+Weight payloads carry the raw elements (one all-gather moves everything); gradient payloads
+leave them out (``carry_raw=False``) because raw gradients go through the ordinary
+reduce-scatter, which sums them exactly like plain FSDP.
 """
 
 from __future__ import annotations
@@ -68,15 +71,16 @@ class Segments:
 class Wire:
     """Encodes and decodes one payload for :class:`Segments` at ``bits`` bits."""
 
-    def __init__(self, segments: Segments, bits: int, bucket_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, segments: Segments, bits: int, bucket_size: int, dtype: torch.dtype, carry_raw: bool = True) -> None:
         self.segments = segments
+        self.carry_raw = carry_raw
         self.bits = bits
         self.bucket_size = bucket_size
         self.dtype = dtype
         nq = segments.nq
         self.buckets = math.ceil(nq / bucket_size)
         self.packed_bytes = math.ceil(nq * bits / 8)
-        self.raw_bytes = segments.nraw * torch.empty((), dtype=dtype).element_size()
+        self.raw_bytes = segments.nraw * torch.empty((), dtype=dtype).element_size() if carry_raw else 0
         self._raw_at = 8 * self.buckets
         self._packed_at = self._raw_at + self.raw_bytes
         #: bytes of one payload (padded to a multiple of 4)
@@ -91,39 +95,39 @@ class Wire:
         packed = payload[..., self._packed_at : self._packed_at + self.packed_bytes]
         return scales, mins, raw, packed
 
-    def encode(self, x: torch.Tensor, seed: int, payload: torch.Tensor, raw: bool = True) -> None:
+    def encode(self, x: torch.Tensor, seed: int, payload: torch.Tensor) -> None:
         """Quantize the quantized ranges of flat ``x`` into ``payload`` (uint8[nbytes]); copy
-        the raw ranges too when ``raw`` (the reduce-scatter sends those separately)."""
-        from commpress.cuda import quantize_pack
-
+        the raw ranges too if the payload carries them."""
         scales, mins, raw_part, packed = self._parts(payload)
         if self.segments.nq:
+            from commpress.cuda import quantize_pack
+
             p, lo, sc = quantize_pack(self.segments.take(x, "quantized"), self.bits, self.bucket_size, seed)
             packed.copy_(p)
             mins.copy_(lo)
             scales.copy_(sc)
-        if raw and self.segments.nraw:
+        if self.carry_raw and self.segments.nraw:
             raw_part.copy_(self.segments.take(x, "raw"))
         payload[self._packed_at + self.packed_bytes :].zero_()
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         """Write the dequantized and raw elements of one payload into flat ``out``."""
-        from commpress.cuda import dequantize
-
         scales, mins, raw_part, packed = self._parts(payload)
         if self.segments.nq:
+            from commpress.cuda import dequantize
+
             values = dequantize(packed, mins, scales, self.bits, self.bucket_size, self.segments.nq)
             self.segments.put(out, values, "quantized")
-        if self.segments.nraw:
+        if self.carry_raw and self.segments.nraw:
             self.segments.put(out, raw_part, "raw")
 
     def accumulate(self, payloads: torch.Tensor, out: torch.Tensor, average: bool) -> None:
         """Sum (or average) the quantized ranges of ``payloads`` (``[world, nbytes]``) into
         the quantized ranges of flat ``out``; raw ranges are left alone."""
-        from commpress.cuda import unpack_accumulate
-
         if not self.segments.nq:
             return
+        from commpress.cuda import unpack_accumulate
+
         scales, mins, _, packed = self._parts(payloads)
         nq = self.segments.nq
         whole = self.segments.quantized == ((0, self.segments.n),) and out.is_contiguous()

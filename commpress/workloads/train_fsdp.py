@@ -6,6 +6,7 @@ the embedding and each linear layer of :class:`CharMLP` are their own FSDP unit.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import commpress.fsdp
 from commpress.hooks.fsdp2 import FSDP2State
 from commpress.workloads.charlm import CharMLP, CharTask
 from commpress.workloads.train import cosine_lr
@@ -81,31 +83,47 @@ def train_fsdp(
     version: Literal[1, 2] = 2,
     mesh_shape: tuple[int, ...] | None = None,
     strategy: str = "FULL_SHARD",
+    hidden: int = 512,
+    restart_at: int | None = None,
     return_params: bool = False,
     hook: Callable[[torch.nn.Module], Any] | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> FSDPTrainResult:
     """Train the demo model under FSDP2 (``version=2``; ``mesh_shape`` (r, s) for HSDP) or
     FSDP1 (``strategy`` a ``ShardingStrategy`` name) with ``commpress.fsdp.apply(model,
-    config)`` (None: plain FSDP; ``hook(model)`` instead installs something else). SGD with
-    momentum, cosine schedule; the held-out loss is measured with full-precision weights."""
-    import commpress.fsdp
-
+    config)`` (None: plain FSDP; ``hook(model)`` instead installs something else). ``hidden``
+    sizes the model's hidden layers. SGD with momentum, cosine schedule; the held-out loss
+    is measured with full-precision weights. ``restart_at`` (FSDP2): at that step, save
+    model, optimizer and commpress state, rebuild everything fresh and load them."""
     rank, world = dist.get_rank(), dist.get_world_size()
     task = task or CharTask(batch_size=64)
-    model = task.model()
-    if version == 2:
-        _shard_fsdp2(model, mesh_shape)
-        wrapped: torch.nn.Module = model
-    else:
-        wrapped = _shard_fsdp1(model, strategy)
-    state = commpress.fsdp.apply(wrapped, config) if config is not None else None
-    if hook is not None:
-        hook(wrapped)
+    if restart_at is not None and version != 2:
+        raise ValueError("restart_at is supported with FSDP2 (version=2) only")
+
+    def build() -> tuple[torch.nn.Module, Any, torch.optim.Optimizer]:
+        torch.manual_seed(task.seed)
+        model = CharMLP(task.context, hidden=hidden)
+        if version == 2:
+            _shard_fsdp2(model, mesh_shape)
+        else:
+            model = _shard_fsdp1(model, strategy)
+        state = commpress.fsdp.apply(model, config) if config is not None else None
+        if hook is not None:
+            hook(model)
+        return model, state, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+    wrapped, state, opt = build()
     schedule = cosine_lr(lr, steps)
-    opt = torch.optim.SGD(wrapped.parameters(), lr=lr, momentum=0.9)
-    losses, times = [], []
+    losses, times, spent = [], [], {}
     for step in range(steps):
+        if step == restart_at:
+            saved = copy.deepcopy((wrapped.state_dict(), opt.state_dict(), state.state_dict() if state else None))
+            spent = _totals(state)
+            wrapped, state, opt = build()
+            wrapped.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+            if state is not None:
+                state.load_state_dict(saved[2])
         for group in opt.param_groups:
             group["lr"] = schedule(step)
         x, y = task.batch(step, rank, world)
@@ -119,27 +137,30 @@ def train_fsdp(
         if on_step is not None:
             on_step(step + 1)
     full = _full_params(wrapped, version)
-    reference = CharMLP(task.context)
+    reference = CharMLP(task.context, hidden=hidden)
     with torch.no_grad():
         for p, value in zip(reference.parameters(), full):
             p.copy_(value)
         xe, ye = task.eval_batch()
         eval_loss = F.cross_entropy(reference(xe), ye).item()
+    traffic = _totals(state)
+    for side, counters in spent.items():
+        for key, value in counters.items():
+            traffic[side][key] += value
     return FSDPTrainResult(
         losses=losses,
         eval_loss=eval_loss,
         step_seconds=statistics.median(times[min(5, steps - 1) :]),
-        traffic=_per_step(state, steps),
+        traffic={side: {k: v / steps for k, v in c.items()} for side, c in traffic.items()},
         params=torch.cat([p.reshape(-1) for p in full]) if return_params else None,
         state=state.state_dict() if state is not None else None,
     )
 
 
-def _per_step(state: Any, steps: int) -> dict[str, dict[str, float]]:
+def _totals(state: Any) -> dict[str, dict[str, float]]:
+    """Cumulative traffic of a commpress FSDP state, per side."""
     if state is None:
         return {}
     if isinstance(state, FSDP2State):
-        totals = state.traffic()
-    else:  # FSDP1: gradients only
-        totals = {"reduce_scatter": state.traffic.snapshot()}
-    return {side: {k: v / steps for k, v in snap.items()} for side, snap in totals.items()}
+        return state.traffic()
+    return {"reduce_scatter": dict(state.traffic.snapshot())}  # FSDP1: gradients only
