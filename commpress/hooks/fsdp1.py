@@ -21,6 +21,7 @@ from torch.distributed.algorithms._comm_hooks import default_hooks
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from commpress.comm.traffic import Traffic
+from commpress.cuda import derive_seed
 from commpress.hooks.fsdp_collectives import quantized_all_reduce, quantized_reduce_scatter
 from commpress.hooks.fsdp_config import FULL_PRECISION, FSDPConfig
 from commpress.hooks.fsdp_wire import Segments, Wire
@@ -76,8 +77,6 @@ def quantized_hook(state: QuantizedState, grad: torch.Tensor, output: torch.Tens
         else:
             default_hooks.reduce_scatter_hook(state, grad, output)
         return
-    from commpress.cuda import derive_seed
-
     seed = state.config.seed
     if output is None:
         quantized_all_reduce(wire, grad, group, derive_seed(seed, step, rank), state.traffic)

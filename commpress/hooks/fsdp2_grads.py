@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
+from commpress.cuda import derive_seed
 from commpress.hooks.fsdp2_unit import Unit
 from commpress.hooks.fsdp_collectives import quantized_reduce_scatter
 
@@ -52,8 +53,6 @@ class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
                 f"commpress's quantized reduce-scatter supports ReduceOp.AVG and SUM, FSDP asked for {op}: "
                 "do not combine grad_bits < 32 with set_gradient_divide_factor (or set grad_bits = 32)"
             )
-        from commpress.cuda import derive_seed
-
         # the global rank: under HSDP the replicas' rounding noise must be independent too
         rank, seed = dist.get_rank(), unit.config.seed
         seeds = [derive_seed(seed, _GRADS, unit.index, step, rank, dest) for dest in range(world)]

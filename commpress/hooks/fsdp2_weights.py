@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
+from commpress.cuda import derive_seed
 from commpress.hooks.fsdp2_unit import Unit
 from commpress.hooks.fsdp_collectives import quantized_all_gather
 
@@ -43,8 +44,6 @@ class QuantizedAllGather(DefaultAllocMixin, AllGather):
         if wire is None:
             traffic.add(nbytes=n * input_tensor.element_size(), collectives=1)
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        from commpress.cuda import derive_seed
-
         # seeded by the unit's reduce-scatter count: the backward re-gather of unchanged
         # weights reproduces the forward's quantization exactly; by the rank in the shard
         # group: HSDP replicas (same master shard) gather the same quantized weights

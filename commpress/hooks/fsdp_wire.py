@@ -22,6 +22,8 @@ from functools import cached_property
 
 import torch
 
+from commpress.cuda import dequantize, quantize_pack, unpack_accumulate
+
 __all__ = ["Segments", "Wire"]
 
 
@@ -100,8 +102,6 @@ class Wire:
         the raw ranges too if the payload carries them."""
         scales, mins, raw_part, packed = self._parts(payload)
         if self.segments.nq:
-            from commpress.cuda import quantize_pack
-
             p, lo, sc = quantize_pack(self.segments.take(x, "quantized"), self.bits, self.bucket_size, seed)
             packed.copy_(p)
             mins.copy_(lo)
@@ -114,8 +114,6 @@ class Wire:
         """Write the dequantized and raw elements of one payload into flat ``out``."""
         scales, mins, raw_part, packed = self._parts(payload)
         if self.segments.nq:
-            from commpress.cuda import dequantize
-
             values = dequantize(packed, mins, scales, self.bits, self.bucket_size, self.segments.nq)
             self.segments.put(out, values, "quantized")
         if self.carry_raw and self.segments.nraw:
@@ -126,8 +124,6 @@ class Wire:
         the quantized ranges of flat ``out``; raw ranges are left alone."""
         if not self.segments.nq:
             return
-        from commpress.cuda import unpack_accumulate
-
         scales, mins, _, packed = self._parts(payloads)
         nq = self.segments.nq
         whole = self.segments.quantized == ((0, self.segments.n),) and out.is_contiguous()
