@@ -38,6 +38,8 @@ def test_config_forms():
     assert FSDPConfig.load({"fsdp": {"weight_bits": 4, "exclude": ["*norm*"]}}) == section
     assert FSDPConfig.load({"weight_bits": 4, "exclude": ["*norm*"]}) == section  # the table's keys alone
     assert FSDPConfig.load({"method": "none"}) == FSDPConfig()  # no table: defaults
+    with pytest.raises(ConfigError, match="fsdp: unknown key 'weight_bitz'"):
+        FSDPConfig.load({"weight_bitz": 8})
     assert cfg.to_dict()["fsdp"]["weight_bits"] == 4
 
 

@@ -58,7 +58,7 @@ def parse_rows(text: str) -> list[Row]:
     """``"fsdp;q8:weight_bits=8,grad_bits=8"`` -> rows (ConfigError on bad keys/values)."""
     import tomllib
 
-    from commpress.hooks.fsdp_config import FSDPConfig
+    from commpress.hooks.fsdp_config import parse
 
     rows = []
     for spec in filter(None, (s.strip() for s in text.split(";"))):
@@ -72,7 +72,7 @@ def parse_rows(text: str) -> list[Row]:
                 config[key.strip()] = tomllib.loads(f"v = {raw}")["v"]
             except tomllib.TOMLDecodeError:
                 config[key.strip()] = raw
-        FSDPConfig.load(config)  # validate now, not on every rank
+        parse(config)  # validate now, not on every rank
         rows.append(Row(label.strip(), config))
     if not rows:
         raise ConfigError(f"--rows = {text!r} names no row")

@@ -28,6 +28,8 @@ __all__ = ["BITS", "FULL_PRECISION", "FSDPConfig"]
 BITS = (2, 4, 8)
 #: The ``*_bits`` value that switches quantization off.
 FULL_PRECISION = 32
+#: Keys that mark a dict as a whole commpress config rather than the ``[fsdp]`` table.
+_CONFIG_KEYS = {"fsdp", "method", "params", "start_iter", "backend", "overrides"}
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,8 @@ class FSDPConfig:
             return cls()
         if isinstance(source, cls):
             return source
-        if isinstance(source, Mapping) and "fsdp" not in source and set(source) <= set(cls.__dataclass_fields__):
-            return parse(source)
+        if isinstance(source, Mapping) and not set(source) & _CONFIG_KEYS:
+            return parse(source)  # the table's keys alone
         section = Config.load(source).section("fsdp")
         return section if section is not None else cls()
 
