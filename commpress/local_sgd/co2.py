@@ -74,7 +74,6 @@ class CO2(LocalSGD):
         self.clip = None if clip is None else float(clip)
         self.momentum = torch.zeros_like(self.anchor)
         self._pending: _Pending | None = None
-        self.wait_seconds: list[float] = []
         self.penalties: list[float] = []
 
     def sync(self) -> None:

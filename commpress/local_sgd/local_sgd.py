@@ -3,6 +3,7 @@ models when the period policy says so (a constant H, or QSR)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +30,8 @@ class LocalSGD:
     (``"none"``, ``"bf16"``, ...) for the averaging all-reduce. ``average_buffers`` also
     averages floating-point buffers (BatchNorm statistics). ``total_steps`` lets QSR cap
     the last round at the last step.
+
+    ``wait_seconds`` records how long each averaging blocked the caller.
 
     With DDP, a comm hook that keeps gradients local is registered here (construct before
     the first backward); a plain module gets rank 0's values at construction. The optimizer
@@ -65,6 +68,7 @@ class LocalSGD:
             self.averager.broadcast(self.anchor)
             self.flat.write(self.anchor)
         self._delta = self.flat.empty()
+        self.wait_seconds: list[float] = []
 
     @property
     def period(self) -> int | None:
@@ -87,7 +91,9 @@ class LocalSGD:
     def sync(self) -> None:
         """Average the models now (every rank must call it)."""
         delta = self.flat.read(self._delta).sub_(self.anchor)
+        t0 = time.perf_counter()
         self.averager.average(self.flat.bucket(delta))
+        self.wait_seconds.append(time.perf_counter() - t0)
         self.anchor.add_(delta)
         self.flat.write(self.anchor)
         self.clock.round_done()

@@ -114,7 +114,7 @@ def train_local_sgd(
     CO2 from the config's ``[local_sgd]`` table: DDP keeps gradients local and the models
     are averaged at the end of each round and once more at the end (``finish``).
     ``state`` holds the averager's state plus ``periods`` (H of every round), ``rounds``
-    and, for CO2, ``wait_seconds`` (time each sync point waited for the background average)."""
+    and ``wait_seconds`` (how long each sync point was blocked by communication)."""
     import torch.distributed as dist
 
     from commpress.local_sgd import from_config
@@ -150,7 +150,7 @@ def train_local_sgd(
         **trainer.state_dict(),
         "periods": list(trainer.clock.periods),
         "rounds": trainer.clock.rounds,
-        "wait_seconds": list(getattr(trainer, "wait_seconds", [])),
+        "wait_seconds": list(trainer.wait_seconds),
     }
     return TrainResult(
         losses=losses,
