@@ -3,6 +3,7 @@ warm-up, state, edge cases."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -53,6 +54,21 @@ def test_mass_is_conserved_exactly(value_dtype, selection):
     assert old.abs().sum() > 0  # the residual is really carried
 
 
+def test_float16_wire_clamps_and_keeps_the_excess():
+    sim = SimulatedWorld(1)
+    (comp,) = sim.compressors(lambda: build("topk", {"ratio": 0.01, "value_dtype": "float16"}))
+    grad = torch.zeros(100)
+    grad[17] = 1e6  # beyond float16's range
+    bucket = Bucket.from_tensors(0, [grad.clone()], ["w"])
+    sim.reduce([comp], [bucket])
+    assert bucket.buffer[17] == 65504 and bucket.buffer.isfinite().all()
+    assert torch.equal(bucket.buffer + _residual(comp, ["w"]), grad)
+    grad[3] = math.inf  # Inf is not clamped away: it must reach every rank
+    bucket = Bucket.from_tensors(0, [grad.clone()], ["w"])
+    sim.reduce([comp], [bucket], step=1)
+    assert not bucket.buffer.isfinite().all()
+
+
 def test_sends_the_largest_entries_of_each_tensor():
     sim = SimulatedWorld(1)
     (comp,) = sim.compressors(lambda: build("topk", {"ratio": 0.1, "selection": "exact"}))
@@ -82,7 +98,7 @@ def test_average_over_ranks_of_what_each_sent():
         for b in buckets:
             assert torch.equal(b.buffer, buckets[0].buffer)
         # float32 sums of up to 3 values in rank order, then / 3: a few ulps
-        torch.testing.assert_close(buckets[0].buffer, expected, rtol=1e-6, atol=1e-7)
+        assert ((buckets[0].buffer - expected).abs() <= 1e-6 * expected.abs() + 1e-7).all()
         olds = news
 
 
@@ -112,9 +128,8 @@ def test_warmup_schedule():
     comp = build("topk", {"ratio": 0.01, "warmup_steps": 4, "warmup_ratio": 0.25})
     ratios = [comp.ratio_at(s) for s in range(6)]
     assert ratios[0] == 0.25 and ratios[4] == ratios[5] == 0.01
-    assert all(a > b for a, b in zip(ratios[:4], ratios[1:5]))
-    # geometric: constant factor (0.01 / 0.25) ** (1/4) per step, as DGC's stages
-    for a, b in zip(ratios[:4], ratios[1:5]):
+    # geometric: a constant factor (0.01 / 0.25) ** (1/4) per step, like DGC's stages
+    for a, b in itertools.pairwise(ratios[:5]):
         assert b / a == pytest.approx((0.01 / 0.25) ** 0.25)
     sim = SimulatedWorld(1)
     sim.reduce([comp], [_bucket(_grads(0))], step=0)
@@ -262,7 +277,7 @@ def test_config_errors():
         ({"value_dtype": "int8"}, r"value_dtype = 'int8' is not accepted; expected one of 'float32', 'float16', 'bfloat16'"),
         ({"selection": "fast"}, r"selection = 'fast' is not accepted"),
         ({"warmup_steps": -1}, r"warmup_steps = -1 is not accepted; expected an integer >= 0"),
-        ({"ratio": 0.1, "warmup_steps": 5, "warmup_ratio": 0.05}, r"warmup_ratio = 0.05 is not accepted; expected a number in \[ratio, 1\]"),
+        ({"ratio": 0.1, "warmup_steps": 5, "warmup_ratio": 0.05}, r"warmup_ratio = 0.05 is not accepted.*\[ratio, 1\]"),
         ({"seed": 2**63}, r"seed = 9223372036854775808 is not accepted"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -277,3 +292,18 @@ def test_context_step_drives_the_schedule_not_call_counts():
     gen = comp.reduce(_bucket(_grads(0)), Context(rank=0, world_size=1, step=10))
     request = next(gen)
     assert request.nbytes == 8 * sum(topk_count(0.01, n) for n in SIZES)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_gives_the_same_bits_as_cpu():
+    sim = SimulatedWorld(2)
+    cpu = sim.compressors(lambda: build("topk", {"ratio": 0.05, "value_dtype": "float16", "selection": "sampled"}))
+    gpu = sim.compressors(lambda: build("topk", {"ratio": 0.05, "value_dtype": "float16", "selection": "sampled"}))
+    for step in range(3):
+        a = [_bucket(_grads(10 * step + r)) for r in range(2)]
+        b = [Bucket(x.index, x.buffer.cuda(), x.slots) for x in (_bucket(_grads(10 * step + r)) for r in range(2))]
+        sim.reduce(cpu, a, step=step)
+        sim.reduce(gpu, b, step=step)
+        assert torch.equal(b[0].buffer.cpu(), a[0].buffer)
+    assert torch.equal(_residual(gpu[1]).cpu(), _residual(cpu[1]))

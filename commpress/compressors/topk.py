@@ -133,23 +133,22 @@ class TopKCompressor(Compressor):
         ratio = self.ratio_at(ctx.step)
         counts = [topk_count(ratio, s.numel) for s in slots]
         k = sum(counts)
-        finite = bool(torch.isfinite(acc.sum(dtype=torch.float64)))
-        if finite:
-            indices, values = self._select(acc, bucket, slots, counts, ctx)
-        else:
-            indices = torch.arange(k, dtype=torch.int32, device=acc.device)
-            values = torch.full((k,), math.nan, dtype=self.value_dtype, device=acc.device)
-        gathered = yield AllGather(frame([indices, values]), uniform=True)
+        indices, values = self._select(acc, bucket, slots, counts, ctx)
+        # Inf/NaN rank first in every tensor's selection, so a non-finite acc always sends
+        # a non-finite value: every rank's decode is then non-finite (no extra pass needed)
+        finite = bool(values.isfinite().all())
+        wire = self._to_wire(acc, indices, values) if finite else values.to(self.value_dtype)
+        gathered = yield AllGather(frame([indices, wire]), uniform=True)
         all_indices, all_values = unframe(gathered, [(torch.int32, k), (self.value_dtype, k)])
         scatter_add_decode(all_values, all_indices, n, bucket.buffer, average=True)
-        if finite and bool(torch.isfinite(all_values.sum(dtype=torch.float64))):
-            residual.buffer = acc
+        if finite and bool(all_values.isfinite().all()):
+            residual.buffer = acc  # not from a non-finite step: the old residual stays
 
     def _select(
         self, acc: torch.Tensor, bucket: Bucket, slots: list[ParamSlot], counts: list[int], ctx: Context
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every tensor's top entries as (bucket-wide int32 indices, wire values); the
-        selected entries of ``acc`` are left holding what the wire dtype dropped."""
+        """Every tensor's top entries of ``acc`` as (bucket-wide int32 indices, float32
+        values); the selected entries of ``acc`` are zeroed."""
         indices, values = [], []
         for slot, k in zip(slots, counts):
             exact = self.selection == "exact" or (self.selection == "auto" and slot.numel <= EXACT_MAX_NUMEL)
@@ -157,14 +156,17 @@ class TopKCompressor(Compressor):
             v, i = topk_select(acc[slot.offset : slot.offset + slot.numel], k, exact=exact, seed=seed)
             indices.append(i + slot.offset)
             values.append(v)
-        index, value = torch.cat(indices), torch.cat(values)
+        return torch.cat(indices), torch.cat(values)
+
+    def _to_wire(self, acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``values`` in the wire dtype; what the cast drops goes back into ``acc`` (the
+        new residual) at the selected entries."""
         if self.value_dtype == torch.float32:
-            return index, value
-        if self.value_dtype == torch.float16:
-            value = value.clamp(-_FP16_MAX, _FP16_MAX)  # finite on the wire; the excess stays in the residual
-        wire = value.to(self.value_dtype)
-        acc.index_put_((index.long(),), value - wire.float(), accumulate=True)
-        return index, wire
+            return values
+        clamped = values.clamp(-_FP16_MAX, _FP16_MAX) if self.value_dtype == torch.float16 else values
+        wire = clamped.to(self.value_dtype)
+        acc.index_put_((indices.long(),), values - wire.float(), accumulate=True)
+        return wire
 
     def _residual(self, bucket: Bucket) -> _Residual:
         """The bucket's residual; on a new layout it is rebuilt from the residuals held
