@@ -31,8 +31,8 @@ from commpress.errors import ConfigError
 __all__ = ["TopKCompressor", "topk_count"]
 
 _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-#: With ``selection = "auto"``, tensors up to this many elements use exact ``torch.topk``
-#: (fast enough there); larger ones the sampled threshold.
+#: With ``selection = "auto"``, tensors up to this many elements use the exact k-th value
+#: (cheap at that size); larger ones the sampled threshold.
 EXACT_MAX_NUMEL = 1 << 16
 _FP16_MAX = torch.finfo(torch.float16).max
 
@@ -62,7 +62,7 @@ class TopKCompressor(Compressor):
         ratio: fraction of every tensor's entries sent per step, in (0, 1].
         value_dtype: dtype of the values on the wire: "float32", "float16" or "bfloat16"
             (the rounding error goes back into the residual, so it is not lost either).
-        selection: "exact" (``torch.topk``), "sampled" (threshold estimated on a sample,
+        selection: "exact" (k-th value of all |acc|), "sampled" (threshold estimated on a sample,
             count corrected to exactly k) or "auto" (exact up to ``EXACT_MAX_NUMEL``
             elements per tensor, sampled above).
         warmup_steps: DGC-style warm-up: over the first ``warmup_steps`` steps the ratio
