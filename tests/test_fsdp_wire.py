@@ -139,3 +139,22 @@ def test_accumulate_averages_ranks_in_quantized_ranges_only():
     step = (xs.max() - xs.min()) / 255
     assert (out[:400] - exact[:400]).abs().max() <= step
     assert (out[600:] - exact[600:]).abs().max() <= step
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_values_stay_non_finite_in_their_bucket_only(bad):
+    # policy: a NaN/inf makes its whole bucket NaN after decoding (never silently finite,
+    # so AMP's inf checks still fire); other buckets are untouched. No state to poison.
+    torch.manual_seed(3)
+    x = torch.randn(1024)
+    y = x.clone()
+    y[5] = bad
+    wire = Wire(Segments(1024, ((0, 1024),)), 8, 256, torch.float32)
+    clean, dirty = (torch.empty(wire.nbytes, dtype=torch.uint8) for _ in range(2))
+    wire.encode(x, seed=4, payload=clean)
+    wire.encode(y, seed=4, payload=dirty)
+    out, ref = torch.empty(1024), torch.empty(1024)
+    wire.accumulate(torch.stack([clean, dirty]), out, average=True)
+    wire.accumulate(torch.stack([clean, clean]), ref, average=True)
+    assert out[:256].isnan().all()
+    assert torch.equal(out[256:], ref[256:])
