@@ -60,7 +60,7 @@ def _lr(step: int) -> float:
 def _checks(rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    from commpress.local_sgd import QSR, LocalSGD
+    from commpress.local_sgd import CO2, QSR, LocalSGD
 
     out: dict = {}
     # plain module, constant period 3
@@ -90,6 +90,28 @@ def _checks(rank: int, world: int) -> dict:
     out["adam"] = []
     _run(trainer, model, opt, 4, rank, spreads=out["adam"])
     out["adam_moment"] = opt.state[next(iter(model.parameters()))]["exp_avg"].clone()
+
+    # a non-finite model on one rank: every rank refuses the average, nothing changes
+    out["nonfinite"] = {}
+    for kind in ("local_sgd", "co2"):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = LocalSGD(model, opt, period=2) if kind == "local_sgd" else CO2(model, opt, period=2, outer_momentum=0.5)
+        _run(trainer, model, opt, 4, rank)
+        if rank == 1:
+            with torch.no_grad():
+                next(iter(model.parameters()))[0, 0] = float("nan")
+        if kind == "co2":  # CO2 sends the NaN at the next sync and meets it one round later
+            _run(trainer, model, opt, 2, rank, start=4)
+        anchor = trainer.anchor.clone()
+        momentum = trainer.momentum.clone() if kind == "co2" else None
+        message = ""
+        try:
+            _run(trainer, model, opt, 2, rank, start=6)
+        except FloatingPointError as exc:
+            message = str(exc)
+        same = torch.equal(trainer.anchor, anchor) and (momentum is None or torch.equal(trainer.momentum, momentum))
+        out["nonfinite"][kind] = (message, same)
     return out
 
 
@@ -141,3 +163,11 @@ def test_local_adamw_keeps_moments_local(checks):
     _, results = checks
     assert all(spread == 0.0 for _, _, spread in results[0]["adam"][1::2])  # bf16 averaging, every 2 steps
     assert not torch.equal(results[0]["adam_moment"], results[1]["adam_moment"])
+
+
+def test_non_finite_average_raises_on_every_rank_and_changes_nothing(checks):
+    _, results = checks
+    for result in results:
+        for kind, (message, unchanged) in result["nonfinite"].items():
+            assert "is not finite" in message, kind
+            assert unchanged, kind
