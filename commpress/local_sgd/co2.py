@@ -24,7 +24,7 @@ from torch import nn
 
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
-from commpress.local_sgd.local_sgd import LocalSGD
+from commpress.local_sgd.local_sgd import LocalSGD, check_finite
 from commpress.local_sgd.periods import Period
 
 __all__ = ["CO2"]
@@ -107,6 +107,7 @@ class CO2(LocalSGD):
     def _apply(self, pending: _Pending, local: torch.Tensor) -> None:
         """The outer update from the stale average ``D = pending.buffer``."""
         stale = pending.buffer
+        check_finite(stale, self.name, self.clock.rounds - 1)
         penalty = self._penalty(stale, pending.anchor, local)
         self.penalties.append(penalty)
         self.momentum.mul_(self.outer_momentum).add_(stale, alpha=1.0 / penalty)
