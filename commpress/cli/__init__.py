@@ -12,6 +12,7 @@ __all__ = ["main"]
 #: Subcommand name -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
 COMMANDS = {
     "demo": "commpress.cli.demo",
+    "bench": "commpress.cli.bench",
 }
 
 

@@ -33,6 +33,8 @@ DEMO_ROWS: list[DemoRow] = [
     DemoRow("none", {"method": "none"}),
     DemoRow("fp16", {"method": "fp16"}),
     DemoRow("bf16", {"method": "bf16"}),
+    DemoRow("terngrad", {"method": "terngrad"}),
+    DemoRow("topk", {"method": "topk", "params": {"ratio": 0.01}}),
 ]
 
 

@@ -1,0 +1,1 @@
+"""``commpress bench``: methods, workloads, the per-rank measurement and the report."""

@@ -1,0 +1,137 @@
+"""Turn every rank's raw measurements into per-method rows: table, JSON and a bar chart.
+
+A synchronous step is as slow as its slowest rank, so each step's time is the maximum over
+ranks; the row gives the median and quartiles of those. Bytes and compression time are
+means over ranks per step. "network" is what is left of the step once the computation
+alone (same steps without DDP) and the compression time are taken out: time spent waiting
+for collectives that compression and computation did not hide.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from commpress.cli.table import format_table
+
+__all__ = ["format_report", "summarize", "write_json", "write_plot"]
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def summarize(raw: dict[str, Any]) -> dict[str, Any]:
+    """The report as plain data: run settings plus one dict per method."""
+    ranks = raw["ranks"]
+    steps = raw["steps"]
+    compute = [max(ts) for ts in zip(*(r["compute_seconds"] for r in ranks))]
+    compute_median = statistics.median(compute)
+    grad_bytes = raw["workload"]["grad_bytes"]
+    rows = []
+    for i, first in enumerate(ranks[0]["methods"]):
+        per_rank = [r["methods"][i] for r in ranks]
+        step = [max(ts) for ts in zip(*(m["step_seconds"] for m in per_rank))]
+        q1, median, q3 = _quantiles(step)
+        sent = statistics.fmean(m["bytes_sent"] for m in per_rank) / steps
+        compress = statistics.fmean(m["compute_seconds"] for m in per_rank) / steps
+        rows.append(
+            {
+                "label": first["label"],
+                "kind": first["kind"],
+                "note": first["note"],
+                "bucket_cap_mb": first["bucket_cap_mb"],
+                "step_seconds_median": median,
+                "step_seconds_q1": q1,
+                "step_seconds_q3": q3,
+                "step_seconds_min": min(step),
+                "step_seconds_max": max(step),
+                "bytes_per_step": sent,
+                "compression": grad_bytes / sent if sent else None,
+                "compress_seconds": compress,
+                "network_seconds": max(0.0, median - compute_median - compress),
+            }
+        )
+    reference = next((r for r in rows if r["kind"] == "ddp"), rows[0] if rows else None)
+    for r in rows:
+        r["speedup"] = reference["step_seconds_median"] / r["step_seconds_median"] if reference else None
+    return {
+        "workload": raw["workload"],
+        "world_size": raw["world_size"],
+        "steps": steps,
+        "warmup": raw["warmup"],
+        "compute_seconds_median": compute_median,
+        "reference": reference["label"] if reference else None,
+        "methods": rows,
+    }
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """A header line and the table, for the terminal."""
+    w = summary["workload"]
+    head = (
+        f"workload {w['name']} (scale {w['scale']}, {w['numel']:,} parameters, {w['grad_bytes'] / 2**20:.1f} MiB of gradient), "
+        f"{summary['world_size']} ranks, {summary['steps']} timed steps after {summary['warmup']} warm-up; "
+        f"computation alone {1000 * summary['compute_seconds_median']:.1f} ms/step"
+    )
+    table = []
+    for r in summary["methods"]:
+        label = f"{r['label']} ({r['note']})" if r["note"] else r["label"]
+        table.append(
+            [
+                label,
+                f"{1000 * r['step_seconds_median']:.1f}",
+                f"{1000 * r['step_seconds_q1']:.1f}-{1000 * r['step_seconds_q3']:.1f}",
+                f"{r['bytes_per_step']:,.0f}",
+                f"{r['compression']:.1f}x" if r["compression"] else "-",
+                f"{1000 * r['compress_seconds']:.1f}",
+                f"{1000 * r['network_seconds']:.1f}",
+                f"{r['speedup']:.2f}x",
+            ]
+        )
+    headers = ["method", "step ms", "IQR ms", "bytes/step/rank", "compression", "compress ms", "network ms", "speed-up"]
+    return head + "\n" + format_table(headers, table) + f"\n(speed-up over {summary['reference']})"
+
+
+def write_json(summary: dict[str, Any], path: str) -> None:
+    """The summary as JSON (``-``: standard output)."""
+    text = json.dumps(summary, indent=2)
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text + "\n")
+
+
+def write_plot(summary: dict[str, Any], path: str) -> None:
+    """A PNG bar chart of median step time per method, split into computation,
+    compression and network wait (needs matplotlib: ``pip install 'commpress[bench]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'commpress[bench]'") from None
+    rows = summary["methods"]
+    labels = [r["label"] for r in rows]
+    compute = [1000 * summary["compute_seconds_median"]] * len(rows)
+    compress = [1000 * r["compress_seconds"] for r in rows]
+    network = [1000 * r["network_seconds"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.5))
+    ax.bar(labels, compute, label="computation")
+    ax.bar(labels, compress, bottom=compute, label="compress/decompress")
+    ax.bar(labels, network, bottom=[a + b for a, b in zip(compute, compress)], label="network wait")
+    ax.scatter(labels, [1000 * r["step_seconds_median"] for r in rows], color="black", zorder=3, label="median step")
+    w = summary["workload"]
+    ax.set_title(f"{w['name']} scale {w['scale']}, {summary['world_size']} ranks")
+    ax.set_ylabel("ms per step")
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,142 @@
+"""Measure step time, bytes and compression of every method side by side on your network.
+
+Launch it with ``torchrun --nproc_per_node N``, ``mpirun -n N`` (detected from the
+environment) or ``--local N`` (starts N ranks on this machine). Every method runs on the
+same model and data in one run, next to the baselines ``ddp`` (plain all-reduce),
+``torch-fp16`` and ``torch-powersgd`` (PyTorch's own hooks). Methods: ``--methods``
+(``name[:key=value,...]``, separated by ``;`` or commas) and/or ``--config file.toml``.
+Rank 0 prints the table; ``--json`` and ``--plot`` save it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from commpress.bench.methods import BenchMethod, default_methods, method_from_config, parse_methods
+from commpress.bench.report import format_report, summarize, write_json, write_plot
+from commpress.bench.runner import BenchPlan, bench_rank
+from commpress.bench.workloads import WORKLOADS, make_workload
+from commpress.errors import ConfigError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local", type=int, metavar="N", help="start N ranks on this machine (gloo) instead of a launcher")
+    parser.add_argument(
+        "--methods",
+        help="methods to compare, e.g. 'ddp;torch-powersgd:rank=4;powersgd:rank=4' "
+        "(default: the baselines and every commpress method with default parameters)",
+    )
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="FILE", help="a commpress config file as one more row (repeatable)"
+    )
+    parser.add_argument("--workload", default="gpt2", choices=WORKLOADS, help="gradient shapes to send (default gpt2)")
+    parser.add_argument(
+        "--scale", type=float, default=0.1, help="fraction of the model's parameters (default 0.1; 1 = real size)"
+    )
+    parser.add_argument("--batch", type=int, default=8, help="rank of the shaped gradients / demo batch size (default 8)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per method (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    parser.add_argument("--bucket-cap-mb", type=float, help="DDP bucket size (default DDP's 25)")
+    parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores / local ranks)")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
+    parser.add_argument("--plot", metavar="PNG", help="write a bar chart of step time per method")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def plan_from_args(args: argparse.Namespace) -> BenchPlan:
+    """Validate the command line into a plan (ConfigError on bad values)."""
+    methods = [] if args.methods is None and args.config else None
+    if args.methods is not None:
+        methods = parse_methods(args.methods)
+    if methods is None:
+        methods = default_methods()
+    methods += [method_from_config(path) for path in args.config]
+    for name, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 2)):
+        if value < low:
+            raise ConfigError(f"{name} = {value} is not accepted; expected an integer >= {low}")
+    late = [(m.label, _start_iter(m)) for m in methods if _start_iter(m) > args.warmup]
+    if late:
+        raise ConfigError(
+            f"--warmup = {args.warmup} is not accepted: {late[0][0]} starts compressing at step {late[0][1]}; "
+            "warm up at least that long"
+        )
+    if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
+        raise ConfigError(f"--bucket-cap-mb = {args.bucket_cap_mb} is not accepted; expected a number > 0")
+    make_workload(args.workload, args.scale, args.batch)
+    return BenchPlan(
+        methods=tuple(methods),
+        workload=args.workload,
+        scale=args.scale,
+        batch=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        bucket_cap_mb=args.bucket_cap_mb,
+        progress=not args.quiet,
+    )
+
+
+def _start_iter(method: BenchMethod) -> int:
+    if method.kind == "torch-powersgd":
+        return method.params["start_iter"]
+    return method.config.start_iter if method.config is not None else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from commpress.comm.from_env import detect_launcher
+
+    try:
+        plan = plan_from_args(args)
+    except ConfigError as exc:
+        print(f"commpress bench: {exc}", file=sys.stderr)
+        return 2
+    launch = detect_launcher()
+    if args.local is not None:
+        if args.local < 1:
+            print(f"commpress bench: --local = {args.local} is not accepted; expected an integer >= 1", file=sys.stderr)
+            return 2
+        from commpress.comm.launch import run_local
+
+        _banner(plan, args.local, "local processes")
+        raw = run_local(bench_rank, args.local, plan)[0]
+    elif launch.kind != "none":
+        import torch
+        import torch.distributed as dist
+
+        from commpress.comm.from_env import init_from_env
+
+        threads = args.threads or max(1, (os.cpu_count() or 1) // launch.local_world_size)
+        torch.set_num_threads(threads)
+        init_from_env("gloo")
+        if launch.rank == 0:
+            _banner(plan, launch.world_size, launch.kind)
+        try:
+            raw = bench_rank(launch.rank, launch.world_size, plan)
+        finally:
+            dist.destroy_process_group()
+        if launch.rank != 0:
+            return 0
+    else:
+        print(
+            "commpress bench: not started by torchrun or mpirun; pass --local N to start N ranks here, "
+            "or launch with `torchrun --nproc_per_node N -m commpress bench ...` / `mpirun -n N python -m commpress bench ...`",
+            file=sys.stderr,
+        )
+        return 2
+    summary = summarize(raw)
+    print(format_report(summary))
+    if args.json:
+        write_json(summary, args.json)
+    if args.plot:
+        write_plot(summary, args.plot)
+    return 0
+
+
+def _banner(plan: BenchPlan, world: int, how: str) -> None:
+    print(
+        f"commpress bench: {len(plan.methods)} methods, {world} ranks ({how}), workload {plan.workload}",
+        file=sys.stderr,
+    )

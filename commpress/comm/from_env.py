@@ -1,0 +1,97 @@
+"""Join torch.distributed from whatever launched this process: torchrun or mpirun.
+
+DDP needs a torch process group even when the hook's collectives go through MPI, so under
+``mpirun`` this starts gloo from the MPI rank and size (``OMPI_COMM_WORLD_RANK`` ... or the
+PMI/PMIx equivalents). The rendezvous address is ``MASTER_ADDR``/``MASTER_PORT`` when set;
+otherwise rank 0 picks a free port and tells the others through mpi4py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+__all__ = ["Launch", "detect_launcher", "init_from_env"]
+
+# (rank, size, local size) variables of the MPI launchers we know, first match wins.
+_MPI_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"),
+    ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_SIZE"),
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this process was started: ``kind`` is "torchrun", "mpirun" or "none"."""
+
+    kind: str
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> Launch:
+    """Read the launcher's variables from ``environ`` (default ``os.environ``)."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        world = int(env["WORLD_SIZE"])
+        return Launch("torchrun", int(env["RANK"]), world, int(env.get("LOCAL_WORLD_SIZE", world)))
+    for rank_var, size_var, local_var in _MPI_VARS:
+        if rank_var in env and size_var in env:
+            world = int(env[size_var])
+            return Launch("mpirun", int(env[rank_var]), world, int(env.get(local_var, world)))
+    return Launch("none")
+
+
+def init_from_env(backend: str = "gloo", timeout: float = 300.0) -> Launch:
+    """Initialize the default torch process group from the launcher's environment.
+
+    Raises RuntimeError when the process was started by neither torchrun nor mpirun.
+    """
+    launch = detect_launcher()
+    if launch.kind == "none":
+        raise RuntimeError(
+            "not started by torchrun or mpirun (no RANK/WORLD_SIZE/MASTER_ADDR nor OMPI_COMM_WORLD_RANK/PMI_RANK "
+            "in the environment): launch with `torchrun --nproc_per_node N ...` or `mpirun -n N ...`"
+        )
+    if launch.kind == "mpirun" and "MASTER_ADDR" not in os.environ:
+        addr, port = _agree_on_address(launch)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    os.environ.setdefault("MASTER_PORT", "29500")
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    return launch
+
+
+def _agree_on_address(launch: Launch) -> tuple[str, int]:
+    """Rank 0's address and a free port, broadcast over MPI (loopback if all ranks share a host)."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise RuntimeError(
+            "under mpirun without MASTER_ADDR/MASTER_PORT, commpress needs mpi4py to agree on a rendezvous "
+            "address: pip install 'commpress[mpi]', or export MASTER_ADDR and MASTER_PORT"
+        ) from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != launch.world_size:
+        raise RuntimeError(f"MPI reports {comm.Get_size()} ranks but the environment says {launch.world_size}")
+    hosts = comm.allgather(socket.gethostname())
+    choice = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(hosts[0])
+        choice = (addr, port)
+    return comm.bcast(choice, root=0)
