@@ -116,7 +116,7 @@ def render(rows: list[dict[str, Any]]) -> str:
     ]
     text = format_table(["setting", "bytes/step/rank", "step ms", "final loss", f"gap vs {ref['label']}"], table)
     flat = [r for r in rows if not r["label"].startswith("adaptive ")]
-    lines = [text]
+    lines = [text, "(adaptive rows: bytes sent across domains; inside a domain nothing is compressed)"]
     for a in (r for r in rows if r["label"].startswith("adaptive ")):
         rivals = [r for r in flat if r["eval_loss"] <= a["eval_loss"]]
         if not rivals:

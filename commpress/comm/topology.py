@@ -197,10 +197,8 @@ class Topology:
 
     def __str__(self) -> str:
         n = self.world_size
-        rule = {
-            "bandwidth": f"links >= {_gbps(self.threshold)} Gbit/s",
-            "auto": f"same host or links >= {_gbps(self.threshold)} Gbit/s",
-        }.get(self.group_by, self.group_by)
+        links = f"links >= {_gbps(self.threshold)} Gbit/s" if self.threshold else "every link alike"
+        rule = {"bandwidth": links, "auto": f"same host or {links}"}.get(self.group_by, self.group_by)
         head = f"topology: {n} ranks, {len(self.domains)} domain(s) ({rule})"
         rows = []
         for i in range(n):
