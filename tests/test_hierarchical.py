@@ -34,7 +34,14 @@ LAYOUTS = {
     "no-fast-links": [[0], [1], [2], [3]],
     "one-domain": [[0, 1, 2, 3]],
 }
-METHODS = [("fp16", {}), ("test-eftopk", {"ratio": 0.3}), ("test-multiround", {"jitter": 0.002}), ("none", {})]
+METHODS = [
+    ("fp16", {}),
+    ("topk", {"ratio": 0.3}),
+    ("terngrad", {}),
+    ("test-eftopk", {"ratio": 0.3}),
+    ("test-multiround", {"jitter": 0.002}),
+    ("none", {}),
+]
 
 
 def _slots(spec) -> tuple[ParamSlot, ...]:
@@ -206,6 +213,13 @@ def _adaptive_runs(rank: int, world: int) -> dict:
         "cross_index": state.adaptive.backend.cross_index,
         "domain": state.adaptive.plan.domain_of(rank),
     }
+    # the real Top-k: a new ratio, the same residuals
+    topk = CommState({**ADAPTIVE, "method": "topk", "params": {"ratio": 0.5}}, model=_model())
+    topk.adaptive.replan(_topology(0.5))
+    _steps(topk, _model(), rank, 0, 2, [])
+    before = topk.compressors["main"].state_dict()
+    topk.adaptive.replan(_topology(0.125))
+    out["topk"] = (before, topk.compressors["main"].state_dict(), topk.compressors["main"].ratio)
     # 3. ranks that plan from different topologies: a clear error, on every rank
     try:
         state.adaptive.replan(_topology(0.5 if rank else 0.1))
@@ -263,6 +277,24 @@ def test_plan_changes_apply_on_every_rank_and_keep_error_feedback(adaptive):
         assert held.abs().sum() > 0  # there was something to lose
         for run in runs[1:]:
             assert all(torch.equal(x[index], y[index]) for x, y in zip(run["results"], runs[0]["results"]))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.multiproc
+def test_topk_ratio_change_keeps_its_residuals(adaptive):
+    for r in adaptive:
+        before, after, ratio = r["topk"]
+        assert ratio == pytest.approx(0.125 * 4 / 8)  # fp32 values: 8 bytes per kept element
+        assert before and _same(before, after)
 
 
 @pytest.mark.multiproc

@@ -204,3 +204,17 @@ def test_ratio_maps_to_each_methods_parameter():
     assert method_for_ratio("topk", {"ratio": 0.5}, 0.02, shapes) == ("topk", {"ratio": pytest.approx(0.01)})
     assert method_for_ratio("test-bits", {"seed": 3}, 0.2, shapes) == ("test-bits", {"bits": 4, "seed": 3})
     assert method_for_ratio("test-bits", {}, 0.01, shapes)[1]["bits"] == 1
+
+
+def test_low_rank_state_keeps_errors_and_drops_factors_of_another_rank():
+    import torch
+
+    from commpress.comm.ratios import adapt_state
+
+    err = torch.arange(6.0)
+    state = {"buckets": {0: {"error": err, "q": torch.ones(3), "p": torch.ones(2), "steps": 5}}}
+    same = adapt_state("powersgd", state, {"rank": 4}, {"rank": 4})
+    assert same is state
+    new = adapt_state("acpsgd", state, {"rank": 4}, {"rank": 2})["buckets"][0]
+    assert new["error"] is err and new["steps"] == 5 and new["q"] is None and new["p"] is None
+    assert adapt_state("topk", {"residuals": {}}, {"ratio": 0.1}, {"ratio": 0.2}) == {"residuals": {}}

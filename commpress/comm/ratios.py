@@ -16,21 +16,34 @@ from typing import Any
 from commpress.compressors import compressor_class
 from commpress.schema import signature_fields
 
-__all__ = ["method_for_ratio", "register_ratio_mapping"]
+__all__ = ["adapt_state", "method_for_ratio", "register_ratio_mapping"]
 
 Shapes = Sequence[tuple[int, ...]]
 Mapping_ = Callable[[float, Mapping[str, Any], Shapes], dict[str, Any]]
+#: ``fn(state, old_params, new_params) -> state``: a compressor's ``state_dict`` made
+#: loadable by an instance with other parameters.
+StateAdapter = Callable[[dict[str, Any], Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]
 _MAPPINGS: dict[str, Mapping_] = {}
+_ADAPTERS: dict[str, StateAdapter] = {}
 
 
-def register_ratio_mapping(method: str) -> Callable[[Mapping_], Mapping_]:
-    """Decorator: ``fn(ratio, params, shapes) -> params`` sets ``method``'s knob for a ratio."""
+def register_ratio_mapping(method: str, adapt: StateAdapter | None = None) -> Callable[[Mapping_], Mapping_]:
+    """Decorator: ``fn(ratio, params, shapes) -> params`` sets ``method``'s knob for a ratio.
+    ``adapt`` converts the method's state when the knob changes (default: unchanged)."""
 
     def deco(fn: Mapping_) -> Mapping_:
         _MAPPINGS[method] = fn
+        if adapt is not None:
+            _ADAPTERS[method] = adapt
         return fn
 
     return deco
+
+
+def adapt_state(method: str, state: dict[str, Any], old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` of ``method`` with parameters ``old``, made loadable with ``new``."""
+    fn = _ADAPTERS.get(method)
+    return fn(state, old, new) if fn is not None and dict(old) != dict(new) else state
 
 
 def method_for_ratio(method: str, params: Mapping[str, Any], ratio: float, shapes: Shapes) -> tuple[str, dict[str, Any]]:
@@ -62,8 +75,17 @@ def _low_rank(per_step: float) -> Mapping_:
     return fn
 
 
-register_ratio_mapping("powersgd")(_low_rank(1.0))  # P and Q every step
-register_ratio_mapping("acpsgd")(_low_rank(0.5))  # P or Q, alternating
+def _drop_factors(state: dict[str, Any], old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """A new rank keeps every bucket's error buffer (error feedback) and restarts the
+    warm start: the saved factors have the old rank's width."""
+    if old.get("rank") == new.get("rank"):
+        return state
+    buckets = {i: {**b, "q": None, "p": None} for i, b in state.get("buckets", {}).items()}
+    return {**state, "buckets": buckets}
+
+
+register_ratio_mapping("powersgd", _drop_factors)(_low_rank(1.0))  # P and Q every step
+register_ratio_mapping("acpsgd", _drop_factors)(_low_rank(0.5))  # P or Q, alternating
 
 
 @register_ratio_mapping("topk")

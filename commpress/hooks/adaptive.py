@@ -10,7 +10,9 @@ it measures and plans again at the start of every N-th step, on every rank at th
 bucket, when no reduction is in flight.
 
 Changing a method's parameter keeps its state: the new instance loads the old one's
-``state_dict`` (error feedback, warm starts). A plan that switches a group to ``none``
+``state_dict`` (error feedback, warm starts), converted where the parameter shapes it
+(:func:`commpress.comm.ratios.adapt_state`: a low-rank method keeps its error buffers
+and restarts its warm start when the rank changes). A plan that switches a group to ``none``
 (its links are fast enough) parks the compressor with its state; a later plan that
 brings the method back resumes it. Parked compressors are part of ``state_dict``.
 """
@@ -26,7 +28,7 @@ import torch
 
 from commpress.comm.hierarchical import HierarchicalBackend, MakeReduction
 from commpress.comm.planner import BandwidthConfig, HierarchyPlan, plan_hierarchy
-from commpress.comm.ratios import method_for_ratio
+from commpress.comm.ratios import adapt_state, method_for_ratio
 from commpress.comm.topology import Topology, measure_topology
 from commpress.compressors import Compressor, ParamSlot, build, compressor_class
 from commpress.errors import ConfigError
@@ -133,9 +135,9 @@ class AdaptiveLayer:
         self.parked[key, old_method], self.parked_params[key, old_method] = compressors[key], old_params
         new = build(method, params)
         previous = self.parked.pop((key, method), None)
-        self.parked_params.pop((key, method), None)
+        previous_params = self.parked_params.pop((key, method), None)
         if previous is not None:
-            new.load_state_dict(previous.state_dict())
+            new.load_state_dict(adapt_state(method, previous.state_dict(), previous_params, params))
         compressors[key] = new
         self.active[key] = (method, params)
 
