@@ -33,11 +33,13 @@ GLOBAL_ROWS = (
     "powersgd:rank=4",
     "acpsgd:rank=4",
     "topk:ratio=0.01",
+    "topk:ratio=0.03",
     "topk:ratio=0.1",
     "terngrad",
 )
-#: Methods run with ``[bandwidth] adaptive = true`` by default (those registered).
-ADAPTIVE_ROWS = ("powersgd:rank=4", "topk:ratio=0.1", "fp16")
+#: Methods run with ``[bandwidth] adaptive = true`` by default (the first two registered);
+#: the plan sets their knob.
+ADAPTIVE_ROWS = ("powersgd", "topk", "fp16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200, help="training steps per row (default 200)")
     parser.add_argument("--methods", help="semicolon-separated global settings (default: the registered ones of a built-in list)")
     parser.add_argument("--adaptive", help="semicolon-separated methods to run with [bandwidth] adaptive = true")
+    parser.add_argument(
+        "--budgets",
+        default="0,25",
+        help="comma-separated [bandwidth] budget_ms values, one adaptive row each "
+        "(0: even out with the fastest link; default 0,25)",
+    )
     parser.add_argument("--probe-ms", type=float, default=40.0, help="duration of one bandwidth probe (default 40)")
     parser.add_argument("--measure-only", action="store_true", help="print the topology and the plan, train nothing")
     parser.add_argument("--expect-domains", help="the domains that were built, e.g. 0,1/2,3: exit 1 if the measurement differs")
@@ -62,10 +70,12 @@ def _rows(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     globals_ = args.methods.split(";") if args.methods else _available(GLOBAL_ROWS)
     adaptive = args.adaptive.split(";") if args.adaptive else _available(ADAPTIVE_ROWS)[:2]
     rows = [(spec.strip(), parse_method_spec(spec.strip())) for spec in globals_ if spec.strip()]
+    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
     for spec in filter(None, (s.strip() for s in adaptive)):
-        config = parse_method_spec(spec)
-        config["bandwidth"] = {"adaptive": True, "probe_ms": args.probe_ms}
-        rows.append((f"adaptive {spec}", config))
+        for budget in budgets:
+            config = parse_method_spec(spec)
+            config["bandwidth"] = {"adaptive": True, "probe_ms": args.probe_ms, "budget_ms": budget}
+            rows.append((f"adaptive {spec}" + (f" {budget:g}ms" if budget else ""), config))
     return rows
 
 
@@ -79,11 +89,14 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[
     topology = measure_topology(probe_ms=args.probe_ms)
     model = CharTask().model()
     payload = sum(p.numel() * p.element_size() for p in model.parameters())
-    plan = plan_hierarchy(topology.domains, topology.bandwidth, payload, topology.latency, BandwidthConfig())
-    out: dict[str, Any] = {"topology": str(topology), "domains": topology.domains, "plan": str(plan), "rows": []}
+    out: dict[str, Any] = {"topology": str(topology), "domains": topology.domains, "rows": []}
     if rank == 0:
         print(out["topology"], "\n", file=sys.stderr)
-        print(f"plan for the demo model ({payload:,} bytes/step):\n{plan}\n", file=sys.stderr)
+        for budget in [float(b) for b in args.budgets.split(",") if b.strip()]:
+            plan = plan_hierarchy(
+                topology.domains, topology.bandwidth, payload, topology.latency, BandwidthConfig(budget_ms=budget)
+            )
+            print(f"plan for the demo model ({payload:,} bytes/step), budget_ms = {budget:g}:\n{plan}\n", file=sys.stderr)
     if args.measure_only:
         return out
     for i, (label, config) in enumerate(rows):
