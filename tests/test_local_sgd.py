@@ -58,6 +58,7 @@ def _lr(step: int) -> float:
 
 
 def _checks(rank: int, world: int) -> dict:
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from commpress.local_sgd import CO2, QSR, LocalSGD
@@ -90,6 +91,21 @@ def _checks(rank: int, world: int) -> dict:
     out["adam"] = []
     _run(trainer, model, opt, 4, rank, spreads=out["adam"])
     out["adam_moment"] = opt.state[next(iter(model.parameters()))]["exp_avg"].clone()
+
+    # buffers: BatchNorm running statistics averaged with the parameters when asked
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = LocalSGD(model, opt, period=2, average_buffers=True)
+    _run(trainer, model, opt, 1, rank)
+    stats = model[1].running_mean
+    every = [torch.empty_like(stats) for _ in range(world)]
+    dist.all_gather(every, stats.clone())
+    out["buffers_local"] = any(not torch.equal(e, every[0]) for e in every)
+    _run(trainer, model, opt, 1, rank, start=1)
+    dist.all_gather(every, stats.clone())
+    out["buffers_averaged"] = all(torch.equal(e, every[0]) for e in every)
+    out["buffers_counter"] = int(model[1].num_batches_tracked)
 
     # a non-finite model on one rank: every rank refuses the average, nothing changes
     out["nonfinite"] = {}
@@ -171,3 +187,9 @@ def test_non_finite_average_raises_on_every_rank_and_changes_nothing(checks):
         for kind, (message, unchanged) in result["nonfinite"].items():
             assert "is not finite" in message, kind
             assert unchanged, kind
+
+
+def test_average_buffers(checks):
+    _, results = checks
+    assert results[0]["buffers_local"] and results[0]["buffers_averaged"]
+    assert results[0]["buffers_counter"] == 2  # integer buffers are left alone

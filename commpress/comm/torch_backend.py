@@ -20,20 +20,27 @@ class TorchBackend(Backend):
 
     Opens one communicator per round over the ranks of ``process_group`` (all of them
     must construct the backend together, in the same order relative to other group
-    creations).
+    creations), or uses ``channels``, one communicator per round over the same ranks,
+    created by the caller (who may need every rank of the world to create them together).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, rounds: int = 1) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        rounds: int = 1,
+        channels: list[dist.ProcessGroup] | None = None,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "the torch backend needs torch.distributed initialized: call "
                 'torch.distributed.init_process_group(...) first (or use backend = "mpi" under mpirun)'
             )
         group = process_group if process_group is not None else dist.group.WORLD
+        rounds = len(channels) if channels is not None else rounds
         super().__init__(dist.get_rank(group), dist.get_world_size(group), rounds)
         self.group = group
         ranks = dist.get_process_group_ranks(group)
-        self._groups = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(rounds)]
+        self._groups = channels or [dist.new_group(ranks, use_local_synchronization=True) for _ in range(rounds)]
 
     def allgather_object(self, obj: object) -> list[object]:
         out: list[object] = [None] * self.world_size
