@@ -1,0 +1,52 @@
+"""Argument checks shared by the kernel front-ends: clear errors before any work starts."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT_NAMES = "float32, float16 or bfloat16"
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    """Raise TypeError unless ``t`` holds float32, float16 or bfloat16."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; accepted dtypes: {_FLOAT_NAMES}")
+
+
+def check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise TypeError unless ``t`` is a tensor of exactly ``dtype``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}; accepted dtype: {dtype}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """Return the common device of ``tensors``; ValueError naming them if they differ."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        listed = ", ".join(f"{name} on {d}" for name, d in devices.items())
+        raise ValueError(f"tensors must be on one device, got {listed}")
+    return first
+
+
+def check_bits(bits: int, accepted: tuple[int, ...]) -> None:
+    """ValueError unless ``bits`` is one of ``accepted``."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in accepted:
+        raise ValueError(f"bits={bits!r} is not supported; accepted values: {', '.join(map(str, accepted))}")
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """ValueError unless ``t.shape == shape``."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+
+
+def check_count(name: str, value: int, low: int = 0) -> None:
+    """ValueError unless ``value`` is an int >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}")

@@ -1,0 +1,137 @@
+"""Top-k sparsification by a sampled threshold, and the matching scatter-add decode.
+
+:func:`topk_select` returns exactly the ``k`` entries of largest magnitude, ties broken toward
+the lower index, in increasing index order. The sampled threshold only makes it cheap: a
+random sample estimates a magnitude that slightly more than ``k`` entries exceed, one pass
+keeps those candidates, and the exact k-th magnitude among the candidates settles the set.
+If the estimate was too high (fewer than ``k`` candidates), the threshold is lowered and the
+pass repeated. So the result does not depend on the seed or on the device, only the time
+does. NaN magnitudes count as larger than any number (as in ``torch.topk``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from . import _checks, rng
+
+__all__ = ["scatter_add_decode", "topk_select"]
+
+DEFAULT_SAMPLE = 1 << 15
+_SLACK = 1.25  # aim the threshold at 25% more candidates than k, plus 4 sigma of sampling noise
+
+
+def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
+    mag = acc.abs()
+    if mag.dtype != torch.float32:
+        mag = mag.float()
+    return torch.nan_to_num_(mag, nan=math.inf, posinf=math.inf)
+
+
+def _sample_threshold(mag: torch.Tensor, k: int, sample: int, seed: int, widen: int) -> float:
+    """A magnitude that about ``k * _SLACK * 4**widen`` of the entries reach, estimated from a sample."""
+    n = mag.numel()
+    draws = rng.bits32(seed, sample).astype(np.uint64)
+    idx = torch.from_numpy(((draws * np.uint64(n)) >> np.uint64(32)).astype(np.int64))
+    values = mag[idx.to(mag.device)]
+    expect = k / n * sample * _SLACK * 4**widen
+    rank = math.ceil(expect + 4 * math.sqrt(expect) + 1)
+    if rank >= sample:
+        return -math.inf
+    return torch.kthvalue(values, sample - rank + 1).values.item()
+
+
+def _exact_k(mag: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """Of ``candidates`` (increasing indices, at least k), the k largest magnitudes, ties to lower index."""
+    cmag = mag[candidates]
+    count = cmag.numel()
+    if count == k:
+        return candidates
+    kth = torch.kthvalue(cmag, count - k + 1).values
+    above = cmag > kth
+    ties = cmag == kth
+    need = k - int(above.sum())
+    keep = above | (ties & (torch.cumsum(ties, 0) <= need))
+    return candidates[keep]
+
+
+def topk_select(
+    acc: torch.Tensor, k: int, exact: bool = False, sample: int = DEFAULT_SAMPLE, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select the ``k`` largest-magnitude entries of flat ``acc`` and zero them in ``acc``.
+
+    Returns ``(values, indices)``: ``values`` in acc's dtype, ``indices`` int32, both of length
+    ``k``, in increasing index order. ``acc`` becomes the residual (error-feedback buffer).
+    ``exact=True`` skips the sampled estimate (a full ``kthvalue``); ``sample`` is how many
+    entries the estimate looks at and ``seed`` where it looks; neither changes the result.
+    """
+    _checks.check_float("acc", acc)
+    _checks.check_count("k", k)
+    _checks.check_count("sample", sample, 1)
+    seed = rng._check_seed(seed)
+    if not acc.is_contiguous():
+        raise ValueError("acc must be contiguous (it is zeroed in place)")
+    flat = acc.view(-1)
+    n = flat.numel()
+    if k > n:
+        raise ValueError(f"k={k} exceeds the number of elements ({n})")
+    if n >= 2**31:
+        raise ValueError(f"acc has {n} elements; int32 indices allow at most {2**31 - 1}")
+    if k == 0:
+        return flat.new_empty(0), torch.empty(0, dtype=torch.int32, device=acc.device)
+    mag = _magnitudes(flat)
+    if exact or sample >= n or k == n:
+        threshold = torch.kthvalue(mag.cpu() if mag.is_cuda else mag, n - k + 1).values.item()
+        candidates = torch.nonzero(mag >= threshold).view(-1)
+    else:
+        widen = 0
+        while True:
+            threshold = _sample_threshold(mag, k, sample, rng.derive_seed(seed, widen), widen)
+            candidates = torch.nonzero(mag >= threshold).view(-1)
+            if candidates.numel() >= k:
+                break
+            widen += 1
+    chosen = _exact_k(mag, candidates, k)
+    values = flat[chosen]
+    flat[chosen] = 0
+    return values, chosen.to(torch.int32)
+
+
+def scatter_add_decode(
+    values: torch.Tensor, indices: torch.Tensor, n: int, out: torch.Tensor, average: bool = True
+) -> torch.Tensor:
+    """``out = sum_r scatter(values[r] at indices[r]) (/ world)``, summed in rank order in float32.
+
+    ``values`` is float[world, k], ``indices`` int32[world, k] (distinct within a rank, as
+    :func:`topk_select` gives them; indices shared by ranks add up). ``out`` (``n`` elements,
+    float32/float16/bfloat16) is overwritten and returned.
+    """
+    _checks.check_float("values", values)
+    _checks.check_dtype("indices", indices, torch.int32)
+    _checks.check_float("out", out)
+    _checks.check_count("n", n)
+    if values.dim() != 2:
+        raise ValueError(f"values must be 2-D [world, k], got shape {tuple(values.shape)}")
+    _checks.check_shape("indices", indices, tuple(values.shape))
+    if out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of {n} elements, got shape {tuple(out.shape)}")
+    _checks.check_same_device(values=values, indices=indices, out=out)
+    world = values.shape[0]
+    if out.is_cuda:
+        from . import _launch
+
+        return _launch.scatter_add_decode(values.contiguous(), indices.contiguous(), n, out, average)
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
+        raise ValueError(f"indices must lie in [0, {n})")
+    flat = out.view(-1)
+    acc = torch.zeros(n, dtype=torch.float32) if flat.dtype != torch.float32 else flat.zero_()
+    for r in range(world):
+        acc.index_add_(0, indices[r].long(), values[r].float())
+    if average and world > 1:
+        acc.div_(world)
+    if acc is not flat:
+        flat.copy_(acc)
+    return out
