@@ -62,6 +62,9 @@ def test_two_level_commands_limit_only_the_trunks():
     # two trunks (node hub <-> core), limited at both ends; rank links unlimited
     assert len(tbf) == 4 and {c.split()[6] for c in tbf} == {"uplink", "n0", "n1"}
     assert "between nodes: 100 Mbit/s" in t.describe()
+    assert t.label == "2 nodes, 100mbit between, unlimited inside"
+    assert Topology.build("t", 2, "1gbit").label == "1gbit"
+    assert Topology.build("t", 2, "1gbit,500kbit").rank_env(0, 1)["COMMPRESS_LINK"] == "1gbit,500kbit"
 
 
 def test_not_root_is_a_clear_error(monkeypatch):

@@ -177,7 +177,25 @@ class Topology:
             "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": IFACE,
             "COMMPRESS_LINKEMU_NODE": str(self.node_of(rank)),
+            "COMMPRESS_LINK": self.label,
         }
+
+    @property
+    def label(self) -> str:
+        """A short name of the links, e.g. ``100mbit``, ``unlimited``, ``2 nodes, 100mbit between``."""
+
+        def short(rate: int | None) -> str:
+            if rate is None:
+                return "unlimited"
+            for unit, size in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+                if rate >= size:
+                    return f"{rate / size:g}{unit}"
+            return f"{rate}bit"
+
+        links = short(self.rates[0]) if len(set(self.rates)) == 1 else ",".join(short(r) for r in self.rates)
+        if self.nodes == 1:
+            return links
+        return f"{self.nodes} nodes, {short(self.inter_rate)} between, {links} inside"
 
     def describe(self) -> str:
         """One line per link, for the log."""
