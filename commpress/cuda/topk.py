@@ -34,9 +34,13 @@ def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
 def _sample_threshold(mag: torch.Tensor, k: int, sample: int, seed: int, widen: int) -> float:
     """A magnitude that about ``k * _SLACK * 4**widen`` of the entries reach, estimated from a sample."""
     n = mag.numel()
-    draws = rng.bits32(seed, sample).astype(np.uint64)
-    idx = torch.from_numpy(((draws * np.uint64(n)) >> np.uint64(32)).astype(np.int64))
-    values = mag[idx.to(mag.device)]
+    if mag.is_cuda:
+        from . import _launch
+
+        idx = _launch.sample_indices(seed, sample, n, mag.device)
+    else:  # index j = floor(draw_j * n / 2**32), as the CUDA kernel computes it
+        idx = torch.from_numpy(((rng.bits32(seed, sample).astype(np.uint64) * np.uint64(n)) >> np.uint64(32)).astype(np.int64))
+    values = mag[idx]
     expect = k / n * sample * _SLACK * 4**widen
     rank = math.ceil(expect + 4 * math.sqrt(expect) + 1)
     if rank >= sample:
@@ -84,7 +88,7 @@ def topk_select(
         return flat.new_empty(0), torch.empty(0, dtype=torch.int32, device=acc.device)
     mag = _magnitudes(flat)
     if exact or sample >= n or k == n:
-        threshold = torch.kthvalue(mag.cpu() if mag.is_cuda else mag, n - k + 1).values.item()
+        threshold = torch.kthvalue(mag, n - k + 1).values.item()
         candidates = torch.nonzero(mag >= threshold).view(-1)
     else:
         widen = 0
@@ -95,6 +99,10 @@ def topk_select(
                 break
             widen += 1
     chosen = _exact_k(mag, candidates, k)
+    if flat.is_cuda:
+        from . import _launch
+
+        return _launch.gather_and_zero(flat, chosen)
     values = flat[chosen]
     flat[chosen] = 0
     return values, chosen.to(torch.int32)
@@ -120,12 +128,14 @@ def scatter_add_decode(
         raise ValueError(f"out must be a contiguous tensor of {n} elements, got shape {tuple(out.shape)}")
     _checks.check_same_device(values=values, indices=indices, out=out)
     world = values.shape[0]
+    if indices.numel():
+        low, high = torch.aminmax(indices)
+        if int(low) < 0 or int(high) >= n:
+            raise ValueError(f"indices must lie in [0, {n}), got [{int(low)}, {int(high)}]")
     if out.is_cuda:
         from . import _launch
 
         return _launch.scatter_add_decode(values.contiguous(), indices.contiguous(), n, out, average)
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= n):
-        raise ValueError(f"indices must lie in [0, {n})")
     flat = out.view(-1)
     acc = torch.zeros(n, dtype=torch.float32) if flat.dtype != torch.float32 else flat.zero_()
     for r in range(world):

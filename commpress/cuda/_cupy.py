@@ -1,0 +1,100 @@
+"""Loading CuPy and the kernel sources; the only module that imports CuPy.
+
+Kernels are compiled by NVRTC on first use (CuPy caches the binaries on disk), with
+``--fmad=false`` so no multiply-add is contracted. Tensors travel to CuPy through DLPack
+(no copies) and kernels run on torch's current CUDA stream, so they are ordered with the
+torch work around them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+from typing import Any
+
+import torch
+
+__all__ = ["as_cupy", "kernel", "launch", "require_cupy"]
+
+OPTIONS = ("--std=c++17", "--fmad=false")
+THREADS = 256
+_INCLUDE = re.compile(r'^#include "([a-z_]+\.cuh)"$', re.MULTILINE)
+
+
+def _extra(cuda_version: str | None) -> str:
+    major = (cuda_version or "12").split(".")[0]
+    return f"commpress[cuda{major}]" if major in ("12", "13") else "commpress[cuda12] or commpress[cuda13]"
+
+
+@functools.cache
+def require_cupy() -> Any:
+    """Import CuPy, or raise RuntimeError naming the extra that installs the matching build."""
+    extra = _extra(torch.version.cuda)
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RuntimeError(
+            f"CUDA tensors in commpress.cuda need CuPy: pip install '{extra}' (torch here uses CUDA {torch.version.cuda})"
+        ) from exc
+    cupy_major = cupy.cuda.runtime.runtimeGetVersion() // 1000
+    torch_major = int((torch.version.cuda or "0").split(".")[0])
+    if torch_major and cupy_major != torch_major:
+        raise RuntimeError(
+            f"CuPy is built for CUDA {cupy_major} but torch uses CUDA {torch.version.cuda}: "
+            f"uninstall cupy-cuda{cupy_major}x and pip install '{extra}'"
+        )
+    return cupy
+
+
+def source(name: str) -> str:
+    """The text of ``kernels/<name>.cu`` with its local headers inlined (so CuPy's cache key covers them)."""
+    folder = resources.files("commpress.cuda") / "kernels"
+    text = (folder / f"{name}.cu").read_text()
+    return _INCLUDE.sub(lambda m: (folder / m.group(1)).read_text(), text)
+
+
+@functools.cache
+def _module(name: str, device_index: int) -> Any:
+    cupy = require_cupy()
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=source(name), options=OPTIONS)
+        module.compile()
+    return module
+
+
+def kernel(module: str, function: str, device: torch.device) -> Any:
+    """The compiled kernel ``function`` of ``kernels/<module>.cu`` for ``device``."""
+    return _module(module, device.index if device.index is not None else torch.cuda.current_device()).get_function(function)
+
+
+def as_cupy(t: torch.Tensor) -> Any:
+    """A zero-copy CuPy view of contiguous CUDA tensor ``t`` (through DLPack).
+
+    bfloat16 travels as int16 (CuPy has no bfloat16); the kernels take it as raw 16-bit words.
+    """
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return require_cupy().from_dlpack(t)
+
+
+def launch(
+    module: str, function: str, device: torch.device, work: int, args: tuple, block: int = THREADS, grid: int | None = None
+) -> None:
+    """Run ``function`` over ``work`` items (grid-stride) on torch's current stream of ``device``.
+
+    Tensors in ``args`` are passed through DLPack; other arguments must already be numpy
+    scalars of the kernel's parameter types.
+    """
+    if work <= 0:
+        return
+    cupy = require_cupy()
+    if grid is None:
+        grid = min(-(-work // block), 65535 * 8)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with cupy.cuda.Device(index):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
+        with stream:  # DLPack exchange and launch both on torch's stream: no extra synchronization
+            converted = tuple(as_cupy(a) if isinstance(a, torch.Tensor) else a for a in args)
+            kernel(module, function, device)((grid,), (block,), converted)

@@ -1,0 +1,110 @@
+"""CUDA front-ends: allocate outputs with torch, run the kernels of ``kernels/*.cu`` through CuPy.
+
+Called by the public functions after their argument checks, only for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ._cupy import launch
+
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # CP_F32, CP_F16, CP_BF16 in common.cuh
+
+
+def _code(t: torch.Tensor) -> np.int32:
+    return np.int32(_DTYPE_CODE[t.dtype])
+
+
+def uniform(seed: int, n: int, offset: int, device: torch.device) -> torch.Tensor:
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    launch("rng", "cp_uniform_kernel", device, n, (out, np.int64(n), np.uint64(seed), np.uint64(offset)))
+    return out
+
+
+def sample_indices(seed: int, count: int, n: int, device: torch.device) -> torch.Tensor:
+    out = torch.empty(count, dtype=torch.int64, device=device)
+    launch("rng", "cp_sample_indices", device, count, (out, np.int64(count), np.uint64(seed), np.int64(n)))
+    return out
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    codes = codes.contiguous()
+    n = codes.numel()
+    out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=codes.device)
+    launch("bitpack", "cp_pack_bits", codes.device, out.numel(), (codes, out, np.int64(n), np.int32(bits)))
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    packed = packed.contiguous()
+    out = torch.empty(n, dtype=torch.uint8, device=packed.device)
+    launch("bitpack", "cp_unpack_bits", packed.device, n, (packed, out, np.int64(n), np.int32(bits)))
+    return out
+
+
+def ternary_quantize_pack(x: torch.Tensor, scale: torch.Tensor, seed: int) -> torch.Tensor:
+    x = x.contiguous()
+    n = x.numel()
+    out = torch.empty((n + 3) // 4, dtype=torch.uint8, device=x.device)
+    launch(
+        "ternary",
+        "cp_ternary_quantize_pack",
+        x.device,
+        out.numel(),
+        (x, _code(x), scale.contiguous(), out, np.int64(n), np.uint64(seed)),
+    )
+    return out
+
+
+def ternary_unpack_accumulate(packed: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+    world, m = packed.shape
+    args = (packed, scales, out, _code(out), np.int64(n), np.int64(m), np.int32(world))
+    launch("ternary", "cp_ternary_unpack_accumulate", out.device, n, args)
+    return out
+
+
+def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
+    n = x.numel()
+    nb = -(-n // bucket_size)
+    mins = torch.empty(nb, dtype=torch.float32, device=x.device)
+    scales = torch.empty(nb, dtype=torch.float32, device=x.device)
+    packed = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
+    levels = np.float32((1 << bits) - 1)
+    minmax_args = (x, _code(x), np.int64(n), np.int64(bucket_size), levels, mins, scales)
+    launch("quantize", "cp_bucket_minmax", x.device, nb, minmax_args, grid=min(nb, 65535))
+    args = (x, _code(x), mins, scales, packed, np.int64(n), np.int64(bucket_size), np.int32(bits), np.uint64(seed))
+    launch("quantize", "cp_quantize_pack", x.device, packed.numel(), args)
+    return packed, mins, scales
+
+
+def unpack_accumulate(
+    packed, mins, scales, bits: int, bucket_size: int, n: int, out: torch.Tensor, average: bool
+) -> torch.Tensor:
+    world, m = packed.shape
+    nb = mins.shape[1]
+    args = (packed, mins, scales, out, _code(out), np.int64(n), np.int64(m), np.int64(nb), np.int64(bucket_size), np.int32(bits))
+    launch("quantize", "cp_unpack_accumulate", out.device, n, (*args, np.int32(world), np.int32(bool(average))))
+    return out
+
+
+def gather_and_zero(acc: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values = acc[chosen], acc[chosen] = 0 and int32 indices, in one kernel pass over the k entries."""
+    k = chosen.numel()
+    values = torch.empty(k, dtype=acc.dtype, device=acc.device)
+    idx32 = torch.empty(k, dtype=torch.int32, device=acc.device)
+    launch("topk", "cp_gather_and_zero", acc.device, k, (acc, _code(acc), chosen.contiguous(), np.int64(k), values, idx32))
+    return values, idx32
+
+
+def scatter_add_decode(values: torch.Tensor, indices: torch.Tensor, n: int, out: torch.Tensor, average: bool) -> torch.Tensor:
+    world, k = values.shape
+    acc = out.view(-1).zero_() if out.dtype == torch.float32 else torch.zeros(n, dtype=torch.float32, device=out.device)
+    for r in range(world):  # one launch per rank on one stream: additions land in rank order
+        launch("topk", "cp_scatter_add_rank", out.device, k, (values[r], _code(values), indices[r], np.int64(k), acc))
+    divisor = world if average and world > 1 else 1
+    if divisor > 1 or acc is not out.view(-1):
+        launch("topk", "cp_finish", out.device, n, (acc, out, _code(out), np.int64(n), np.int32(divisor)))
+    return out

@@ -1,0 +1,155 @@
+"""Throughput of the commpress.cuda ops next to a plain copy and to the same op in plain torch.
+
+    python -m commpress.cuda.bench [--device cpu|cuda] [--numel 25000000] [--repeat 7]
+
+Every op runs on one float32 buffer of ``numel`` elements; GB/s counts that buffer's bytes
+(4 * numel) per call, so every row compares with the ``copy`` row (``dst.copy_(src)``).
+Rounds are interleaved (each round runs every op once) and the median is reported, so a
+change in machine load affects all rows alike. ``torch ops`` is the same computation
+written in plain torch (random numbers from ``torch.rand_like``), the speed-up is its
+median time over ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import commpress.cuda as cc
+
+WORLD = 2  # ranks decoded by the accumulate ops
+BITS, BUCKET = 4, 1024
+DENSITY = 0.01  # top-k keeps 1%
+
+
+def _torch_ternary(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    keep = (torch.rand_like(x) < x.abs() / scale).to(torch.uint8)
+    codes = (keep << (x < 0).to(torch.uint8)).view(-1, 4)
+    return codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)
+
+
+def _torch_ternary_decode(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=packed.device)
+    codes = ((packed[:, :, None] >> shifts) & 3).view(packed.shape[0], -1)[:, :n].float()
+    values = (codes == 1).float() - (codes == 2).float()
+    return (values * scales[:, None]).sum(0) / packed.shape[0]
+
+
+def _torch_quantize(x: torch.Tensor) -> torch.Tensor:
+    xb = x.view(-1, BUCKET)
+    lo, hi = xb.amin(1, keepdim=True), xb.amax(1, keepdim=True)
+    scale = (hi - lo) / (2**BITS - 1)
+    q = torch.floor((xb - lo) / scale + torch.rand_like(xb)).clamp_(0, 2**BITS - 1).to(torch.uint8).view(-1, 2)
+    return q[:, 0] | (q[:, 1] << 4)
+
+
+def _torch_topk(acc: torch.Tensor, k: int) -> torch.Tensor:
+    idx = acc.abs().topk(k).indices
+    values = acc[idx]
+    acc[idx] = 0
+    return values
+
+
+def cases(n: int, device: torch.device) -> dict[str, tuple[Callable[[], object], Callable[[], object] | None]]:
+    """name -> (commpress call, plain-torch call or None), all over n float32 elements."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen).to(device)
+    dst = torch.empty_like(x)
+    scale = x.abs().max()
+    k = max(1, int(n * DENSITY))
+    tern = torch.stack([cc.ternary_quantize_pack(x, scale, r) for r in range(WORLD)])
+    scales = scale.repeat(WORLD)
+    q = [cc.quantize_pack(x, BITS, BUCKET, r) for r in range(WORLD)]
+    qp, qmins, qscales = (torch.stack(p) for p in zip(*q))
+    acc = x.clone()
+    values, idx = cc.topk_select(x.clone(), k)
+    values, idx = values.repeat(WORLD, 1), idx.repeat(WORLD, 1)
+    codes = torch.randint(0, 4, (n,), dtype=torch.uint8, generator=gen).to(device)
+    out = torch.empty_like(x)
+    return {
+        "copy": (lambda: dst.copy_(x), None),
+        "uniform": (lambda: cc.uniform(1, n, device=device), lambda: torch.rand_like(x)),
+        "pack_bits 2-bit": (lambda: cc.pack_bits(codes, 2), None),
+        "ternary_quantize_pack": (lambda: cc.ternary_quantize_pack(x, scale, 1), lambda: _torch_ternary(x, scale)),
+        f"ternary_unpack_accumulate x{WORLD}": (
+            lambda: cc.ternary_unpack_accumulate(tern, scales, n, out),
+            lambda: _torch_ternary_decode(tern, scales, n),
+        ),
+        f"quantize_pack {BITS}-bit B={BUCKET}": (lambda: cc.quantize_pack(x, BITS, BUCKET, 1), lambda: _torch_quantize(x)),
+        f"unpack_accumulate {BITS}-bit x{WORLD}": (lambda: cc.unpack_accumulate(qp, qmins, qscales, BITS, BUCKET, n, out), None),
+        f"topk_select {DENSITY:.0%}": (lambda: cc.topk_select(acc, k), lambda: _torch_topk(acc, k)),
+        f"scatter_add_decode x{WORLD}": (lambda: cc.scatter_add_decode(values, idx, n, out), None),
+        "add_error + update_error": (lambda: cc.update_error(cc.add_error(x, dst), out, dst), None),
+    }
+
+
+def measure(n: int, device: torch.device, repeat: int) -> list[dict]:
+    """Median seconds of every op and of its torch version, from ``repeat`` interleaved rounds."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    calls = cases(n, device)
+    times: dict[str, list[float]] = {}
+    for round_ in range(repeat + 1):  # round 0 warms up (kernel compilation, caches)
+        for name, (ours, theirs) in calls.items():
+            for label, fn in ((name, ours), (name + " [torch]", theirs)):
+                if fn is None:
+                    continue
+                sync()
+                start = time.perf_counter()
+                fn()
+                sync()
+                if round_:
+                    times.setdefault(label, []).append(time.perf_counter() - start)
+    copy = statistics.median(times["copy"])
+    rows = []
+    for name in calls:
+        t = statistics.median(times[name])
+        torch_t = statistics.median(times[name + " [torch]"]) if name + " [torch]" in times else None
+        rows.append(
+            {
+                "op": name,
+                "ms": t * 1e3,
+                "GB/s": 4 * n / t / 1e9,
+                "vs copy": copy / t,
+                "torch ops ms": None if torch_t is None else torch_t * 1e3,
+                "speed-up": None if torch_t is None else torch_t / t,
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = "| op | ms | GB/s | vs copy | torch ops ms | speed-up |\n|---|---:|---:|---:|---:|---:|"
+    lines = [head]
+    for r in rows:
+        torch_ms = "" if r["torch ops ms"] is None else f"{r['torch ops ms']:.2f}"
+        speed = "" if r["speed-up"] is None else f"{r['speed-up']:.1f}x"
+        lines.append(f"| {r['op']} | {r['ms']:.2f} | {r['GB/s']:.2f} | {r['vs copy']:.0%} | {torch_ms} | {speed} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--numel", type=int, default=25_000_000, help="elements per buffer (multiple of 1024)")
+    parser.add_argument("--repeat", type=int, default=7, help="timed rounds (median reported)")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if args.numel % BUCKET:
+        parser.error(f"--numel must be a multiple of {BUCKET}")
+    device = torch.device(args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} torch threads"
+    rows = measure(args.numel, device, args.repeat)
+    print(f"{args.numel:,} float32 elements on {where}, median of {args.repeat} interleaved rounds\n")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": where, "numel": args.numel, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+// Shared device code of the commpress kernels: the counter-based generator and float loads/stores.
+// Compiled with --fmad=false and written with explicit _rn intrinsics so that every float
+// operation is the single IEEE operation the CPU path (commpress/cuda/*.py) performs.
+#ifndef COMMPRESS_COMMON_CUH
+#define COMMPRESS_COMMON_CUH
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+// dtype codes of float tensors, as in commpress/cuda/_launch.py
+#define CP_F32 0
+#define CP_F16 1
+#define CP_BF16 2
+
+#define CP_GRID_STRIDE(i, count) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (count); i += (i64)blockDim.x * gridDim.x)
+
+// SplitMix64 in counter mode: word c of stream `seed`; draw i is the low (i even) or high half of word i/2.
+__device__ __forceinline__ u64 cp_word(u64 seed, u64 c) {
+    u64 z = seed + c * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ u32 cp_draw32(u64 seed, u64 i) {
+    u64 z = cp_word(seed, i >> 1);
+    return (i & 1) ? (u32)(z >> 32) : (u32)z;
+}
+
+// Uniform in [0, 1) from the low 23 bits: the float in [1, 2) with that mantissa, minus 1 (exact).
+__device__ __forceinline__ float cp_uniform(u64 seed, u64 i) {
+    u32 bits = (cp_draw32(seed, i) & 0x7FFFFFu) | 0x3F800000u;
+    return __fsub_rn(__uint_as_float(bits), 1.0f);
+}
+
+__device__ __forceinline__ float cp_half_to_float(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 cp_float_to_half(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Round to nearest even, NaN to 0x7FC0: the rounding torch uses for float -> bfloat16.
+__device__ __forceinline__ u16 cp_float_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)0x7FC0;
+    return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float cp_load(const void* p, int dtype, i64 i) {
+    if (dtype == CP_F32) return ((const float*)p)[i];
+    u16 h = ((const u16*)p)[i];
+    if (dtype == CP_F16) return cp_half_to_float(h);
+    return __uint_as_float(((u32)h) << 16);
+}
+
+__device__ __forceinline__ void cp_store(void* p, int dtype, i64 i, float v) {
+    if (dtype == CP_F32) {
+        ((float*)p)[i] = v;
+    } else if (dtype == CP_F16) {
+        ((u16*)p)[i] = cp_float_to_half(v);
+    } else {
+        ((u16*)p)[i] = cp_float_to_bf16(v);
+    }
+}
+
+#endif  // COMMPRESS_COMMON_CUH

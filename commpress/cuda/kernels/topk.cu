@@ -1,0 +1,33 @@
+// Top-k support: compact the chosen entries (values + int32 indices) and zero them in the
+// error buffer in the same pass; scatter-add decode of all ranks' sparse payloads.
+#include "common.cuh"
+
+// values[j] = acc[idx[j]] (bit copy in acc's dtype), acc[idx[j]] = 0, idx32[j] = idx[j].
+extern "C" __global__ void cp_gather_and_zero(void* acc, int dtype, const i64* idx, i64 k, void* values, int* idx32) {
+    CP_GRID_STRIDE(j, k) {
+        i64 i = idx[j];
+        if (dtype == CP_F32) {
+            ((float*)values)[j] = ((float*)acc)[i];
+            ((float*)acc)[i] = 0.0f;
+        } else {
+            ((u16*)values)[j] = ((u16*)acc)[i];
+            ((u16*)acc)[i] = 0;
+        }
+        idx32[j] = (int)i;
+    }
+}
+
+// acc[idx[j]] += values[j] for one rank; launched once per rank, in rank order, on one stream.
+// Indices within a rank are distinct, so every element sees its additions in rank order.
+extern "C" __global__ void cp_scatter_add_rank(const void* values, int dtype, const int* idx, i64 k, float* acc) {
+    CP_GRID_STRIDE(j, k) { atomicAdd(acc + idx[j], cp_load(values, dtype, j)); }
+}
+
+// out[i] = acc[i] / divisor (divisor > 1) or acc[i], rounded to out's dtype.
+extern "C" __global__ void cp_finish(const float* acc, void* out, int dtype, i64 n, int divisor) {
+    CP_GRID_STRIDE(i, n) {
+        float v = acc[i];
+        if (divisor > 1) v = __fdiv_rn(v, (float)divisor);
+        cp_store(out, dtype, i, v);
+    }
+}

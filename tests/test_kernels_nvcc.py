@@ -1,0 +1,74 @@
+"""The CUDA side without a GPU: every kernel source compiles for sm_80 and sm_90, kernel names
+used by the launchers exist, the sources ship as package data, and CuPy problems give clear errors."""
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+import torch
+
+from commpress.cuda import _cupy
+
+KERNELS = Path(_cupy.__file__).parent / "kernels"
+SOURCES = sorted(p.stem for p in KERNELS.glob("*.cu"))
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("name", SOURCES)
+def test_kernel_source_compiles_for_sm80_and_sm90(name, tmp_path):
+    """Compile exactly the text CuPy receives (headers inlined) with the options it gets."""
+    src = tmp_path / f"{name}.cu"
+    src.write_text(_cupy.source(name))
+    arches = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (80, 90)]
+    cmd = [NVCC, *_cupy.OPTIONS, "-Werror=all-warnings", "-fatbin", *arches, "-o", str(tmp_path / f"{name}.fatbin"), str(src)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / f"{name}.fatbin").stat().st_size > 0
+
+
+def test_launchers_name_existing_kernels():
+    launcher = (KERNELS.parent / "_launch.py").read_text()
+    calls = re.findall(r'launch\(\s*"(\w+)",\s*"(\w+)"', launcher)
+    assert len(calls) >= 12
+    for module, function in calls:
+        assert re.search(rf'extern "C" __global__ void {function}\(', _cupy.source(module)), (module, function)
+
+
+def test_kernel_sources_are_package_data():
+    pyproject = tomllib.loads((KERNELS.parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["commpress"]
+    for path in KERNELS.iterdir():
+        rel = f"cuda/kernels/{path.name}"
+        assert any(fnmatch(rel, pattern) for pattern in patterns), rel
+
+
+def test_missing_cupy_names_the_extra(monkeypatch):
+    _cupy.require_cupy.cache_clear()
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(RuntimeError, match=r"pip install 'commpress\[cuda13\]'"):
+        _cupy.require_cupy()
+    _cupy.require_cupy.cache_clear()
+
+
+def test_cupy_for_another_cuda_major_names_the_right_extra(monkeypatch):
+    class Runtime:
+        @staticmethod
+        def runtimeGetVersion():
+            return 12080
+
+    class FakeCupy:  # only the attribute require_cupy reads
+        cuda = type("cuda", (), {"runtime": Runtime})
+
+    _cupy.require_cupy.cache_clear()
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(RuntimeError, match=r"CuPy is built for CUDA 12 but torch uses CUDA 13.0.*commpress\[cuda13\]"):
+        _cupy.require_cupy()
+    _cupy.require_cupy.cache_clear()
