@@ -165,3 +165,19 @@ def test_cli_failure_and_interrupt_remove_everything(tmp_path):
     assert proc.returncode == 130 and "interrupted" in err
     assert _ours(prefix) == []
     assert _ours(f"cpe{os.getpid()}") == []
+
+
+@needs_root
+def test_remove_stale_deletes_only_dead_runs():
+    from commpress.linkemu.network import remove_stale
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, alive = f"cpe{dead.pid}-r0", f"cpe{os.getpid()}-r0"
+    for ns in (stale, alive):
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        assert stale in remove_stale()
+        assert _ours(stale) == [] and _ours(alive) == [alive]
+    finally:
+        subprocess.run(["ip", "netns", "del", alive], check=False)

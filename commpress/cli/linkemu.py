@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
     parser.add_argument("--timeout", type=float, help="stop the ranks after this many seconds")
     parser.add_argument("--logs", metavar="DIR", help="where ranks other than 0 write their output (default: a temp folder)")
+    parser.add_argument("--remove-stale", action="store_true", help="only delete namespaces left by killed linkemu runs")
     parser.add_argument("cmd", metavar="command", nargs=argparse.REMAINDER, help="the command to run per rank, after --")
 
 
@@ -43,6 +44,16 @@ def _raise_on(signum: int, _frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from commpress.linkemu import LinkEmuError, Network, Topology
+    from commpress.linkemu.network import remove_stale
+
+    if args.remove_stale:
+        try:
+            gone = remove_stale()
+        except LinkEmuError as exc:
+            print(f"commpress linkemu: {exc}", file=sys.stderr)
+            return 2
+        print(f"commpress linkemu: removed {len(gone)} stale namespaces {' '.join(gone)}".rstrip(), file=sys.stderr)
+        return 0
 
     command = list(args.cmd)
     if command[:1] == ["--"]:

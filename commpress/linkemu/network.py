@@ -20,7 +20,7 @@ from types import TracebackType
 
 from commpress.linkemu.topology import Topology
 
-__all__ = ["LinkEmuError", "Network", "check_can_run"]
+__all__ = ["LinkEmuError", "Network", "check_can_run", "remove_stale"]
 
 
 class LinkEmuError(RuntimeError):
@@ -147,3 +147,17 @@ def _ip(cmd: list[str]) -> None:
 def _netns_list() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def remove_stale(prefix: str = "cpe") -> list[str]:
+    """Delete namespaces left by linkemu runs that were killed outright (SIGKILL): those
+    named ``{prefix}{pid}-...`` whose process no longer exists. Returns their names."""
+    check_can_run()
+    gone = []
+    for ns in _netns_list():
+        head = ns.split("-", 1)[0]
+        pid = head[len(prefix) :]
+        if head.startswith(prefix) and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+            gone.append(ns)
+    return gone
