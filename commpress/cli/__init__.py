@@ -14,6 +14,7 @@ COMMANDS = {
     "demo": "commpress.cli.demo",
     "bench": "commpress.cli.bench",
     "linkemu": "commpress.cli.linkemu",
+    "bandwidth": "commpress.cli.bandwidth",
 }
 
 
