@@ -51,10 +51,15 @@ extern "C" __global__ void cp_quantize_pack(const void* x, int dtype, const floa
     const i64 m = (n * bits + 7) / 8;
     CP_GRID_STRIDE(j, m) {
         u32 byte = 0;
+        i64 b = (j * per) / bucket;          // one 64-bit division per byte;
+        i64 next = (b + 1) * bucket;         // the byte's codes may cross into the next bucket
         for (int t = 0; t < per; ++t) {
             i64 e = j * per + t;
             if (e >= n) break;
-            i64 b = e / bucket;
+            if (e == next) {
+                ++b;
+                next += bucket;
+            }
             float s = scales[b];
             if (s == 0.0f) continue;
             float q = __fdiv_rn(__fsub_rn(cp_load(x, dtype, e), mins[b]), s);
@@ -70,9 +75,10 @@ extern "C" __global__ void cp_quantize_pack(const void* x, int dtype, const floa
 extern "C" __global__ void cp_unpack_accumulate(const u8* packed, const float* mins, const float* scales, void* out, int dtype,
                                                 i64 n, i64 m, i64 nb, i64 bucket, int bits, int world, int average) {
     const u32 mask = (1u << bits) - 1u;
+    const bool narrow = n <= 0xFFFFFFFFLL && bucket <= 0xFFFFFFFFLL;  // 32-bit division is much cheaper
     CP_GRID_STRIDE(i, n) {
         const i64 bit = i * bits;
-        const i64 b = i / bucket;
+        const i64 b = narrow ? (i64)((u32)i / (u32)bucket) : i / bucket;
         float acc = 0.0f;
         for (int r = 0; r < world; ++r) {
             u32 q = (packed[r * m + (bit >> 3)] >> (bit & 7)) & mask;
