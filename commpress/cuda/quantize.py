@@ -43,6 +43,7 @@ def _bucket_view(a: np.ndarray, bucket_size: int) -> list[np.ndarray]:
     return parts
 
 
+@np.errstate(invalid="ignore", divide="ignore")  # 0 / 0 and NaN are defined to give code 0
 def _quantize_group(x: np.ndarray, levels: int, seed: int, offset: int, bucket_size: int):
     """Codes (uint8), mins and scales (float32) of the buckets that make up block ``x``."""
     u = np.empty(x.size, np.float32)
