@@ -105,9 +105,10 @@ def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tu
     return packed, mins, scales
 
 
-# byte -> the float codes it holds, for 2- and 4-bit payloads (decoding is one gather per byte)
+# byte -> the float codes it holds (decoding is one gather per byte)
 _CODE_TABLES = {
-    bits: ((np.arange(256)[:, None] >> (bits * np.arange(8 // bits))) & ((1 << bits) - 1)).astype(np.float32) for bits in (2, 4)
+    bits: ((np.arange(256)[:, None] >> (bits * np.arange(8 // bits))) & ((1 << bits) - 1)).astype(np.float32)
+    for bits in (2, 4, 8)
 }
 
 
@@ -115,10 +116,7 @@ def _decode_group(
     packed: np.ndarray, mins: np.ndarray, scales: np.ndarray, bits: int, bucket_size: int, count: int
 ) -> np.ndarray:
     """float32 values of ``count`` elements (whole buckets from a byte boundary) of one rank."""
-    if bits == 8:
-        values = packed[:count].astype(np.float32)
-    else:
-        values = np.take(_CODE_TABLES[bits], packed, axis=0).reshape(-1)[:count]
+    values = np.take(_CODE_TABLES[bits], packed, axis=0).reshape(-1)[:count]
     first = 0
     for vb in _bucket_view(values, bucket_size):
         rows = vb.shape[0]
