@@ -33,6 +33,10 @@ DEMO_ROWS: list[DemoRow] = [
     DemoRow("none", {"method": "none"}),
     DemoRow("fp16", {"method": "fp16"}),
     DemoRow("bf16", {"method": "bf16"}),
+    DemoRow("terngrad", {"method": "terngrad"}),
+    DemoRow("topk", {"method": "topk", "params": {"ratio": 0.01}}),
+    DemoRow("local-sgd+qsr", {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": 0.2}}),
+    DemoRow("co2", {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}}),
 ]
 
 

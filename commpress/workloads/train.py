@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from commpress.config import Config
 from commpress.hooks import register
 from commpress.workloads.charlm import CharTask
 
-__all__ = ["TrainResult", "cosine_lr", "train_ddp"]
+__all__ = ["TrainResult", "cosine_lr", "train_ddp", "train_local_sgd"]
 
 
 @dataclass
@@ -52,8 +53,14 @@ def train_ddp(
 ) -> TrainResult:
     """Train the demo model with DDP and the commpress ``config`` (None: DDP's own all-reduce;
     ``hook`` instead registers some other comm hook). SGD with momentum, cosine schedule.
-    ``on_step(n)`` is called after every step (progress displays)."""
+    ``on_step(n)`` is called after every step (progress displays). A config with a
+    ``[local_sgd]`` table trains with Local SGD or CO2 instead (:func:`train_local_sgd`)."""
     import torch.distributed as dist
+
+    if config is not None and Config.load(config).section("local_sgd") is not None:
+        if hook is not None:
+            raise ValueError("hook= cannot be combined with a [local_sgd] config: Local SGD registers its own hook")
+        return train_local_sgd(config, steps, lr, task, bucket_cap_mb, return_params, on_step)
 
     rank, world = dist.get_rank(), dist.get_world_size()
     task = task or CharTask(batch_size=64)
@@ -91,4 +98,66 @@ def train_ddp(
         compute_seconds_per_step=traffic["compute_seconds"] / steps,
         params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]) if return_params else None,
         state=state.state_dict() if state is not None else None,
+    )
+
+
+def train_local_sgd(
+    config: Config | Mapping[str, Any] | str,
+    steps: int = 200,
+    lr: float = 0.2,
+    task: CharTask | None = None,
+    bucket_cap_mb: float | None = None,
+    return_params: bool = False,
+    on_step: Callable[[int], None] | None = None,
+) -> TrainResult:
+    """:func:`train_ddp`'s run (same model, data, optimizer and schedule) with Local SGD or
+    CO2 from the config's ``[local_sgd]`` table: DDP keeps gradients local and the models
+    are averaged at the end of each round and once more at the end (``finish``).
+    ``state`` holds the averager's state plus ``periods`` (H of every round), ``rounds``
+    and ``wait_seconds`` (how long each sync point was blocked by communication)."""
+    import torch.distributed as dist
+
+    from commpress.local_sgd import from_config
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    task = task or CharTask(batch_size=64)
+    model = task.model()
+    kwargs = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb is not None else {}
+    ddp = DistributedDataParallel(model, **kwargs)
+    schedule = cosine_lr(lr, steps)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    trainer = from_config(ddp, opt, config, total_steps=steps)
+    losses, times = [], []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = schedule(step)
+        x, y = task.batch(step, rank, world)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(ddp(x), y)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        trainer.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step + 1)
+    trainer.finish()
+    xe, ye = task.eval_batch()
+    with torch.no_grad():
+        eval_loss = F.cross_entropy(model(xe), ye).item()
+    traffic = trainer.traffic.snapshot()
+    state = {
+        **trainer.state_dict(),
+        "periods": list(trainer.clock.periods),
+        "rounds": trainer.clock.rounds,
+        "wait_seconds": list(trainer.wait_seconds),
+    }
+    return TrainResult(
+        losses=losses,
+        eval_loss=eval_loss,
+        bytes_per_step=traffic["bytes_sent"] / steps,
+        step_seconds=statistics.median(times[min(5, steps - 1) :]),
+        compute_seconds_per_step=traffic["compute_seconds"] / steps,
+        params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]) if return_params else None,
+        state=state,
     )

@@ -1,0 +1,112 @@
+"""TernGrad (Wen et al., 2017): every gradient element becomes -s, 0 or +s, 2 bits on the wire.
+
+Per tensor: clip at ``clip_sigma`` standard deviations, take s = max|g| (one scalar per
+tensor, shared across ranks by a max all-reduce: ONE small collective per bucket),
+keep each element with probability |g|/s (so the expectation is g: unbiased), and send
+the signs packed 4 per byte, all tensors of a bucket in ONE uniform all-gather. The
+scales are not gathered again: after the max all-reduce every rank already holds them.
+
+Wire bytes per rank and bucket: sum over tensors of ceil(n/4) + 4 bytes per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+
+from commpress.compressors.base import AllGather, AllReduce, Bucket, Compressor, Context, Reduction
+from commpress.compressors.framing import unframe
+from commpress.compressors.registry import register_compressor
+from commpress.compressors.seeding import check_seed, tensor_key, tensor_seed
+from commpress.cuda import ternary_quantize_pack, ternary_unpack_accumulate
+from commpress.errors import ConfigError
+
+__all__ = ["TernGradCompressor"]
+
+
+@register_compressor
+class TernGradCompressor(Compressor):
+    """Stochastic ternary gradients with layer-wise scales shared across ranks.
+
+    Args:
+        clip_sigma: clip each tensor at ``clip_sigma`` times its standard deviation
+            before quantizing (TernGrad's gradient clipping; 0 turns it off). A tensor whose
+            standard deviation is 0 (constant values) is not clipped.
+        seed: mixed with rank, step and parameter name into the key of the counter-based
+            random generator, so runs are reproducible and ranks draw independent bits.
+
+    Non-finite gradients: a tensor holding Inf/NaN on any rank comes out as NaN on every
+    rank (its shared scale becomes +Inf), so ``torch.amp.GradScaler`` skips the step
+    everywhere. TernGrad keeps no state that such a step could corrupt.
+    """
+
+    name: ClassVar[str] = "terngrad"
+    rounds: ClassVar[int] = 2
+
+    def __init__(self, clip_sigma: float = 2.5, seed: int = 0) -> None:
+        if not (math.isfinite(clip_sigma) and clip_sigma >= 0):
+            raise ConfigError(
+                f"method 'terngrad': clip_sigma = {clip_sigma!r} is not accepted; expected a finite number >= 0 (0 = no clipping)"
+            )
+        check_seed("method 'terngrad'", seed)
+        self.clip_sigma = clip_sigma
+        self.seed = seed
+
+    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
+        self.check_dtype(bucket)
+        if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
+            dense = Bucket(bucket.index, bucket.buffer.contiguous(), bucket.slots)
+            yield from self.reduce(dense, ctx)
+            bucket.buffer.copy_(dense.buffer)
+            return
+        slots = [s for s in bucket.slots if s.numel]
+        if not slots:
+            return
+        views = [bucket.buffer[s.offset : s.offset + s.numel] for s in slots]
+        bounds, clip, scales = self._local_scales(views)
+        shared = yield AllReduce(scales, op="max")
+        finite = torch.isfinite(shared).tolist()
+        pieces = []
+        for t, (slot, view) in enumerate(zip(slots, views)):
+            if not finite[t]:
+                pieces.append(torch.zeros(_packed_len(slot.numel), dtype=torch.uint8, device=view.device))
+                continue
+            x = torch.clamp(view, -bounds[t], bounds[t]) if clip[t] else view
+            seed = tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, slot))
+            pieces.append(ternary_quantize_pack(x, shared[t], seed))
+        gathered = yield AllGather(torch.cat(pieces), uniform=True)
+        rows = unframe(gathered, [(torch.uint8, _packed_len(s.numel)) for s in slots])
+        for t, (slot, view) in enumerate(zip(slots, views)):
+            if finite[t]:
+                ternary_unpack_accumulate(rows[t], shared[t].expand(ctx.world_size).contiguous(), slot.numel, view)
+            else:
+                view.fill_(math.nan)
+
+    def _local_scales(self, views: list[torch.Tensor]) -> tuple[torch.Tensor, list[bool], torch.Tensor]:
+        """Per tensor on this rank: the clip bound (float32[T]), whether clipping changes
+        anything, and the scale (float32[T]).
+
+        The bound is ``clip_sigma``·std (+Inf when clipping is off or std is 0); the scale
+        is max|g| after clipping, +Inf for a tensor that holds Inf or NaN.
+        """
+        peaks, stds = [], []
+        for v in views:
+            lo, hi = torch.aminmax(v)
+            peaks.append(torch.maximum(-lo, hi).float())
+            if self.clip_sigma:
+                stds.append(torch.std(v.float() if v.dtype != torch.float32 else v, correction=0))
+        peak = torch.stack(peaks)
+        if self.clip_sigma:
+            bound = self.clip_sigma * torch.stack(stds)
+            bound = torch.where(bound > 0, bound, math.inf)
+        else:
+            bound = torch.full_like(peak, math.inf)
+        scale = torch.minimum(peak, bound)
+        scale = torch.where(torch.isfinite(scale) & torch.isfinite(peak), scale, math.inf)
+        return bound, (bound < peak).tolist(), scale
+
+
+def _packed_len(n: int) -> int:
+    return (n + 3) // 4

@@ -1,0 +1,91 @@
+"""Averages a flat vector of model values over ranks through any commpress compressor
+(``none``, ``fp16``, ``bf16``, ...) and a commpress backend, blocking or in the background."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from commpress.comm import Backend, Traffic, make_backend
+from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction, build
+
+__all__ = ["ParameterAverager"]
+
+
+def _exact_sum(tensor: torch.Tensor) -> Reduction:
+    """Sum ``tensor`` over ranks in place, in full precision."""
+    summed = yield AllReduce(tensor)
+    if summed is not tensor:
+        tensor.copy_(summed)
+
+
+class ParameterAverager:
+    """Runs a compressor's ``reduce`` over a flat bucket of model values.
+
+    ``method`` and ``params`` name the compressor as in a commpress config. Local SGD and
+    CO2 average *differences* from a value every rank holds identically (the last
+    average), so a narrow wire dtype such as ``bf16`` rounds the small change of one round,
+    not the weights themselves. Build it on every rank in the same order.
+    """
+
+    def __init__(
+        self,
+        method: str = "none",
+        params: Mapping[str, Any] | None = None,
+        process_group: Any = None,
+        backend: Backend | str = "torch",
+    ) -> None:
+        self.compressor: Compressor = build(method, params)
+        self.method = method
+        if isinstance(backend, str):
+            backend = make_backend(backend, process_group, self.compressor.rounds)
+        elif backend.rounds < self.compressor.rounds:
+            raise ValueError(f"backend has {backend.rounds} rounds, method {method!r} needs {self.compressor.rounds}")
+        self.backend = backend
+        self.calls = 0
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes this rank sent (see :class:`commpress.comm.Traffic`)."""
+        return self.backend.traffic
+
+    def start(self, bucket: Bucket) -> torch.futures.Future:
+        """Start averaging ``bucket.buffer`` in place; the future completes with the buffer.
+        Keep the buffer untouched until then. Call in the same order on every rank."""
+        ctx = Context(rank=self.rank, world_size=self.world_size, step=self.calls)
+        self.calls += 1
+        return self.backend.run(self.compressor.reduce(bucket, ctx), bucket.buffer)
+
+    def average(self, bucket: Bucket) -> torch.Tensor:
+        """Average ``bucket.buffer`` in place and wait for it."""
+        return self.start(bucket).wait()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over ranks in place in full precision (small set-up values)."""
+        return self.backend.run(_exact_sum(tensor), tensor).wait()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Every rank gets rank ``src``'s ``tensor``, exactly (a sum with zeros elsewhere)."""
+        if self.rank != src:
+            tensor.zero_()
+        return self.sum(tensor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's state and the call counter."""
+        return {"calls": self.calls, "method": self.method, "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["method"] != self.method:
+            raise ValueError(f"averager state was saved with method {state['method']!r}, this averager uses {self.method!r}")
+        self.calls = int(state["calls"])
+        self.compressor.load_state_dict(state["compressor"])

@@ -1,0 +1,114 @@
+"""Local SGD: every rank takes optimizer steps on its own, and the ranks average their
+models when the period policy says so (a constant H, or QSR)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from commpress.comm import Traffic
+from commpress.local_sgd.averaging import ParameterAverager
+from commpress.local_sgd.ddp import skip_gradient_allreduce
+from commpress.local_sgd.flat import FlatModel
+from commpress.local_sgd.periods import Period
+from commpress.local_sgd.rounds import RoundClock
+
+__all__ = ["LocalSGD"]
+
+
+class LocalSGD:
+    """Call :meth:`step` in place of ``optimizer.step()``; it averages the model across
+    ranks at the end of every round.
+
+    ``period``: an int (average every ``period`` steps) or a :class:`Period` such as
+    :class:`QSR`. ``averager``: a :class:`ParameterAverager`, or a compressor name
+    (``"none"``, ``"bf16"``, ...) for the averaging all-reduce. ``average_buffers`` also
+    averages floating-point buffers (BatchNorm statistics). ``total_steps`` lets QSR cap
+    the last round at the last step.
+
+    ``wait_seconds`` records how long each averaging blocked the caller.
+
+    With DDP, a comm hook that keeps gradients local is registered here (construct before
+    the first backward); a plain module gets rank 0's values at construction. The optimizer
+    state (momenta, Adam moments) stays local: only the model is averaged.
+    """
+
+    name = "local SGD"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        period: int | Period = 4,
+        process_group: Any = None,
+        averager: ParameterAverager | str | None = None,
+        average_buffers: bool = False,
+        total_steps: int | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.clock = RoundClock(period, total_steps, self.name)
+        is_ddp = isinstance(model, DistributedDataParallel)
+        if process_group is None and is_ddp:
+            process_group = model.process_group
+        if not isinstance(averager, ParameterAverager):
+            averager = ParameterAverager(averager or "none", process_group=process_group)
+        self.averager = averager
+        self.flat = FlatModel(model, buffers=average_buffers)
+        #: the last average, identical on every rank; rounds average differences from it
+        self.anchor = self.flat.read()
+        if is_ddp:
+            skip_gradient_allreduce(model)  # DDP already broadcast rank 0's model
+        else:
+            self.averager.broadcast(self.anchor)
+            self.flat.write(self.anchor)
+        self._delta = self.flat.empty()
+        self.wait_seconds: list[float] = []
+
+    @property
+    def period(self) -> int | None:
+        """H of the current round (None between an averaging and the next step)."""
+        return self.clock.period
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes this rank sent for averaging."""
+        return self.averager.traffic
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """One local optimizer step; averages when it ends the round."""
+        self.clock.begin_step(float(self.optimizer.param_groups[0]["lr"]))
+        loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        if self.clock.end_step():
+            self.sync()
+        return loss
+
+    def sync(self) -> None:
+        """Average the models now (every rank must call it)."""
+        delta = self.flat.read(self._delta).sub_(self.anchor)
+        t0 = time.perf_counter()
+        self.averager.average(self.flat.bucket(delta))
+        self.wait_seconds.append(time.perf_counter() - t0)
+        self.anchor.add_(delta)
+        self.flat.write(self.anchor)
+        self.clock.round_done()
+
+    def finish(self) -> None:
+        """Average the steps taken since the last averaging, if any (end of training)."""
+        if self.clock.in_round:
+            self.sync()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step and round counters, H, the anchor and the averager's state (save the
+        model and the optimizer alongside, as usual)."""
+        return {"clock": self.clock.state_dict(), "anchor": self.anchor.clone(), "averager": self.averager.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.clock.load_state_dict(state["clock"])
+        self.anchor.copy_(state["anchor"])
+        self.averager.load_state_dict(state["averager"])

@@ -1,0 +1,143 @@
+"""Local SGD in real gloo processes (2 and 4 ranks): identical models after each
+averaging, rounds as the period implies, DDP without gradient all-reduce, local Adam
+moments, compressed averaging, and a bit-exact state_dict round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from commpress.comm.launch import run_local
+
+pytestmark = pytest.mark.multiproc
+STEPS = 14
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)  # every rank sees its own data
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _spread(model: nn.Module) -> float:
+    """Largest difference between any rank's parameters and rank 0's."""
+    import torch.distributed as dist
+
+    mine = _flat(model)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return max((t - every[0]).abs().max().item() for t in every)
+
+
+def _run(trainer, model, opt, steps, rank, start=0, lr=None, spreads=None):
+    """Train ``steps`` steps; record (step, rounds so far, spread) after each one."""
+    for step in range(start, start + steps):
+        if lr is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr(step)
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        trainer.step()
+        if spreads is not None:
+            spreads.append((step + 1, trainer.clock.rounds, _spread(model)))
+
+
+def _lr(step: int) -> float:
+    return 0.5 * 0.8**step  # decays fast, so QSR lengthens the rounds within a few steps
+
+
+def _checks(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from commpress.local_sgd import QSR, LocalSGD
+
+    out: dict = {}
+    # plain module, constant period 3
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = LocalSGD(model, opt, period=3)
+    out["constant"] = []
+    _run(trainer, model, opt, STEPS, rank, spreads=out["constant"])
+    out["constant_bytes"] = trainer.traffic.bytes_sent
+    trainer.finish()
+    out["constant_finish"] = (trainer.clock.rounds, _spread(model))
+
+    # DDP: gradients stay local (no all-reduce), QSR periods from a decaying lr
+    ddp = DistributedDataParallel(_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    policy = QSR(alpha=0.3, h_base=2)
+    trainer = LocalSGD(ddp, opt, period=policy, total_steps=STEPS)
+    out["qsr"] = []
+    _run(trainer, ddp, opt, STEPS, rank, lr=_lr, spreads=out["qsr"])
+    out["qsr_periods"] = list(trainer.clock.periods)
+    out["qsr_bytes"] = trainer.traffic.bytes_sent
+
+    # Local AdamW: moments stay local, parameters are averaged
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    trainer = LocalSGD(model, opt, period=2, averager="bf16")
+    out["adam"] = []
+    _run(trainer, model, opt, 4, rank, spreads=out["adam"])
+    out["adam_moment"] = opt.state[next(iter(model.parameters()))]["exp_avg"].clone()
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def checks(request):
+    return request.param, run_local(_checks, request.param)
+
+
+def test_ranks_identical_right_after_each_averaging(checks):
+    _, results = checks
+    for key in ("constant", "qsr"):
+        spreads = results[0][key]
+        rounds_seen = 0
+        for step, rounds, spread in spreads:
+            if rounds > rounds_seen:  # this step ended with an averaging
+                assert spread == 0.0, (key, step)
+                rounds_seen = rounds
+            else:
+                assert spread > 0.0, (key, step)  # local steps really are local
+    assert results[0]["constant_finish"] == (5, 0.0)  # 14 = 4 * 3 + 2: finish averages the last 2
+
+
+def test_rounds_match_the_period(checks):
+    from commpress.local_sgd import QSR
+
+    _, results = checks
+    ends = [step for step, rounds, _ in results[0]["constant"] if rounds > 0 and step % 3 == 0]
+    assert [r for _, r, _ in results[0]["constant"]][-1] == STEPS // 3 and ends[:1] == [3]
+    # QSR: replay the policy with the same learning rates
+    policy, step, expected = QSR(alpha=0.3, h_base=2), 0, []
+    while step < STEPS:
+        h = policy.next(step, _lr(step), STEPS - step)
+        expected.append(h)
+        step += h
+    assert results[0]["qsr_periods"] == expected and len(set(expected)) > 1
+    assert results[0]["qsr"][-1][1] == len(expected)
+
+
+def test_bytes_are_only_the_averaging(checks):
+    _, results = checks
+    n = _flat(_model()).numel()
+    # plain module: one broadcast at construction plus 4 averagings of fp32 values
+    assert results[0]["constant_bytes"] == 4 * n * (1 + STEPS // 3)
+    # DDP: no gradient all-reduce, no broadcast (DDP did it), one fp32 average per round
+    assert results[0]["qsr_bytes"] == 4 * n * len(results[0]["qsr_periods"])
+
+
+def test_local_adamw_keeps_moments_local(checks):
+    _, results = checks
+    assert all(spread == 0.0 for _, _, spread in results[0]["adam"][1::2])  # bf16 averaging, every 2 steps
+    assert not torch.equal(results[0]["adam_moment"], results[1]["adam_moment"])

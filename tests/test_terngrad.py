@@ -1,0 +1,245 @@
+"""TernGrad on the simulated world: unbiased, ternary, clipped, packed, edge cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from commpress import ConfigError
+from commpress.comm import SimulatedWorld
+from commpress.compressors import Bucket, build
+from commpress.compressors.framing import frame, framed_nbytes, unframe
+
+
+def _grads(seed: int = 0, sizes=(200, 37)) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(n, generator=g) for n in sizes]
+    out[0][:3] = torch.tensor([9.0, -7.0, 6.0])  # outliers, so that clipping at 2.5 sigma matters
+    return out
+
+
+def _buckets(per_rank: list[list[torch.Tensor]], index: int = 0, dtype=torch.float32) -> list[Bucket]:
+    names = [f"t{i}" for i in range(len(per_rank[0]))]
+    return [Bucket.from_tensors(index, [t.to(dtype) for t in ts], names) for ts in per_rank]
+
+
+def _reduce(buckets: list[Bucket], step: int = 0, **params) -> SimulatedWorld:
+    sim = SimulatedWorld(len(buckets))
+    sim.reduce(sim.compressors(lambda: build("terngrad", params)), buckets, step=step)
+    return sim
+
+
+def _clipped(t: torch.Tensor, sigma: float = 2.5) -> torch.Tensor:
+    bound = sigma * t.std(correction=0)
+    return t.clamp(-bound, bound)
+
+
+def test_unbiased_mean_of_many_decodes_is_the_clipped_gradient():
+    # Every rank holds the same gradient, so the shared scale s is max|clip(g)| and the
+    # world's average is the mean of `world` independent decodes (ranks draw independent
+    # bits); over `steps` steps that is N = world * steps samples per element.
+    world, steps = 16, 64
+    grads = _grads()
+    total = [torch.zeros_like(g) for g in grads]
+    for step in range(steps):
+        buckets = _buckets([grads] * world)
+        _reduce(buckets, step=step)
+        for acc, view in zip(total, buckets[0].views()):
+            acc += view
+    n = world * steps
+    for acc, g in zip(total, grads):
+        x = _clipped(g)
+        s = x.abs().max()
+        # One decode of element i is s*sign(x_i) with probability |x_i|/s, else 0: mean x_i,
+        # variance s|x_i| - x_i^2. The mean of N decodes has standard deviation
+        # sigma_i = sqrt((s|x_i| - x_i^2) / N); allow 5 sigma_i per element (a false alarm
+        # has probability < 1e-6 per element under the normal approximation, and the seeds
+        # are fixed), plus float32 rounding of the running sum.
+        sigma = ((s * x.abs() - x * x).clamp_min(0) / n).sqrt()
+        err = (acc / steps - x).abs()
+        assert (err <= 5 * sigma + 1e-5 * s).all(), (err - 5 * sigma).max()
+        # and it is a real test: the unclipped gradient is far outside that band
+        assert ((acc / steps - g).abs() > 5 * sigma + 1e-5 * s).any()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 13, 64, 101])
+def test_outputs_are_ternary_for_every_length(n):
+    # one rank: the decode is s * code, code in {-1, 0, 1}; lengths not divisible by 4
+    # exercise the padding of the last packed byte
+    g = torch.linspace(-1, 2, n) if n > 1 else torch.tensor([0.5])
+    bucket = Bucket.from_tensors(0, [g.clone()], ["w"])
+    sim = _reduce([bucket], step=3, clip_sigma=0.0)
+    s = g.abs().max()
+    out = bucket.buffer
+    assert set(out.unique().tolist()) <= {-s.item(), 0.0, s.item()}
+    nonzero = out != 0
+    assert torch.equal(out[nonzero].sign(), g[nonzero].sign())  # signs survive packing
+    assert out[g.abs() == s].abs().eq(s).all()  # probability |g|/s = 1: always kept
+    assert sim.traffic[0].bytes_sent == math.ceil(n / 4) + 4
+
+
+def test_several_ranks_share_the_max_scale():
+    world = 3
+    per_rank = [_grads(seed=r) for r in range(world)]
+    buckets = _buckets(per_rank)
+    _reduce(buckets, step=1)
+    for t, view in enumerate(buckets[0].views()):
+        s = max(_clipped(ranks[t]).abs().max() for ranks in per_rank)
+        units = view * world / s  # sum of `world` codes in {-1, 0, 1}
+        assert (units - units.round()).abs().max() < 1e-5
+        assert units.abs().max() <= world
+    for b in buckets[1:]:
+        assert torch.equal(b.buffer, buckets[0].buffer)  # every rank decodes the same
+
+
+def test_clipping_sets_the_scale():
+    g = _grads()[0]
+    for sigma, expected in [(0.0, g.abs().max()), (2.5, 2.5 * g.std(correction=0)), (1.0, g.std(correction=0))]:
+        bucket = Bucket.from_tensors(0, [g.clone()], ["w"])
+        _reduce([bucket], clip_sigma=sigma)
+        assert abs(bucket.buffer.abs().max().item() - expected.item()) <= 1e-6 * expected.item()
+
+
+def test_reproducible_and_independent_across_ranks_and_steps():
+    grads = _grads()
+
+    def once(step, seed=0):
+        buckets = _buckets([grads] * 2)
+        sim = SimulatedWorld(2)
+        comps = sim.compressors(lambda: build("terngrad", {"seed": seed}))
+        gens = [c.reduce(b, ctx) for c, b, ctx in zip(comps, buckets, _contexts(2, step))]
+        sent = []
+        for gen in gens:  # round 1 (scales), then capture each rank's packed codes in round 2
+            next(gen)
+        shared = [torch.tensor([_clipped(g).abs().max().item() for g in grads])] * 2
+        for gen, s in zip(gens, shared):
+            sent.append(gen.send(s.clone()).tensor.clone())
+        return sent
+
+    a0, a1 = once(step=5)
+    b0, b1 = once(step=5)
+    c0, _ = once(step=6)
+    d0, _ = once(step=5, seed=1)
+    assert torch.equal(a0, b0) and torch.equal(a1, b1)  # same seed, rank, step: same bits
+    assert not torch.equal(a0, a1)  # ranks draw independently
+    assert not torch.equal(a0, c0)  # and steps
+    assert not torch.equal(a0, d0)  # and the user's seed
+
+
+def _contexts(world, step):
+    from commpress.compressors import Context
+
+    return [Context(rank=r, world_size=world, step=step) for r in range(world)]
+
+
+def test_bytes_on_the_wire():
+    sizes = (200, 37, 1, 6)
+    buckets = _buckets([_grads(r, sizes) for r in range(2)])
+    sim = _reduce(buckets)
+    expected = sum(math.ceil(n / 4) for n in sizes) + 4 * len(sizes)  # codes + one fp32 scale per tensor
+    for t in sim.traffic:
+        assert t.bytes_sent == expected and t.collectives == 2
+
+
+def test_all_zero_gradients():
+    buckets = _buckets([[torch.zeros(10), torch.zeros(3)]] * 2)
+    _reduce(buckets)
+    assert torch.equal(buckets[0].buffer, torch.zeros(13))
+
+
+def test_constant_tensor_is_exact():
+    # std = 0: no clipping; s = |c| and every element is kept with probability 1
+    buckets = _buckets([[torch.full((9,), -0.25)]] * 2)
+    _reduce(buckets)
+    assert torch.equal(buckets[0].buffer, torch.full((9,), -0.25))
+
+
+def test_empty_bucket_and_empty_tensor():
+    sim = _reduce([Bucket(0, torch.zeros(0)) for _ in range(2)])
+    assert sim.traffic[0].bytes_sent == 0 and sim.traffic[0].collectives == 0
+    buckets = _buckets([[torch.ones(5), torch.zeros(0), torch.ones(2)]] * 2)
+    sim = _reduce(buckets)
+    assert torch.equal(buckets[0].buffer, torch.ones(7))
+    assert sim.traffic[0].bytes_sent == 2 + 1 + 2 * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_gradients(dtype):
+    grads = [g.to(dtype) for g in _grads()]
+    buckets = _buckets([grads] * 2, dtype=dtype)
+    _reduce(buckets, clip_sigma=0.0)
+    assert buckets[0].buffer.dtype == dtype
+    for view, g in zip(buckets[0].views(), grads):
+        s = g.float().abs().max()
+        units = view.float() * 2 / s
+        # the decoded value is rounded once into the half dtype: 2^-8 relative for bf16
+        assert (units - units.round()).abs().max() < 1e-2
+        nonzero = view != 0
+        assert torch.equal(view[nonzero].sign(), g[nonzero].sign())
+
+
+def test_strided_buffer_gives_the_same_result():
+    grads = _grads()
+    dense = _buckets([grads] * 2)
+    _reduce(dense, step=2)
+    strided = []
+    for b in _buckets([grads] * 2):
+        big = torch.zeros(2 * b.buffer.numel())
+        big[::2] = b.buffer
+        strided.append(Bucket(0, big[::2], b.slots))
+    _reduce(strided, step=2)
+    assert not strided[0].buffer.is_contiguous()
+    assert torch.equal(strided[0].buffer, dense[0].buffer)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_tensor_is_nan_on_every_rank(bad):
+    # policy: a non-finite tensor on any rank poisons that tensor everywhere (so that
+    # torch.amp's GradScaler skips the step on every rank); the other tensors are decoded
+    per_rank = [_grads(seed=r) for r in range(2)]
+    per_rank[1][0][5] = bad
+    buckets = _buckets(per_rank)
+    _reduce(buckets)
+    for b in buckets:
+        first, second = b.views()
+        assert first.isnan().all()
+        assert second.isfinite().all()
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match=r"clip_sigma = -1.0 is not accepted; expected a finite number >= 0"):
+        build("terngrad", {"clip_sigma": -1.0})
+    with pytest.raises(ConfigError, match=r"clip_sigma = nan"):
+        build("terngrad", {"clip_sigma": math.nan})
+    with pytest.raises(ConfigError, match=r"seed = -1 is not accepted"):
+        build("terngrad", {"seed": -1})
+    with pytest.raises(ConfigError, match=r"unknown key 'ratio'"):
+        build("terngrad", {"ratio": 0.1})
+    with pytest.raises(TypeError, match="does not support gradient dtype int32"):
+        _reduce([Bucket(0, torch.ones(4, dtype=torch.int32))])
+
+
+def test_framing_round_trip():
+    pieces = [torch.arange(5, dtype=torch.int32), torch.tensor([1.5, -2.0], dtype=torch.float16), torch.zeros(0)]
+    layout = [(p.dtype, p.numel()) for p in pieces]
+    frames = [frame([p * (r + 1) for p in pieces]) for r in range(3)]
+    assert frames[0].dtype == torch.uint8 and frames[0].numel() == framed_nbytes(layout) == 24
+    for j, rows in enumerate(unframe(frames, layout)):
+        assert rows.shape == (3, pieces[j].numel()) and rows.dtype == pieces[j].dtype
+        for r in range(3):
+            assert torch.equal(rows[r], pieces[j] * (r + 1))
+    with pytest.raises(ValueError, match="expected 24 uint8"):
+        unframe([frames[0][:-1]], layout)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_gives_the_same_bits_as_cpu():
+    per_rank = [_grads(seed=r) for r in range(2)]
+    cpu = _buckets(per_rank)
+    gpu = [Bucket(b.index, b.buffer.cuda(), b.slots) for b in _buckets(per_rank)]
+    _reduce(cpu, step=4)
+    _reduce(gpu, step=4)
+    assert torch.equal(gpu[0].buffer.cpu(), cpu[0].buffer)
