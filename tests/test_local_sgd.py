@@ -58,9 +58,10 @@ def _lr(step: int) -> float:
 
 
 def _checks(rank: int, world: int) -> dict:
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from commpress.local_sgd import QSR, LocalSGD
+    from commpress.local_sgd import CO2, QSR, LocalSGD
 
     out: dict = {}
     # plain module, constant period 3
@@ -90,6 +91,43 @@ def _checks(rank: int, world: int) -> dict:
     out["adam"] = []
     _run(trainer, model, opt, 4, rank, spreads=out["adam"])
     out["adam_moment"] = opt.state[next(iter(model.parameters()))]["exp_avg"].clone()
+
+    # buffers: BatchNorm running statistics averaged with the parameters when asked
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = LocalSGD(model, opt, period=2, average_buffers=True)
+    _run(trainer, model, opt, 1, rank)
+    stats = model[1].running_mean
+    every = [torch.empty_like(stats) for _ in range(world)]
+    dist.all_gather(every, stats.clone())
+    out["buffers_local"] = any(not torch.equal(e, every[0]) for e in every)
+    _run(trainer, model, opt, 1, rank, start=1)
+    dist.all_gather(every, stats.clone())
+    out["buffers_averaged"] = all(torch.equal(e, every[0]) for e in every)
+    out["buffers_counter"] = int(model[1].num_batches_tracked)
+
+    # a non-finite model on one rank: every rank refuses the average, nothing changes
+    out["nonfinite"] = {}
+    for kind in ("local_sgd", "co2"):
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        trainer = LocalSGD(model, opt, period=2) if kind == "local_sgd" else CO2(model, opt, period=2, outer_momentum=0.5)
+        _run(trainer, model, opt, 4, rank)
+        if rank == 1:
+            with torch.no_grad():
+                next(iter(model.parameters()))[0, 0] = float("nan")
+        if kind == "co2":  # CO2 sends the NaN at the next sync and meets it one round later
+            _run(trainer, model, opt, 2, rank, start=4)
+        anchor = trainer.anchor.clone()
+        momentum = trainer.momentum.clone() if kind == "co2" else None
+        message = ""
+        try:
+            _run(trainer, model, opt, 2, rank, start=6)
+        except FloatingPointError as exc:
+            message = str(exc)
+        same = torch.equal(trainer.anchor, anchor) and (momentum is None or torch.equal(trainer.momentum, momentum))
+        out["nonfinite"][kind] = (message, same)
     return out
 
 
@@ -141,3 +179,17 @@ def test_local_adamw_keeps_moments_local(checks):
     _, results = checks
     assert all(spread == 0.0 for _, _, spread in results[0]["adam"][1::2])  # bf16 averaging, every 2 steps
     assert not torch.equal(results[0]["adam_moment"], results[1]["adam_moment"])
+
+
+def test_non_finite_average_raises_on_every_rank_and_changes_nothing(checks):
+    _, results = checks
+    for result in results:
+        for kind, (message, unchanged) in result["nonfinite"].items():
+            assert "is not finite" in message, kind
+            assert unchanged, kind
+
+
+def test_average_buffers(checks):
+    _, results = checks
+    assert results[0]["buffers_local"] and results[0]["buffers_averaged"]
+    assert results[0]["buffers_counter"] == 2  # integer buffers are left alone

@@ -31,37 +31,44 @@ def _reduce(buckets: list[Bucket], step: int = 0, **params) -> SimulatedWorld:
     return sim
 
 
+def _rms(t: torch.Tensor) -> torch.Tensor:
+    return t.square().mean().sqrt()  # the standard deviation about zero
+
+
 def _clipped(t: torch.Tensor, sigma: float = 2.5) -> torch.Tensor:
-    bound = sigma * t.std(correction=0)
+    bound = sigma * _rms(t)
     return t.clamp(-bound, bound)
 
 
 def test_unbiased_mean_of_many_decodes_is_the_clipped_gradient():
-    # Every rank holds the same gradient, so the shared scale s is max|clip(g)| and the
-    # world's average is the mean of `world` independent decodes (ranks draw independent
-    # bits); over `steps` steps that is N = world * steps samples per element.
+    # Half the ranks hold g, half 2g: the shared scale S is max|clip(2g)| = 2 max|clip(g)|,
+    # so the g ranks clip at their own (lower) bound and quantize against a larger scale.
+    # Each step's average is then an average of `world` independent decodes (ranks draw
+    # independent bits) whose expectation is (clip(g) + clip(2g)) / 2 = 1.5 clip(g).
     world, steps = 16, 64
     grads = _grads()
+    doubled = [2 * g for g in grads]
     total = [torch.zeros_like(g) for g in grads]
     for step in range(steps):
-        buckets = _buckets([grads] * world)
+        buckets = _buckets([grads if r % 2 == 0 else doubled for r in range(world)])
         _reduce(buckets, step=step)
         for acc, view in zip(total, buckets[0].views()):
             acc += view
-    n = world * steps
     for acc, g in zip(total, grads):
-        x = _clipped(g)
-        s = x.abs().max()
-        # One decode of element i is s*sign(x_i) with probability |x_i|/s, else 0: mean x_i,
-        # variance s|x_i| - x_i^2. The mean of N decodes has standard deviation
-        # sigma_i = sqrt((s|x_i| - x_i^2) / N); allow 5 sigma_i per element (a false alarm
-        # has probability < 1e-6 per element under the normal approximation, and the seeds
-        # are fixed), plus float32 rounding of the running sum.
-        sigma = ((s * x.abs() - x * x).clamp_min(0) / n).sqrt()
-        err = (acc / steps - x).abs()
+        x1, x2 = _clipped(g), _clipped(2 * g)
+        s = x2.abs().max()
+        expected = (x1 + x2) / 2
+        # One decode of x is S*sign(x) with probability |x|/S, else 0: mean x, variance
+        # S|x| - x^2. The step average of world/2 decodes of x1 and world/2 of x2, averaged
+        # over `steps` steps, has variance sum_r (S|x_r| - x_r^2) / world^2 / steps. Allow 5
+        # standard deviations per element (a false alarm has probability < 1e-6 per element
+        # under the normal approximation, and the seeds are fixed), plus float32 rounding.
+        var = (world / 2) * ((s * x1.abs() - x1 * x1) + (s * x2.abs() - x2 * x2)) / world**2 / steps
+        sigma = var.clamp_min(0).sqrt()
+        err = (acc / steps - expected).abs()
         assert (err <= 5 * sigma + 1e-5 * s).all(), (err - 5 * sigma).max()
-        # and it is a real test: the unclipped gradient is far outside that band
-        assert ((acc / steps - g).abs() > 5 * sigma + 1e-5 * s).any()
+        # and it is a real test: without clipping the mean would be 1.5 g, far outside that band
+        assert ((acc / steps - 1.5 * g).abs() > 5 * sigma + 1e-5 * s).any()
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 13, 64, 101])
@@ -96,7 +103,7 @@ def test_several_ranks_share_the_max_scale():
 
 def test_clipping_sets_the_scale():
     g = _grads()[0]
-    for sigma, expected in [(0.0, g.abs().max()), (2.5, 2.5 * g.std(correction=0)), (1.0, g.std(correction=0))]:
+    for sigma, expected in [(0.0, g.abs().max()), (2.5, 2.5 * _rms(g)), (1.0, _rms(g))]:
         bucket = Bucket.from_tensors(0, [g.clone()], ["w"])
         _reduce([bucket], clip_sigma=sigma)
         assert abs(bucket.buffer.abs().max().item() - expected.item()) <= 1e-6 * expected.item()
@@ -149,11 +156,18 @@ def test_all_zero_gradients():
     assert torch.equal(buckets[0].buffer, torch.zeros(13))
 
 
-def test_constant_tensor_is_exact():
-    # std = 0: no clipping; s = |c| and every element is kept with probability 1
+def test_constant_and_offset_tensors_are_not_collapsed():
+    # a constant tensor: rms = |c| < max|g| is false, no clipping; every element is kept
+    # with probability 1, so the decode is exact
     buckets = _buckets([[torch.full((9,), -0.25)]] * 2)
     _reduce(buckets)
     assert torch.equal(buckets[0].buffer, torch.full((9,), -0.25))
+    # a large common offset with small spread: the deviation about the mean (0.01) would
+    # clip everything to 0.025; about zero, the scale stays near the values (~1)
+    g = 1.0 + 0.01 * torch.randn(50, generator=torch.Generator().manual_seed(3))
+    bucket = Bucket.from_tensors(0, [g.clone()], ["w"])
+    _reduce([bucket])
+    assert bucket.buffer.max() > 0.9
 
 
 def test_empty_bucket_and_empty_tensor():

@@ -307,3 +307,17 @@ def test_cuda_gives_the_same_bits_as_cpu():
         sim.reduce(gpu, b, step=step)
         assert torch.equal(b[0].buffer.cpu(), a[0].buffer)
     assert torch.equal(_residual(gpu[1]).cpu(), _residual(cpu[1]))
+
+
+def test_throughput_script_runs():
+    # the tooling behind docs/quantization.md's throughput table, on a tiny buffer
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "compress_throughput.py"
+    spec = importlib.util.spec_from_file_location("compress_throughput", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.measure(numel=1000, tensors=3, world=2, repeat=1, specs=["terngrad", "topk:ratio=0.1"])
+    assert [r[0] for r in rows] == ["copy", "terngrad", "topk:ratio=0.1"]
+    assert all(float(cell.rstrip("x")) > 0 for r in rows for cell in r[1:])

@@ -13,6 +13,7 @@ __all__ = ["main"]
 COMMANDS = {
     "demo": "commpress.cli.demo",
     "bench": "commpress.cli.bench",
+    "bandwidth": "commpress.cli.bandwidth",
 }
 
 

@@ -1,6 +1,6 @@
 """TernGrad (Wen et al., 2017): every gradient element becomes -s, 0 or +s, 2 bits on the wire.
 
-Per tensor: clip at ``clip_sigma`` standard deviations, take s = max|g| (one scalar per
+Per tensor: clip at ``clip_sigma`` standard deviations (about zero), take s = max|g| (one scalar per
 tensor, shared across ranks by a max all-reduce: ONE small collective per bucket),
 keep each element with probability |g|/s (so the expectation is g: unbiased), and send
 the signs packed 4 per byte, all tensors of a bucket in ONE uniform all-gather. The
@@ -31,9 +31,11 @@ class TernGradCompressor(Compressor):
     """Stochastic ternary gradients with layer-wise scales shared across ranks.
 
     Args:
-        clip_sigma: clip each tensor at ``clip_sigma`` times its standard deviation
-            before quantizing (TernGrad's gradient clipping; 0 turns it off). A tensor whose
-            standard deviation is 0 (constant values) is not clipped.
+        clip_sigma: clip each tensor at ``clip_sigma`` times its standard deviation about
+            zero, sqrt(mean(g^2)), before quantizing (TernGrad's gradient clipping; 0 turns
+            it off). For the zero-mean gradients TernGrad's analysis assumes this is its
+            sigma; unlike the deviation about the mean, it never clips a tensor with a large
+            common offset (a nearly constant tensor) down to a fraction of its values.
         seed: mixed with rank, step and parameter name into the key of the counter-based
             random generator, so runs are reproducible and ranks draw independent bits.
 
@@ -65,9 +67,12 @@ class TernGradCompressor(Compressor):
         if not slots:
             return
         views = [bucket.buffer[s.offset : s.offset + s.numel] for s in slots]
-        bounds, clip, scales = self._local_scales(views)
+        bounds, peaks, scales = self._local_scales(views)
         shared = yield AllReduce(scales, op="max")
         finite = torch.isfinite(shared).tolist()
+        # Elements above the shared scale are always kept (probability >= 1): the quantizer
+        # clips at s by itself. Clamp explicitly only where this rank's bound is lower.
+        clip = (bounds < torch.minimum(peaks, shared)).tolist()
         pieces = []
         for t, (slot, view) in enumerate(zip(slots, views)):
             if not finite[t]:
@@ -84,28 +89,28 @@ class TernGradCompressor(Compressor):
             else:
                 view.fill_(math.nan)
 
-    def _local_scales(self, views: list[torch.Tensor]) -> tuple[torch.Tensor, list[bool], torch.Tensor]:
-        """Per tensor on this rank: the clip bound (float32[T]), whether clipping changes
-        anything, and the scale (float32[T]).
+    def _local_scales(self, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per tensor on this rank, float32[T] each: the clip bound, max|g|, and the scale.
 
-        The bound is ``clip_sigma``·std (+Inf when clipping is off or std is 0); the scale
-        is max|g| after clipping, +Inf for a tensor that holds Inf or NaN.
+        The bound is ``clip_sigma`` times the root mean square of the tensor (+Inf when
+        clipping is off or the tensor is 0); the scale is max|g| after clipping, +Inf for a
+        tensor that holds Inf or NaN.
         """
-        peaks, stds = [], []
+        peaks, norms = [], []
         for v in views:
             lo, hi = torch.aminmax(v)
             peaks.append(torch.maximum(-lo, hi).float())
             if self.clip_sigma:
-                stds.append(torch.std(v.float() if v.dtype != torch.float32 else v, correction=0))
+                norms.append(torch.linalg.vector_norm(v, dtype=torch.float32) / math.sqrt(v.numel()))
         peak = torch.stack(peaks)
         if self.clip_sigma:
-            bound = self.clip_sigma * torch.stack(stds)
+            bound = self.clip_sigma * torch.stack(norms)
             bound = torch.where(bound > 0, bound, math.inf)
         else:
             bound = torch.full_like(peak, math.inf)
         scale = torch.minimum(peak, bound)
         scale = torch.where(torch.isfinite(scale) & torch.isfinite(peak), scale, math.inf)
-        return bound, (bound < peak).tolist(), scale
+        return bound, peak, scale
 
 
 def _packed_len(n: int) -> int:

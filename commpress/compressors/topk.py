@@ -37,6 +37,11 @@ EXACT_MAX_NUMEL = 1 << 16
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """No Inf/NaN in ``t``: one float64 sum (Inf/NaN propagate, float32 values cannot overflow it)."""
+    return bool(torch.isfinite(t.sum(dtype=torch.float64)))
+
+
 def topk_count(ratio: float, numel: int) -> int:
     """How many entries a tensor of ``numel`` elements sends: ceil(ratio·numel), at least 1."""
     return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
@@ -136,12 +141,12 @@ class TopKCompressor(Compressor):
         indices, values = self._select(acc, bucket, slots, counts, ctx)
         # Inf/NaN rank first in every tensor's selection, so a non-finite acc always sends
         # a non-finite value: every rank's decode is then non-finite (no extra pass needed)
-        finite = bool(values.isfinite().all())
+        finite = _all_finite(values)
         wire = self._to_wire(acc, indices, values) if finite else values.to(self.value_dtype)
         gathered = yield AllGather(frame([indices, wire]), uniform=True)
         all_indices, all_values = unframe(gathered, [(torch.int32, k), (self.value_dtype, k)])
         scatter_add_decode(all_values, all_indices, n, bucket.buffer, average=True)
-        if finite and bool(all_values.isfinite().all()):
+        if finite and _all_finite(all_values):
             residual.buffer = acc  # not from a non-finite step: the old residual stays
 
     def _select(

@@ -18,7 +18,17 @@ from commpress.local_sgd.flat import FlatModel
 from commpress.local_sgd.periods import Period
 from commpress.local_sgd.rounds import RoundClock
 
-__all__ = ["LocalSGD"]
+__all__ = ["LocalSGD", "check_finite"]
+
+
+def check_finite(average: torch.Tensor, name: str, round_index: int) -> None:
+    """Refuse a non-finite average before it reaches the anchor (or CO2's momentum): every
+    rank holds the same average, so every rank raises, and the state stays as it was."""
+    if not bool(torch.isfinite(average).all()):
+        raise FloatingPointError(
+            f"{name}: the average of round {round_index} is not finite (a rank's model holds inf or NaN); "
+            "the anchor and the outer state were left unchanged: restore a checkpoint or lower the learning rate"
+        )
 
 
 class LocalSGD:
@@ -31,7 +41,8 @@ class LocalSGD:
     averages floating-point buffers (BatchNorm statistics). ``total_steps`` lets QSR cap
     the last round at the last step.
 
-    ``wait_seconds`` records how long each averaging blocked the caller.
+    ``wait_seconds`` records how long each averaging blocked the caller. A non-finite
+    average raises ``FloatingPointError`` on every rank and changes nothing.
 
     With DDP, a comm hook that keeps gradients local is registered here (construct before
     the first backward); a plain module gets rank 0's values at construction. The optimizer
@@ -94,6 +105,7 @@ class LocalSGD:
         t0 = time.perf_counter()
         self.averager.average(self.flat.bucket(delta))
         self.wait_seconds.append(time.perf_counter() - t0)
+        check_finite(delta, self.name, self.clock.rounds)
         self.anchor.add_(delta)
         self.flat.write(self.anchor)
         self.clock.round_done()

@@ -114,7 +114,8 @@ def train_local_sgd(
     CO2 from the config's ``[local_sgd]`` table: DDP keeps gradients local and the models
     are averaged at the end of each round and once more at the end (``finish``).
     ``state`` holds the averager's state plus ``periods`` (H of every round), ``rounds``
-    and ``wait_seconds`` (how long each sync point was blocked by communication)."""
+    and ``wait_seconds`` (how long each sync point was blocked by communication).
+    ``step_seconds`` is the mean step time, not the median, so the averaging steps count."""
     import torch.distributed as dist
 
     from commpress.local_sgd import from_config
@@ -146,6 +147,7 @@ def train_local_sgd(
     with torch.no_grad():
         eval_loss = F.cross_entropy(model(xe), ye).item()
     traffic = trainer.traffic.snapshot()
+    settled = times[min(5, steps - 1) :]
     state = {
         **trainer.state_dict(),
         "periods": list(trainer.clock.periods),
@@ -156,7 +158,7 @@ def train_local_sgd(
         losses=losses,
         eval_loss=eval_loss,
         bytes_per_step=traffic["bytes_sent"] / steps,
-        step_seconds=statistics.median(times[min(5, steps - 1) :]),
+        step_seconds=sum(settled) / len(settled),  # the mean: averaging falls on one step in H
         compute_seconds_per_step=traffic["compute_seconds"] / steps,
         params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]) if return_params else None,
         state=state,
