@@ -14,6 +14,8 @@ COMMANDS = {
     "demo": "commpress.cli.demo",
     "bench": "commpress.cli.bench",
     "bench-fsdp": "commpress.cli.bench_fsdp",
+    "linkemu": "commpress.cli.linkemu",
+    "bandwidth": "commpress.cli.bandwidth",
 }
 
 

@@ -11,6 +11,8 @@ from commpress.compressors.base import AllGather, AllReduce, Collective
 __all__ = ["TorchBackend"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+# torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchBackend(Backend):
@@ -18,20 +20,27 @@ class TorchBackend(Backend):
 
     Opens one communicator per round over the ranks of ``process_group`` (all of them
     must construct the backend together, in the same order relative to other group
-    creations).
+    creations), or uses ``channels``, one communicator per round over the same ranks,
+    created by the caller (who may need every rank of the world to create them together).
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, rounds: int = 1) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        rounds: int = 1,
+        channels: list[dist.ProcessGroup] | None = None,
+    ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "the torch backend needs torch.distributed initialized: call "
                 'torch.distributed.init_process_group(...) first (or use backend = "mpi" under mpirun)'
             )
         group = process_group if process_group is not None else dist.group.WORLD
+        rounds = len(channels) if channels is not None else rounds
         super().__init__(dist.get_rank(group), dist.get_world_size(group), rounds)
         self.group = group
         ranks = dist.get_process_group_ranks(group)
-        self._groups = [dist.new_group(ranks, use_local_synchronization=True) for _ in range(rounds)]
+        self._groups = channels or [dist.new_group(ranks, use_local_synchronization=True) for _ in range(rounds)]
 
     def allgather_object(self, obj: object) -> list[object]:
         out: list[object] = [None] * self.world_size
@@ -51,7 +60,7 @@ class TorchBackend(Backend):
         else:
             mine = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
             all_sizes = mine.new_empty(self.world_size)
-            dist.all_gather_into_tensor(all_sizes, mine, group=group)
+            _all_gather_single(all_sizes, mine, group=group)
             self.traffic.add(nbytes=mine.numel() * mine.element_size(), collectives=1)
             sizes = all_sizes.tolist()
         longest = max(sizes)
@@ -62,6 +71,6 @@ class TorchBackend(Backend):
         if tensor.numel() < longest:
             tensor = torch.cat([tensor, tensor.new_zeros(longest - tensor.numel())])
         out = tensor.new_empty(self.world_size * longest)
-        work = dist.all_gather_into_tensor(out, tensor.contiguous(), group=group, async_op=True)
+        work = _all_gather_single(out, tensor.contiguous(), group=group, async_op=True)
         rows = out.view(self.world_size, longest)
         return work.get_future().then(lambda _: [rows[i, :n] for i, n in enumerate(sizes)])

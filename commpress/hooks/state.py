@@ -52,8 +52,16 @@ class CommState:
         rounds = sum(c.rounds for c in self.compressors.values())
         self.backend = backend if backend is not None else make_backend(self.config.backend, process_group, rounds)
         self.step = 0
-        self._layouts: dict[int, tuple[tuple[int, ...], tuple[_Part, ...]]] = {}
+        self._layouts: dict[int, tuple[tuple[int, ...], tuple[_Part, ...], tuple[ParamSlot, ...]]] = {}
+        self._step_open = False  # a bucket of the current step has been seen
         self._check_same_config()
+        # [bandwidth] adaptive = true: measured links, a plan, hierarchical reduction
+        bandwidth = self.config.section("bandwidth")
+        self.adaptive = None
+        if bandwidth is not None and bandwidth.adaptive:
+            from commpress.hooks.adaptive import AdaptiveLayer
+
+            self.adaptive = AdaptiveLayer(self, bandwidth, model, process_group)
 
     @property
     def rank(self) -> int:
@@ -95,31 +103,43 @@ class CommState:
         members = tuple(id(p) for p in params) if params is not None else (buffer.numel(),)
         cached = self._layouts.get(index)
         if cached is None or cached[0] != members:
-            cached = self._layouts[index] = (members, self._layout(buffer, params))
-        layout = cached[1]
+            slots = self._slots(buffer, params)
+            cached = self._layouts[index] = (members, self._parts(slots), slots)
+        _, layout, slots = cached
+        first_bucket, self._step_open = not self._step_open, not advance
         ctx = Context(rank=self.rank, world_size=self.world_size, step=self.step)
-        if self.step < self.config.start_iter:
-            gen = self._warmup.reduce(Bucket(index, buffer), ctx)
-        else:
-            gen = self._run_parts(index, buffer, layout, ctx)
+        step = self.step
         if advance:
             self.step += 1
-        return self.backend.run(gen, buffer)
+        if step < self.config.start_iter:
+            return self.backend.run(self._warmup.reduce(Bucket(index, buffer), ctx), buffer)
+        if self.adaptive is not None:
+            if first_bucket:  # no reduction of this state is in flight: safe to re-measure
+                self.adaptive.begin_step(step)
+            return self.adaptive.run(index, buffer, slots, self._shard_reduction, step)
+        return self.backend.run(self._run_parts(index, buffer, layout, ctx), buffer)
 
-    def _layout(self, buffer: torch.Tensor, params: Sequence[torch.Tensor] | None) -> tuple[_Part, ...]:
+    def _shard_reduction(self, bucket: Bucket, ctx: Context) -> Reduction:
+        """The method groups' reduction of a bucket given by its slots (hierarchical shards)."""
+        return self._run_parts(bucket.index, bucket.buffer, self._parts(tuple(bucket.slots)), ctx)
+
+    def _slots(self, buffer: torch.Tensor, params: Sequence[torch.Tensor] | None) -> tuple[ParamSlot, ...]:
         if params is None:
-            return (_Part("main", (ParamSlot("flat", buffer.shape, 0),), True),)
-        groups: dict[str, list[ParamSlot]] = {}
-        offset = 0
+            return (ParamSlot("flat", buffer.shape, 0),)
+        slots, offset = [], 0
         for i, p in enumerate(params):
-            name = self._names.get(id(p), f"param{i}")
-            key = self._group_key(name)
-            groups.setdefault(key, []).append(ParamSlot(name, p.shape, offset))
+            slots.append(ParamSlot(self._names.get(id(p), f"param{i}"), p.shape, offset))
             offset += p.numel()
         if offset != buffer.numel():
             raise ValueError(f"bucket parameters hold {offset} elements, its buffer {buffer.numel()}")
+        return tuple(slots)
+
+    def _parts(self, slots: tuple[ParamSlot, ...]) -> tuple[_Part, ...]:
+        groups: dict[str, list[ParamSlot]] = {}
+        for slot in slots:
+            groups.setdefault(self._group_key(slot.name), []).append(slot)
         whole = len(groups) == 1
-        return tuple(_Part(key, tuple(slots), whole) for key, slots in groups.items())
+        return tuple(_Part(key, tuple(members), whole) for key, members in groups.items())
 
     def _group_key(self, name: str) -> str:
         for i, ov in enumerate(self.config.overrides):
@@ -143,11 +163,14 @@ class CommState:
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter and every compressor's state, for checkpoints."""
-        return {
+        state = {
             "step": self.step,
             "config_digest": self.config.digest(),
             "compressors": {key: c.state_dict() for key, c in self.compressors.items()},
         }
+        if self.adaptive is not None:
+            state["adaptive"] = self.adaptive.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; the config must be the one the state was saved with."""
@@ -157,6 +180,8 @@ class CommState:
                 f"{self.config.digest()}: load it with the same config"
             )
         self.step = int(state["step"])
+        if self.adaptive is not None:  # first: it rebuilds the compressors of the saved plan
+            self.adaptive.load_state_dict(state["adaptive"])
         for key, c in self.compressors.items():
             c.load_state_dict(state["compressors"].get(key, {}))
 

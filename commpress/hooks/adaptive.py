@@ -1,0 +1,178 @@
+"""The bandwidth-aware layer of a :class:`~commpress.hooks.state.CommState`.
+
+Turned on by ``[bandwidth] adaptive = true``. At start-up it measures the links
+(:func:`~commpress.comm.topology.measure_topology`, the same result on every rank), plans
+(:func:`~commpress.comm.planner.plan_hierarchy`, a pure function of that measurement),
+checks that every rank holds the same plan, and reduces every bucket hierarchically:
+uncompressed inside fast domains, compressed across them with each method's parameter
+set from the planned ratio of this rank's cross-domain group. With ``remeasure_every``
+it measures and plans again at the start of every N-th step, on every rank at the same
+bucket, when no reduction is in flight.
+
+Changing a method's parameter keeps its state: the new instance loads the old one's
+``state_dict`` (error feedback, warm starts), converted where the parameter shapes it
+(:func:`commpress.comm.ratios.adapt_state`: a low-rank method keeps its error buffers
+and restarts its warm start when the rank changes). A plan that switches a group to ``none``
+(its links are fast enough) parks the compressor with its state; a later plan that
+brings the method back resumes it. Parked compressors are part of ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from commpress.comm.hierarchical import HierarchicalBackend, MakeReduction
+from commpress.comm.planner import BandwidthConfig, HierarchyPlan, plan_hierarchy
+from commpress.comm.ratios import adapt_state, method_for_ratio
+from commpress.comm.topology import Topology, measure_topology
+from commpress.compressors import Compressor, ParamSlot, build, compressor_class
+from commpress.errors import ConfigError
+
+if TYPE_CHECKING:
+    from commpress.hooks.state import CommState
+
+__all__ = ["AdaptiveLayer"]
+
+
+class AdaptiveLayer:
+    """Measure, plan, and run hierarchical reductions for one CommState."""
+
+    def __init__(self, state: CommState, settings: BandwidthConfig, model: torch.nn.Module | None, process_group: Any) -> None:
+        import torch.distributed as dist
+
+        if state.config.backend != "torch":
+            raise ConfigError(f"[bandwidth] adaptive = true needs backend = 'torch', got backend = {state.config.backend!r}")
+        if model is None:
+            raise ConfigError("[bandwidth] adaptive = true needs the model (pass model= to CommState) to size the plan")
+        self.settings = settings
+        self._state = state
+        self._group = process_group if process_group is not None else dist.group.WORLD
+        self._measure_group = dist.new_group(dist.get_process_group_ranks(self._group))
+        # what each method group was configured with, and the tensors it covers
+        self.configured: dict[str, tuple[str, dict[str, Any]]] = {"main": (state.config.method, dict(state.config.params))}
+        for i, ov in enumerate(state.config.overrides):
+            self.configured[f"override{i}"] = (ov.method, dict(ov.method_params))
+        self.shapes: dict[str, list[tuple[int, ...]]] = {key: [] for key in self.configured}
+        self.payload_bytes = 0
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.shapes[state._group_key(name)].append(tuple(p.shape))
+                self.payload_bytes += p.numel() * p.element_size()
+        # a group switches between its configured method and none (1 round): the method's rounds suffice
+        self.rounds = sum(compressor_class(m).rounds for m, _ in self.configured.values())
+        self.active: dict[str, tuple[str, dict[str, Any]]] = {key: (m, dict(p)) for key, (m, p) in self.configured.items()}
+        self.parked: dict[tuple[str, str], Compressor] = {}
+        self.parked_params: dict[tuple[str, str], dict[str, Any]] = {}
+        self.topology: Topology | None = None
+        self.plan: HierarchyPlan | None = None
+        self.backend: HierarchicalBackend | None = None
+        self.history: list[dict[str, Any]] = []  # (step, plan) of every plan, for logs and tests
+        self.replan(self.measure(), step=0)
+
+    @property
+    def domain_traffic(self):
+        """Uncompressed bytes this rank sent inside its domain."""
+        return self.backend.domain_traffic
+
+    def measure(self) -> Topology:
+        """Measure the links now (all ranks together; nothing may be in flight)."""
+        s = self.settings
+        return measure_topology(
+            self._measure_group, probe_ms=s.probe_ms, fast_gbps=s.fast_gbps, group_by=s.group_by, domains=s.domains or None
+        )
+
+    def begin_step(self, step: int) -> None:
+        """Called before the first bucket of ``step``: re-measure and re-plan if due."""
+        every = self.settings.remeasure_every
+        if every and step > 0 and step % every == 0:
+            self.replan(self.measure(), step)
+
+    def replan(self, topology: Topology, step: int | None = None) -> HierarchyPlan:
+        """Plan from ``topology`` and switch to it. Every rank must call it with the same
+        topology (measured ones are); raises RuntimeError if the plans differ."""
+        plan = plan_hierarchy(topology.domains, topology.bandwidth, self.payload_bytes, topology.latency, self.settings)
+        digest = _digest(plan.to_dict())
+        import torch.distributed as dist
+
+        digests: list[Any] = [None] * dist.get_world_size(self._measure_group)
+        dist.all_gather_object(digests, digest, group=self._measure_group)
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"ranks planned differently (plan digests {digests}); every rank must plan from the same topology")
+        if self.plan is None or plan.domains != self.plan.domains:
+            self.backend = HierarchicalBackend(plan, self.rounds, self._group, traffic=self._state.backend.traffic)
+        else:
+            self.backend.plan = plan
+        self.topology, self.plan = topology, plan
+        self._apply(plan)
+        self.history.append(
+            {"step": step if step is not None else self._state.step, "plan": plan.to_dict(), "active": self._spec()}
+        )
+        return plan
+
+    def cross_ratio(self) -> float | None:
+        """The planned ratio of this rank's cross-domain group (None: it has none)."""
+        b = self.backend
+        return None if b.cross_index is None or not self.plan.cross_groups else self.plan.cross_ratio[b.cross_index]
+
+    def _apply(self, plan: HierarchyPlan) -> None:
+        ratio = self.cross_ratio()
+        if ratio is None:
+            return  # this rank compresses nothing: keep whatever it holds
+        for key, (method, params) in self.configured.items():
+            self._switch(key, *method_for_ratio(method, params, ratio, self.shapes[key]))
+
+    def _switch(self, key: str, method: str, params: dict[str, Any]) -> None:
+        """Make ``key`` use ``method`` with ``params``, carrying the method's state over."""
+        if self.active[key] == (method, params):
+            return
+        compressors = self._state.compressors
+        old_method, old_params = self.active[key]
+        self.parked[key, old_method], self.parked_params[key, old_method] = compressors[key], old_params
+        new = build(method, params)
+        previous = self.parked.pop((key, method), None)
+        previous_params = self.parked_params.pop((key, method), None)
+        if previous is not None:
+            new.load_state_dict(adapt_state(method, previous.state_dict(), previous_params, params))
+        compressors[key] = new
+        self.active[key] = (method, params)
+
+    def _spec(self) -> dict[str, list[Any]]:
+        return {key: [m, dict(sorted(p.items()))] for key, (m, p) in self.active.items()}
+
+    def run(
+        self, index: int, buffer: torch.Tensor, slots: Sequence[ParamSlot], make: MakeReduction, step: int
+    ) -> torch.futures.Future:
+        """Reduce one bucket hierarchically (see :class:`HierarchicalBackend`)."""
+        return self.backend.run(index, buffer, slots, make, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The topology the plan came from, the active methods, the parked states."""
+        return {
+            "topology": self.topology.to_dict(),
+            "active": self._spec(),
+            "parked": [
+                [key, method, self.parked_params[key, method], c.state_dict()] for (key, method), c in self.parked.items()
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Return to the saved plan (no measurement) with the saved compressors; the
+        active compressors' own states are loaded by CommState afterwards."""
+        self.replan(Topology.from_dict(state["topology"]))
+        for key, (method, params) in state["active"].items():
+            self._switch(key, method, dict(params))
+        self.parked, self.parked_params = {}, {}
+        for key, method, params, sd in state["parked"]:
+            c = build(method, params)
+            c.load_state_dict(sd)
+            self.parked[key, method], self.parked_params[key, method] = c, dict(params)
+
+
+def _digest(data: Any) -> str:
+    text = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,51 @@
+"""A test-only Top-k with error feedback: keeps the ``ratio`` largest entries of
+grad + residual, all-reduces them densely and keeps the rest as residual. Its only job is
+to have a ratio knob and error-feedback state, so that plan changes can be checked to
+keep that state (mass is conserved: sent + residual == input + old residual, exactly)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from commpress.comm.ratios import register_ratio_mapping
+from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction, register_compressor
+from commpress.errors import ConfigError
+
+
+@register_compressor
+class EFTopK(Compressor):
+    name: ClassVar[str] = "test-eftopk"
+
+    def __init__(self, ratio: float = 0.1) -> None:
+        if not 0 < ratio <= 1:
+            raise ConfigError(f"ratio = {ratio!r} is not accepted; expected a number in (0, 1]")
+        self.ratio = ratio
+        self.residuals: dict[int, torch.Tensor] = {}
+
+    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
+        self.check_dtype(bucket)
+        old = self.residuals.get(bucket.index)
+        if old is None or old.shape != bucket.buffer.shape:  # new bucket, or DDP rebuilt its buckets
+            old = torch.zeros_like(bucket.buffer)
+        acc = bucket.buffer + old
+        k = max(1, math.ceil(self.ratio * acc.numel()))
+        keep = torch.zeros_like(acc)
+        idx = acc.abs().topk(k, sorted=False).indices
+        keep[idx] = acc[idx]
+        self.residuals[bucket.index] = acc - keep
+        summed = yield AllReduce(keep)
+        bucket.buffer.copy_(summed / ctx.world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {i: r.clone() for i, r in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {i: r.clone() for i, r in state.get("residuals", {}).items()}
+
+
+@register_ratio_mapping("test-eftopk")
+def _ratio(ratio: float, params: dict[str, Any], shapes: Any) -> dict[str, Any]:
+    return {**params, "ratio": ratio}

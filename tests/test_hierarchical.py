@@ -1,0 +1,312 @@
+"""Hierarchical reduction and the adaptive layer on 4 real gloo ranks.
+
+The reference is computed in-process from every rank's inputs: domain sums in rank
+order, scaled by domains/world, then the compressor run on ``SimulatedWorld``. Inputs are
+small integers, so every sum is exact in float32 and the results must be bit-identical:
+the hierarchical result is exactly the global mean of what the compressor transmits.
+"""
+
+from __future__ import annotations
+
+import eftopk  # noqa: F401  (registers test-eftopk and its ratio mapping)
+import multiround  # noqa: F401  (registers test-multiround)
+import pytest
+import torch
+
+from commpress.comm import SimulatedWorld, Topology
+from commpress.comm.hierarchical import shard_ranges, shard_slots
+from commpress.comm.launch import run_local
+from commpress.comm.planner import plan_hierarchy
+from commpress.compressors import Bucket, ParamSlot, build
+
+G = 1e9 / 8
+WORLD = 4
+STEPS = 3
+#: (index, [(name, shape)]) of the buckets every step reduces, in DDP's order
+BUCKETS = [
+    (0, [("fc2.weight", (3, 40)), ("fc2.bias", (3,))]),
+    (1, [("fc1.weight", (40, 24)), ("fc1.bias", (40,)), ("embed", (5, 7))]),
+    (2, [("single", (64,))]),
+]
+LAYOUTS = {
+    "two-nodes": [[0, 1], [2, 3]],
+    "unequal": [[0, 1, 2], [3]],
+    "no-fast-links": [[0], [1], [2], [3]],
+    "one-domain": [[0, 1, 2, 3]],
+}
+METHODS = [
+    ("fp16", {}),
+    ("topk", {"ratio": 0.3}),
+    ("terngrad", {}),
+    ("test-eftopk", {"ratio": 0.3}),
+    ("test-multiround", {"jitter": 0.002}),
+    ("none", {}),
+]
+
+
+def _slots(spec) -> tuple[ParamSlot, ...]:
+    out, offset = [], 0
+    for name, shape in spec:
+        out.append(ParamSlot(name, torch.Size(shape), offset))
+        offset += out[-1].numel
+    return tuple(out)
+
+
+def _grad(rank: int, step: int, index: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + index)
+    return torch.randint(-8, 9, (n,), generator=g).float()
+
+
+def _hierarchical_runs(rank: int, world: int) -> dict:
+    from commpress.comm.hierarchical import HierarchicalBackend
+
+    out = {}
+    for layout, domains in LAYOUTS.items():
+        plan = plan_hierarchy(domains, [[G] * world] * world, 10_000)
+        backend = HierarchicalBackend(plan, rounds=3)  # enough for every method below
+        for method, params in METHODS:
+            comp = build(method, params)
+            results = []
+            for step in range(STEPS):
+                futures, buffers = [], []
+                for index, spec in BUCKETS:
+                    slots = _slots(spec)
+                    buf = _grad(rank, step, index, sum(s.numel for s in slots))
+                    buffers.append(buf)
+                    futures.append(backend.run(index, buf, slots, comp.reduce, step))
+                torch.futures.wait_all(futures)
+                results.append([b.clone() for b in buffers])
+            out[layout, method] = results
+    return out
+
+
+def _reference(domains, method, params) -> list[list[torch.Tensor]]:
+    world, d = WORLD, len(domains)
+    shards = min(len(m) for m in domains) if d > 1 else len(domains[0])
+    comps = {}
+    results = []
+    for step in range(STEPS):
+        row = []
+        for index, spec in BUCKETS:
+            slots = _slots(spec)
+            n = sum(s.numel for s in slots)
+            grads = [_grad(r, step, index, n) for r in range(world)]
+            out = torch.empty(n)
+            for j, (a, b) in enumerate(shard_ranges(slots, n, shards)):
+                sums = []
+                for members in domains:
+                    s = grads[members[0]][a:b].clone()
+                    for r in members[1:]:
+                        s += grads[r][a:b]
+                    sums.append(s)
+                if d == 1:
+                    out[a:b] = sums[0].div_(world)
+                    continue
+                if a == b:
+                    continue
+                cross = comps.setdefault(j, [build(method, params) for _ in range(d)])
+                buckets = [Bucket(index, s.mul_(d / world), shard_slots(slots, a, b)) for s in sums]
+                SimulatedWorld(d).reduce(cross, buckets, step)
+                out[a:b] = buckets[0].buffer
+            row.append(out)
+        results.append(row)
+    return results
+
+
+@pytest.fixture(scope="module")
+def hier():
+    return run_local(_hierarchical_runs, WORLD)
+
+
+def test_shard_ranges_cut_at_parameter_boundaries():
+    slots = _slots([("w", (4, 5)), ("b", (4,)), ("v", (10, 3))])  # 20 + 4 + 30
+    assert shard_ranges(slots, 54, 1) == [(0, 54)]
+    assert shard_ranges(slots, 54, 2) == [(0, 24), (24, 54)]
+    assert shard_ranges(slots, 54, 3) == [(0, 20), (20, 24), (24, 54)]  # 18 lies in w: its edge 20
+    flat = _slots([("flat", (10,))])
+    assert shard_ranges(flat, 10, 3) == [(0, 3), (3, 7), (7, 10)]  # 1-D: anywhere
+    assert shard_ranges(_slots([("w", (2, 2))]), 4, 3) == [(0, 0), (0, 4), (4, 4)]
+    assert shard_slots(slots, 20, 54) == (ParamSlot("b", torch.Size([4]), 0), ParamSlot("v", torch.Size([10, 3]), 4))
+    assert shard_slots(flat, 3, 7) == (ParamSlot("flat", torch.Size([4]), 0),)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("method", "params"), METHODS)
+def test_hierarchical_is_exactly_the_mean_of_what_the_compressor_sends(hier, layout, method, params):
+    expected = _reference(LAYOUTS[layout], method, params)
+    for rank in range(WORLD):
+        got = hier[rank][layout, method]
+        for step in range(STEPS):
+            for g, e in zip(got[step], expected[step], strict=True):
+                assert torch.equal(g, e), (rank, step)
+
+
+@pytest.mark.multiproc
+def test_uncompressed_hierarchical_is_the_global_mean(hier):
+    for layout in LAYOUTS:
+        for step in range(STEPS):
+            for (index, spec), got in zip(BUCKETS, hier[0][layout, "none"][step]):
+                n = sum(s.numel for s in _slots(spec))
+                mean = torch.stack([_grad(r, step, index, n) for r in range(WORLD)]).mean(0)
+                assert torch.equal(got, mean), layout  # integer inputs: no rounding at all
+
+
+# ---------------------------------------------------------------------------------------
+# the adaptive layer through CommState and DDP
+
+
+def _topology(slow_fraction: float) -> Topology:
+    bw = [[G if (i < 2) == (j < 2) else G * slow_fraction for j in range(WORLD)] for i in range(WORLD)]
+    return Topology.from_matrix(bw, domains=[[0, 1], [2, 3]])
+
+
+ADAPTIVE = {
+    "method": "test-eftopk",
+    "params": {"ratio": 0.5},
+    "bandwidth": {"adaptive": True, "domains": [[0, 1], [2, 3]], "probe_ms": 2.0},
+}
+#: a plan that does not depend on measured noise: every link gets min_ratio
+FIXED = {**ADAPTIVE, "bandwidth": {**ADAPTIVE["bandwidth"], "budget_ms": 1e-9, "min_ratio": 0.25}}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+
+
+def _steps(state, model, rank, first, last, results):
+    params = list(model.parameters())
+    buckets = [params[2:], params[:2]]  # DDP's order: last layer first
+    for step in range(first, last):
+        futs, bufs = [], []
+        for index, members in enumerate(buckets):
+            buf = _grad(rank, step, index, sum(p.numel() for p in members))
+            bufs.append(buf)
+            futs.append(state.reduce(index, buf, members, advance=index == len(buckets) - 1))
+        torch.futures.wait_all(futs)
+        results.append([b.clone() for b in bufs])
+
+
+def _adaptive_runs(rank: int, world: int) -> dict:
+    from commpress import CommState
+    from commpress.workloads.train import train_ddp
+
+    out = {}
+    # 1. re-plans at steps 3 and 6 from fresh (noisy) measurements: every rank must agree
+    config = {**ADAPTIVE, "bandwidth": {**ADAPTIVE["bandwidth"], "remeasure_every": 3}}
+    out["ddp"] = train_ddp(config, steps=7, return_params=True, bucket_cap_mb=0.5).params
+    # 2. plan changes mid-run (ratio 0.5 -> 0.25 -> 0.5): error feedback must survive them
+    model = _model()
+    state = CommState(ADAPTIVE, model=model)
+    results = []
+    state.adaptive.replan(_topology(0.5))
+    _steps(state, model, rank, 0, 3, results)
+    state.adaptive.replan(_topology(0.25))
+    _steps(state, model, rank, 3, 5, results)
+    state.adaptive.replan(_topology(0.5))
+    _steps(state, model, rank, 5, 6, results)
+    out["replan"] = {
+        "results": results,
+        "residuals": state.compressors["main"].state_dict()["residuals"],
+        "history": [(h["step"], h["active"]) for h in state.adaptive.history],
+        "cross_index": state.adaptive.backend.cross_index,
+        "domain": state.adaptive.plan.domain_of(rank),
+    }
+    # the real Top-k: a new ratio, the same residuals
+    topk = CommState({**ADAPTIVE, "method": "topk", "params": {"ratio": 0.5}}, model=_model())
+    topk.adaptive.replan(_topology(0.5))
+    _steps(topk, _model(), rank, 0, 2, [])
+    before = topk.compressors["main"].state_dict()
+    topk.adaptive.replan(_topology(0.125))
+    out["topk"] = (before, topk.compressors["main"].state_dict(), topk.compressors["main"].ratio)
+    # 3. ranks that plan from different topologies: a clear error, on every rank
+    try:
+        state.adaptive.replan(_topology(0.5 if rank else 0.1))
+        out["mismatch"] = "no error"
+    except RuntimeError as exc:
+        out["mismatch"] = str(exc)
+    # 4. checkpoint mid-run, restore into a fresh state, continue: same as uninterrupted
+    full, half = [], []
+    a = CommState(FIXED, model=_model())
+    _steps(a, _model(), rank, 0, 4, full)
+    b = CommState(FIXED, model=_model())
+    _steps(b, _model(), rank, 0, 2, half)
+    saved = b.state_dict()
+    c = CommState(FIXED, model=_model())
+    c.load_state_dict(saved)
+    _steps(c, _model(), rank, 2, 4, half)
+    out["resume"] = (full, half, a.adaptive.history[-1]["active"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def adaptive():
+    return run_local(_adaptive_runs, WORLD)
+
+
+@pytest.mark.multiproc
+def test_adaptive_ddp_ranks_stay_identical_through_replans(adaptive):
+    for r in adaptive[1:]:
+        assert torch.equal(r["ddp"], adaptive[0]["ddp"])
+
+
+@pytest.mark.multiproc
+def test_plan_changes_apply_on_every_rank_and_keep_error_feedback(adaptive):
+    runs = [r["replan"] for r in adaptive]
+    history = runs[0]["history"]
+    assert [h[1]["main"] for h in history[1:]] == [
+        ["test-eftopk", {"ratio": 0.5}],
+        ["test-eftopk", {"ratio": 0.25}],
+        ["test-eftopk", {"ratio": 0.5}],
+    ]
+    assert all(r["history"] == history for r in runs)
+    # mass conservation across plan changes: what came back + what is still held back
+    # (the mean over domains of the residuals) == the sum of every step's global mean
+    params = list(_model().parameters())
+    sizes = [sum(p.numel() for p in params[2:]), sum(p.numel() for p in params[:2])]
+    slots = [_slots([(f"p{i}", tuple(p.shape)) for i, p in enumerate(m)]) for m in (params[2:], params[:2])]
+    for index, n in enumerate(sizes):
+        sent = sum(step[index] for step in runs[0]["results"])
+        truth = sum(torch.stack([_grad(r, s, index, n) for r in range(WORLD)]).mean(0) for s in range(6))
+        held = torch.zeros(n)
+        for run in runs:
+            a, b = shard_ranges(slots[index], n, 2)[run["cross_index"]]
+            held[a:b] += run["residuals"][index] / 2
+        assert torch.equal(sent + held, truth)
+        assert held.abs().sum() > 0  # there was something to lose
+        for run in runs[1:]:
+            assert all(torch.equal(x[index], y[index]) for x, y in zip(run["results"], runs[0]["results"]))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.multiproc
+def test_topk_ratio_change_keeps_its_residuals(adaptive):
+    for r in adaptive:
+        before, after, ratio = r["topk"]
+        assert ratio == pytest.approx(0.125 * 4 / 8)  # fp32 values: 8 bytes per kept element
+        assert before and _same(before, after)
+
+
+@pytest.mark.multiproc
+def test_ranks_that_plan_differently_get_a_clear_error(adaptive):
+    for r in adaptive:
+        assert "ranks planned differently" in r["mismatch"]
+
+
+@pytest.mark.multiproc
+def test_resume_from_state_dict_continues_exactly(adaptive):
+    for r in adaptive:
+        full, half, active = r["resume"]
+        assert active["main"] == ["test-eftopk", {"ratio": 0.25}]
+        for x, y in zip(full, half, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(x, y, strict=True))
