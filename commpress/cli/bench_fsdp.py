@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "e.g. 'fsdp;qsdp:weight_bits=8,grad_bits=8' (a bare 'fsdp' is plain FSDP; default: fsdp, w8g8, w4g8)",
     )
     parser.add_argument("--mesh", help="HSDP mesh 'R,S' (replicas x shards; default: 1-D over all ranks)")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads per rank under a launcher (default: cores / LOCAL_WORLD_SIZE or WORLD_SIZE)"
+    )
 
 
 def parse_rows(text: str) -> list[Row]:
@@ -154,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
 
         if "RANK" not in os.environ:
             raise ConfigError("bench-fsdp needs --local N or a launcher's environment (torchrun sets RANK, WORLD_SIZE)")
+        import torch
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local))
         dist.init_process_group("gloo")
         try:
             results = _rank_main(dist.get_rank(), dist.get_world_size(), rows, settings)
