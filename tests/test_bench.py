@@ -232,3 +232,16 @@ def test_cli_local_run_writes_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert [m["label"] for m in data["methods"]] == ["ddp", "fp16"]
     assert data["methods"][1]["compression"] == pytest.approx(2.0)
+
+
+def test_collect_markdown_tables():
+    from commpress.bench.collect import markdown_tables
+
+    a = summarize({**_raw([[[1.0] * 4, [0.5] * 4]] * 2, [16000, 8000], [[0.1] * 4] * 2), "link": "100mbit"})
+    b = summarize({**_raw([[[0.2] * 4, [0.2] * 4]] * 2, [16000, 8000], [[0.1] * 4] * 2), "link": "unlimited"})
+    text = markdown_tables([b, a])
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("| method | 2 ranks"))
+    assert header == "| method | 2 ranks, 100mbit | 2 ranks, unlimited |"
+    assert "| fp16 | 500 ms (2.00x) | 200 ms (1.00x) |" in lines
+    assert "| fp16 | 2,000 | 2.0x |" in lines  # 8000 bytes over 4 steps

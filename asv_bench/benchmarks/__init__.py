@@ -1,0 +1,1 @@
+"""asv benchmarks of commpress (run from asv_bench/: see docs/benchmarks.md)."""

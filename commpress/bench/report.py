@@ -61,6 +61,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     for r in rows:
         r["speedup"] = reference["step_seconds_median"] / r["step_seconds_median"] if reference else None
     return {
+        "link": raw.get("link", "local"),
         "workload": raw["workload"],
         "world_size": raw["world_size"],
         "steps": steps,
@@ -76,7 +77,8 @@ def format_report(summary: dict[str, Any]) -> str:
     w = summary["workload"]
     head = (
         f"workload {w['name']} (scale {w['scale']}, {w['numel']:,} parameters, {w['grad_bytes'] / 2**20:.1f} MiB of gradient), "
-        f"{summary['world_size']} ranks, {summary['steps']} timed steps after {summary['warmup']} warm-up; "
+        f"{summary['world_size']} ranks, link {summary['link']}, "
+        f"{summary['steps']} timed steps after {summary['warmup']} warm-up; "
         f"computation alone {1000 * summary['compute_seconds_median']:.1f} ms/step"
     )
     table = []

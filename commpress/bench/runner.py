@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ def bench_rank(rank: int, world_size: int, plan: BenchPlan) -> dict[str, Any]:
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)
     return {
+        "link": os.environ.get("COMMPRESS_LINK", "local"),
         "workload": {"name": plan.workload, "scale": plan.scale, "batch": plan.batch, "numel": numel, "grad_bytes": grad_bytes},
         "world_size": world_size,
         "steps": plan.steps,

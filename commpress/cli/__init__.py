@@ -13,6 +13,7 @@ __all__ = ["main"]
 COMMANDS = {
     "demo": "commpress.cli.demo",
     "bench": "commpress.cli.bench",
+    "linkemu": "commpress.cli.linkemu",
     "bandwidth": "commpress.cli.bandwidth",
 }
 

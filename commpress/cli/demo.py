@@ -33,6 +33,8 @@ DEMO_ROWS: list[DemoRow] = [
     DemoRow("none", {"method": "none"}),
     DemoRow("fp16", {"method": "fp16"}),
     DemoRow("bf16", {"method": "bf16"}),
+    DemoRow("powersgd", {"method": "powersgd", "params": {"rank": 4}}),
+    DemoRow("acpsgd", {"method": "acpsgd", "params": {"rank": 4}}),
     DemoRow("terngrad", {"method": "terngrad"}),
     DemoRow("topk", {"method": "topk", "params": {"ratio": 0.01}}),
     DemoRow("local-sgd+qsr", {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": 0.2}}),

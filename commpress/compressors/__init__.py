@@ -1,6 +1,8 @@
 """Pure compression algorithms, each a generator over collectives (see ``base``)."""
 
+from commpress.compressors import acpsgd as _acpsgd  # noqa: F401  (registers ACP-SGD)
 from commpress.compressors import allreduce as _allreduce  # noqa: F401  (registers built-ins)
+from commpress.compressors import powersgd as _powersgd  # noqa: F401  (registers PowerSGD)
 from commpress.compressors import terngrad as _terngrad  # noqa: F401
 from commpress.compressors import topk as _topk  # noqa: F401
 from commpress.compressors.base import (

@@ -8,8 +8,10 @@ overhead per call, which dominates at this block size.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -50,7 +52,32 @@ def write_block(out: torch.Tensor, start: int, values: np.ndarray) -> None:
         dst.copy_(torch.from_numpy(values))
 
 
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+
+
+def _executor() -> ThreadPoolExecutor | None:
+    """A pool of ``torch.get_num_threads()`` workers (None for one), re-created after a fork."""
+    global _pool
+    workers = torch.get_num_threads()
+    if workers <= 1:
+        return None
+    if _pool is None or _pool[0] != os.getpid() or _pool[1] != workers:
+        _pool = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="commpress-cpu"))
+    return _pool[2]
+
+
+def map_blocks(body: Callable[[int, int], object], blocks: list[tuple[int, int]]) -> list:
+    """``[body(start, stop) for each block]``, spread over torch's intra-op thread count.
+
+    numpy releases the GIL inside each ufunc, so blocks run in parallel; the bodies write
+    disjoint slices of their outputs.
+    """
+    pool = _executor() if len(blocks) > 1 else None
+    if pool is None:
+        return [body(start, stop) for start, stop in blocks]
+    return list(pool.map(lambda block: body(*block), blocks))
+
+
 def run(n: int, body: Callable[[int, int], None], chunk: int = CHUNK) -> None:
-    """Call ``body(start, stop)`` for every block of ``range(n)``."""
-    for start, stop in spans(n, chunk):
-        body(start, stop)
+    """Call ``body(start, stop)`` for every block of ``range(n)`` (in parallel, see map_blocks)."""
+    map_blocks(body, list(spans(n, chunk)))

@@ -76,7 +76,8 @@ def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tu
     minmax_args = (x, _code(x), np.int64(n), np.int64(bucket_size), levels, mins, scales)
     launch("quantize", "cp_bucket_minmax", x.device, nb, minmax_args, grid=min(nb, 65535))
     args = (x, _code(x), mins, scales, packed, np.int64(n), np.int64(bucket_size), np.int32(bits), np.uint64(seed))
-    launch("quantize", "cp_quantize_pack", x.device, packed.numel(), args)
+    unit = max(8 // bits, 2)  # elements per thread (see cp_quantize_pack)
+    launch("quantize", "cp_quantize_pack", x.device, -(-n // unit), args)
     return packed, mins, scales
 
 

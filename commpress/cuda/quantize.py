@@ -43,6 +43,7 @@ def _bucket_view(a: np.ndarray, bucket_size: int) -> list[np.ndarray]:
     return parts
 
 
+@np.errstate(invalid="ignore", divide="ignore")  # 0 / 0 and NaN are defined to give code 0
 def _quantize_group(x: np.ndarray, levels: int, seed: int, offset: int, bucket_size: int):
     """Codes (uint8), mins and scales (float32) of the buckets that make up block ``x``."""
     u = np.empty(x.size, np.float32)
@@ -56,10 +57,9 @@ def _quantize_group(x: np.ndarray, levels: int, seed: int, offset: int, bucket_s
         t = xb - lo[:, None]
         t /= scale[:, None]
         t += ub
-        np.floor(t, out=t)
         np.fmax(t, np.float32(0.0), out=t)  # fmax maps NaN to 0
         np.minimum(t, np.float32(levels), out=t)
-        cb[...] = t
+        cb[...] = t  # truncation is floor here: 0 <= t <= levels
         cb[scale == 0] = 0
         mins.append(lo)
         scales.append(scale)
@@ -93,22 +93,30 @@ def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tu
     scales = torch.empty(nb, dtype=torch.float32)
     dst, mins_np, scales_np = _chunks.as_numpy(packed), _chunks.as_numpy(mins), _chunks.as_numpy(scales)
     levels = (1 << bits) - 1
-    for start, stop in _groups(n, bucket_size, bits):
+
+    def body(start: int, stop: int) -> None:
         codes, lo, scale = _quantize_group(_chunks.float32_block(x, start, stop), levels, seed, start, bucket_size)
         first = start // bucket_size
         mins_np[first : first + lo.size] = lo
         scales_np[first : first + lo.size] = scale
         bitpack.pack_np(codes, bits, dst[start * bits // 8 : bitpack.packed_size(stop, bits)])
+
+    _chunks.map_blocks(body, _groups(n, bucket_size, bits))
     return packed, mins, scales
+
+
+# byte -> the float codes it holds (decoding is one gather per byte)
+_CODE_TABLES = {
+    bits: ((np.arange(256)[:, None] >> (bits * np.arange(8 // bits))) & ((1 << bits) - 1)).astype(np.float32)
+    for bits in (2, 4, 8)
+}
 
 
 def _decode_group(
     packed: np.ndarray, mins: np.ndarray, scales: np.ndarray, bits: int, bucket_size: int, count: int
 ) -> np.ndarray:
     """float32 values of ``count`` elements (whole buckets from a byte boundary) of one rank."""
-    codes = np.empty(count, np.uint8)
-    bitpack.unpack_np(packed, bits, codes)
-    values = codes.astype(np.float32)
+    values = np.take(_CODE_TABLES[bits], packed, axis=0).reshape(-1)[:count]
     first = 0
     for vb in _bucket_view(values, bucket_size):
         rows = vb.shape[0]
@@ -187,7 +195,8 @@ def unpack_accumulate(
     mins_np, scales_np = _chunks.as_numpy(mins.contiguous()), _chunks.as_numpy(scales.contiguous())
     flat = out.view(-1)
     divisor = np.float32(world)
-    for start, stop in _groups(n, bucket_size, bits):
+
+    def body(start: int, stop: int) -> None:
         lo, hi = start * bits // 8, bitpack.packed_size(stop, bits)
         first, last = start // bucket_size, -(-stop // bucket_size)
         acc = _decode_group(src[0, lo:hi], mins_np[0, first:last], scales_np[0, first:last], bits, bucket_size, stop - start)
@@ -196,4 +205,6 @@ def unpack_accumulate(
         if average and world > 1:
             acc /= divisor
         _chunks.write_block(flat, start, acc)
+
+    _chunks.map_blocks(body, _groups(n, bucket_size, bits))
     return out

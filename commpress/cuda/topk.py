@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from . import _checks, rng
+from . import _checks, _chunks, rng
 
 __all__ = ["scatter_add_decode", "topk_select"]
 
@@ -31,16 +31,16 @@ def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(mag, nan=math.inf, posinf=math.inf)
 
 
-def _sample_threshold(mag: torch.Tensor, k: int, sample: int, seed: int, widen: int) -> float:
+def _sample_threshold(flat: torch.Tensor, k: int, sample: int, seed: int, widen: int) -> float:
     """A magnitude that about ``k * _SLACK * 4**widen`` of the entries reach, estimated from a sample."""
-    n = mag.numel()
-    if mag.is_cuda:
+    n = flat.numel()
+    if flat.is_cuda:
         from . import _launch
 
-        idx = _launch.sample_indices(seed, sample, n, mag.device)
+        idx = _launch.sample_indices(seed, sample, n, flat.device)
     else:  # index j = floor(draw_j * n / 2**32), as the CUDA kernel computes it
         idx = torch.from_numpy(((rng.bits32(seed, sample).astype(np.uint64) * np.uint64(n)) >> np.uint64(32)).astype(np.int64))
-    values = mag[idx]
+    values = _magnitudes(flat[idx])
     expect = k / n * sample * _SLACK * 4**widen
     rank = math.ceil(expect + 4 * math.sqrt(expect) + 1)
     if rank >= sample:
@@ -48,9 +48,23 @@ def _sample_threshold(mag: torch.Tensor, k: int, sample: int, seed: int, widen: 
     return torch.kthvalue(values, sample - rank + 1).values.item()
 
 
-def _exact_k(mag: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+def _candidates(flat: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Increasing indices of the entries whose magnitude is not below ``threshold`` (NaN included)."""
+    if flat.is_cuda:
+        return torch.nonzero(~(_magnitudes(flat) < threshold)).view(-1)
+    limit = np.float32(threshold)
+
+    def body(start: int, stop: int) -> np.ndarray:
+        mag = np.abs(_chunks.float32_block(flat, start, stop))
+        return np.flatnonzero(~(mag < limit)) + start  # `not <` keeps NaN
+
+    found = _chunks.map_blocks(body, list(_chunks.spans(flat.numel())))
+    return torch.from_numpy(np.concatenate(found) if found else np.empty(0, np.int64))
+
+
+def _exact_k(flat: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
     """Of ``candidates`` (increasing indices, at least k), the k largest magnitudes, ties to lower index."""
-    cmag = mag[candidates]
+    cmag = _magnitudes(flat[candidates])
     count = cmag.numel()
     if count == k:
         return candidates
@@ -86,19 +100,18 @@ def topk_select(
         raise ValueError(f"acc has {n} elements; int32 indices allow at most {2**31 - 1}")
     if k == 0:
         return flat.new_empty(0), torch.empty(0, dtype=torch.int32, device=acc.device)
-    mag = _magnitudes(flat)
     if exact or sample >= n or k == n:
-        threshold = torch.kthvalue(mag, n - k + 1).values.item()
-        candidates = torch.nonzero(mag >= threshold).view(-1)
+        threshold = torch.kthvalue(_magnitudes(flat), n - k + 1).values.item()
+        candidates = _candidates(flat, threshold)
     else:
         widen = 0
         while True:
-            threshold = _sample_threshold(mag, k, sample, rng.derive_seed(seed, widen), widen)
-            candidates = torch.nonzero(mag >= threshold).view(-1)
+            threshold = _sample_threshold(flat, k, sample, rng.derive_seed(seed, widen), widen)
+            candidates = _candidates(flat, threshold)
             if candidates.numel() >= k:
                 break
             widen += 1
-    chosen = _exact_k(mag, candidates, k)
+    chosen = _exact_k(flat, candidates, k)
     if flat.is_cuda:
         from . import _launch
 

@@ -27,7 +27,7 @@ from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.local_sgd import LocalSGD, check_finite
 from commpress.local_sgd.periods import Period
 
-__all__ = ["CO2"]
+__all__ = ["CO2", "check_co2_settings"]
 
 
 @dataclass
@@ -66,7 +66,7 @@ class CO2(LocalSGD):
         average_buffers: bool = False,
         total_steps: int | None = None,
     ) -> None:
-        _check(outer_lr, outer_momentum, staleness_penalty, clip)
+        check_co2_settings(outer_lr, outer_momentum, staleness_penalty, clip)
         super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps)
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
@@ -153,7 +153,8 @@ class CO2(LocalSGD):
             self._pending = _Pending(done, buffer, anchor)
 
 
-def _check(outer_lr: float, outer_momentum: float, staleness_penalty: float | str, clip: float | None) -> None:
+def check_co2_settings(outer_lr: float, outer_momentum: float, staleness_penalty: float | str, clip: float | None) -> None:
+    """Raise ConfigError naming the first CO2 setting out of range."""
     if not (isinstance(outer_lr, (int, float)) and outer_lr > 0):
         raise ConfigError(f"outer_lr = {outer_lr!r} is not accepted; expected a number > 0")
     if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):

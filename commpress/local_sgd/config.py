@@ -20,7 +20,7 @@ from torch import nn
 from commpress.config import Config, register_section
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
-from commpress.local_sgd.co2 import CO2, _check
+from commpress.local_sgd.co2 import CO2, check_co2_settings
 from commpress.local_sgd.local_sgd import LocalSGD
 from commpress.local_sgd.periods import QSR, Constant, Period
 from commpress.schema import parse_dataclass
@@ -53,7 +53,7 @@ class LocalSGDConfig:
         if self.warmup_steps < 0:
             raise ConfigError(f"local_sgd: warmup_steps = {self.warmup_steps!r} is not accepted; expected an integer >= 0")
         try:
-            _check(self.outer_lr, self.outer_momentum, self.staleness_penalty, self.clip)
+            check_co2_settings(self.outer_lr, self.outer_momentum, self.staleness_penalty, self.clip)
         except ConfigError as exc:
             raise ConfigError(f"local_sgd: {exc}") from None
 

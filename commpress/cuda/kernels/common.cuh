@@ -32,11 +32,29 @@ __device__ __forceinline__ u32 cp_draw32(u64 seed, u64 i) {
 }
 
 // Uniform in [0, 1) from the low 23 bits: the float in [1, 2) with that mantissa, minus 1 (exact).
-__device__ __forceinline__ float cp_uniform(u64 seed, u64 i) {
-    u32 bits = (cp_draw32(seed, i) & 0x7FFFFFu) | 0x3F800000u;
-    return __fsub_rn(__uint_as_float(bits), 1.0f);
+__device__ __forceinline__ float cp_draw_to_uniform(u32 draw) {
+    return __fsub_rn(__uint_as_float((draw & 0x7FFFFFu) | 0x3F800000u), 1.0f);
 }
 
+__device__ __forceinline__ float cp_uniform(u64 seed, u64 i) { return cp_draw_to_uniform(cp_draw32(seed, i)); }
+
+// Uniforms of consecutive elements: one word serves an even element and the odd one after it.
+struct cp_uniforms {
+    u64 seed, word, z;
+    __device__ explicit cp_uniforms(u64 s) : seed(s), word(~0ULL), z(0) {}
+    __device__ __forceinline__ float at(u64 i) {
+        if ((i >> 1) != word) {
+            word = i >> 1;
+            z = cp_word(seed, word);
+        }
+        return cp_draw_to_uniform((i & 1) ? (u32)(z >> 32) : (u32)z);
+    }
+};
+
+#ifdef CP_HOST_EMULATION  // tests/test_kernels_host.py runs these sources as C++ on the CPU
+__device__ __forceinline__ float cp_half_to_float(u16 h) { return _cvtsh_ss(h); }
+__device__ __forceinline__ u16 cp_float_to_half(float f) { return _cvtss_sh(f, 0); }  // 0: nearest even
+#else
 __device__ __forceinline__ float cp_half_to_float(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -48,6 +66,7 @@ __device__ __forceinline__ u16 cp_float_to_half(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 // Round to nearest even, NaN to 0x7FC0: the rounding torch uses for float -> bfloat16.
 __device__ __forceinline__ u16 cp_float_to_bf16(float f) {

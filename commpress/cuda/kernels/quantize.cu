@@ -43,26 +43,42 @@ extern "C" __global__ void cp_bucket_minmax(const void* x, int dtype, i64 n, i64
     }
 }
 
-// One thread per output byte: q = clamp(floor((x - lo) / scale + u), 0, levels); NaN -> 0; scale 0 -> 0.
+// q = clamp(floor((x - lo) / scale + u), 0, levels); NaN -> 0; scale 0 -> 0. Each thread packs a
+// unit of whole bytes and whole generator words (2 elements for 8 bits, else one byte).
 extern "C" __global__ void cp_quantize_pack(const void* x, int dtype, const float* mins, const float* scales, u8* out, i64 n,
                                             i64 bucket, int bits, u64 seed) {
     const int per = 8 / bits;
+    const int unit = per < 2 ? 2 : per;
     const float levels = (float)((1 << bits) - 1);
-    const i64 m = (n * bits + 7) / 8;
-    CP_GRID_STRIDE(j, m) {
+    const i64 units = (n + unit - 1) / unit;
+    CP_GRID_STRIDE(j, units) {
+        cp_uniforms gen(seed);
+        const i64 first = j * unit;
+        i64 b = first / bucket;       // one 64-bit division per unit;
+        i64 next = (b + 1) * bucket;  // its elements may cross into the next bucket
         u32 byte = 0;
-        for (int t = 0; t < per; ++t) {
-            i64 e = j * per + t;
-            if (e >= n) break;
-            i64 b = e / bucket;
-            float s = scales[b];
-            if (s == 0.0f) continue;
-            float q = __fdiv_rn(__fsub_rn(cp_load(x, dtype, e), mins[b]), s);
-            q = floorf(__fadd_rn(q, cp_uniform(seed, (u64)e)));
-            q = fminf(fmaxf(q, 0.0f), levels);  // fmaxf maps NaN to 0
-            byte |= ((u32)q) << (t * bits);
+        for (int t = 0; t < unit; ++t) {
+            const i64 e = first + t;
+            if (e >= n) {
+                if (t % per) out[((e - 1) * bits) >> 3] = (u8)byte;  // the partial last byte
+                break;
+            }
+            if (e == next) {
+                ++b;
+                next += bucket;
+            }
+            const float s = scales[b];
+            if (s != 0.0f) {
+                float q = __fdiv_rn(__fsub_rn(cp_load(x, dtype, e), mins[b]), s);
+                q = floorf(__fadd_rn(q, gen.at((u64)e)));
+                q = fminf(fmaxf(q, 0.0f), levels);  // fmaxf maps NaN to 0
+                byte |= ((u32)q) << ((t % per) * bits);
+            }
+            if ((t + 1) % per == 0) {
+                out[(e * bits) >> 3] = (u8)byte;
+                byte = 0;
+            }
         }
-        out[j] = (u8)byte;
     }
 }
 
@@ -70,9 +86,10 @@ extern "C" __global__ void cp_quantize_pack(const void* x, int dtype, const floa
 extern "C" __global__ void cp_unpack_accumulate(const u8* packed, const float* mins, const float* scales, void* out, int dtype,
                                                 i64 n, i64 m, i64 nb, i64 bucket, int bits, int world, int average) {
     const u32 mask = (1u << bits) - 1u;
+    const bool narrow = n <= 0xFFFFFFFFLL && bucket <= 0xFFFFFFFFLL;  // 32-bit division is much cheaper
     CP_GRID_STRIDE(i, n) {
         const i64 bit = i * bits;
-        const i64 b = i / bucket;
+        const i64 b = narrow ? (i64)((u32)i / (u32)bucket) : i / bucket;
         float acc = 0.0f;
         for (int r = 0; r < world; ++r) {
             u32 q = (packed[r * m + (bit >> 3)] >> (bit & 7)) & mask;

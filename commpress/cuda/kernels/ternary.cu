@@ -9,12 +9,13 @@ extern "C" __global__ void cp_ternary_quantize_pack(const void* x, int dtype, co
     CP_GRID_STRIDE(j, m) {
         u32 byte = 0;
         if (s > 0.0f) {
+            cp_uniforms gen(seed);
             for (int t = 0; t < 4; ++t) {
                 i64 e = j * 4 + t;
                 if (e >= n) break;
                 float v = cp_load(x, dtype, e);
                 float p = __fdiv_rn(fabsf(v), s);
-                if (cp_uniform(seed, (u64)e) < p) byte |= (1u << (__float_as_uint(v) >> 31)) << (2 * t);
+                if (gen.at((u64)e) < p) byte |= (1u << (__float_as_uint(v) >> 31)) << (2 * t);
             }
         }
         out[j] = (u8)byte;

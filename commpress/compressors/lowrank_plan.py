@@ -1,0 +1,140 @@
+"""How the low-rank compressors see a bucket: batches of same-shape matrices plus an
+uncompressed ("dense") rest, and batched orthonormalization.
+
+Speed comes from three choices. Same-shape matrices of a bucket usually sit at equally
+spaced offsets (one per transformer block), so a batch is a strided 3-D *view* of the flat
+buffer and one ``torch.bmm`` handles every layer of that shape, with no copy and no Python
+loop over layers. The error buffer is double-buffered: ``M = grad + error`` is written into
+the spare buffer, which then becomes the new error in place (``baddbmm_``), so error
+feedback costs one write and keeps the old error intact when a step has to be dropped. And
+the factor ``Q`` is kept transposed (r x m), which makes ``Q = M^T P`` the fast
+``P^T M`` product.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commpress.compressors.base import ParamSlot
+
+__all__ = ["LowRankPlan", "MatrixBatch", "orthonormalize"]
+
+
+def orthonormalize(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning (at least) the columns of every matrix in the batch
+    ``x`` (count x n x r, r <= n).
+
+    Householder QR, batched in one LAPACK call. Unlike Gram-Schmidt it needs no epsilon:
+    a zero or rank-deficient input still gives orthonormal columns, because ``x = QR``
+    puts the span of ``x`` inside the span of ``Q``.
+    """
+    return torch.linalg.qr(x).Q
+
+
+@dataclass(frozen=True)
+class MatrixBatch:
+    """``count`` gradient matrices of shape n x m at offsets ``first + i * stride`` of a
+    bucket's flat buffer, approximated at rank ``rank``."""
+
+    first: int
+    stride: int
+    count: int
+    n: int
+    m: int
+    rank: int
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """The matrices as one (count, n, m) view of ``flat`` (no copy)."""
+        return flat.as_strided((self.count, self.n, self.m), (self.stride, self.m, 1), flat.storage_offset() + self.first)
+
+    @property
+    def p_numel(self) -> int:
+        return self.count * self.n * self.rank
+
+    @property
+    def q_numel(self) -> int:
+        return self.count * self.m * self.rank
+
+
+@dataclass(frozen=True, eq=False)
+class LowRankPlan:
+    """How one bucket is compressed: its matrix batches and the positions of the dense
+    elements (1-D tensors and matrices that would not compress by ``min_compression_rate``)."""
+
+    slots: tuple[ParamSlot, ...]
+    batches: tuple[MatrixBatch, ...]
+    dense_index: torch.Tensor  # int64 positions in the bucket buffer, ascending
+    where: dict[int, tuple[int, int]]  # offset of a compressed matrix -> (batch, position in it)
+
+    @classmethod
+    def build(cls, slots: Sequence[ParamSlot], rank: int, min_compression_rate: float) -> LowRankPlan:
+        """Group compressible matrices by shape, then into runs of equal spacing."""
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        dense: list[torch.Tensor] = []
+        for s in slots:
+            if s.numel == 0:
+                continue
+            n = s.shape[0] if len(s.shape) >= 2 else 0
+            m = s.numel // n if n else 0
+            r = min(rank, n, m)
+            # the rule of PyTorch's hook: compress when r (n + m) * rate < n m
+            if len(s.shape) >= 2 and r * (n + m) * min_compression_rate < n * m:
+                by_shape.setdefault((n, m), []).append(s.offset)
+            else:
+                dense.append(torch.arange(s.offset, s.offset + s.numel))
+        batches = []
+        for (n, m), offsets in by_shape.items():
+            for first, stride, count in _equal_runs(sorted(offsets)):
+                batches.append(MatrixBatch(first, stride if count > 1 else n * m, count, n, m, min(rank, n, m)))
+        index = torch.cat(dense) if dense else torch.zeros(0, dtype=torch.int64)
+        where = {b.first + k * b.stride: (i, k) for i, b in enumerate(batches) for k in range(b.count)}
+        return cls(tuple(slots), tuple(batches), index.sort().values, where)
+
+    def locate(self, offset: int) -> tuple[int, int] | None:
+        """(batch, position) of the compressed matrix at ``offset``; None if it is dense."""
+        return self.where.get(offset)
+
+    @property
+    def p_numel(self) -> int:
+        return sum(b.p_numel for b in self.batches)
+
+    @property
+    def q_numel(self) -> int:
+        return sum(b.q_numel for b in self.batches)
+
+    @property
+    def dense_numel(self) -> int:
+        return self.dense_index.numel()
+
+    def p_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Consecutive (count, n, r) blocks of ``flat``: the P factor of every batch."""
+        return _split(flat, [(b.count, b.n, b.rank) for b in self.batches])
+
+    def qt_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Consecutive (count, r, m) blocks of ``flat``: the transposed Q factor of every batch."""
+        return _split(flat, [(b.count, b.rank, b.m) for b in self.batches])
+
+
+def _equal_runs(offsets: list[int]) -> list[tuple[int, int, int]]:
+    """Cut ascending ``offsets`` into maximal runs of equal spacing: (first, stride, count)."""
+    runs: list[list[int]] = []
+    for off in offsets:
+        run = runs[-1] if runs else None
+        if run is not None and (len(run) == 1 or off - run[-1] == run[1] - run[0]):
+            run.append(off)
+        else:
+            runs.append([off])
+    return [(r[0], r[1] - r[0] if len(r) > 1 else 0, len(r)) for r in runs]
+
+
+def _split(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    out, pos = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(flat[pos : pos + size].view(shape))
+        pos += size
+    return out

@@ -1,0 +1,170 @@
+"""The CUDA kernels' logic on this machine: each ``.cu`` is compiled as plain C++ (one thread,
+one block; a small shim stands in for the CUDA built-ins) and driven through the real CUDA
+front-ends of ``commpress/cuda/_launch.py`` with CPU tensors, then compared with the CPU
+path bit for bit. This checks indexing, packing, rounding order and the launchers' argument
+lists without a GPU; the real-device comparison is ``test_cuda_kernels.py``."""
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import commpress.cuda as cc
+from commpress.cuda import _cupy, _launch, rng
+
+CXX = shutil.which("g++") or shutil.which("c++")
+
+SHIM = r"""
+#include <cmath>
+#include <cstring>
+#include <immintrin.h>
+#define CP_HOST_EMULATION 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct cp_dim3 { unsigned int x; };
+static const cp_dim3 blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
+static inline void __syncthreads() {}
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static inline float atomicAdd(float* p, float v) { float old = *p; *p = old + v; return old; }
+"""
+
+pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def host_kernels(tmp_path_factory):
+    """module name -> ctypes library of that kernel source compiled for the host."""
+    folder = tmp_path_factory.mktemp("host_kernels")
+    (folder / "shim.h").write_text(SHIM)
+    cmd = [CXX, "-O1", "-std=c++17", "-ffp-contract=off", "-mf16c", "-shared", "-fPIC", "-include", str(folder / "shim.h")]
+    jobs = {}
+    for name in ("rng", "bitpack", "ternary", "quantize", "topk"):  # compiled concurrently
+        src = folder / f"{name}.cpp"
+        src.write_text(_cupy.source(name))
+        jobs[name] = subprocess.Popen([*cmd, "-o", str(folder / f"lib{name}.so"), str(src)], stderr=subprocess.PIPE, text=True)
+    errors = {name: job.communicate()[1] for name, job in jobs.items() if job.wait() != 0}
+    assert not errors, errors
+    libs = {name: ctypes.CDLL(str(folder / f"lib{name}.so")) for name in jobs}
+    return libs
+
+
+_CTYPES = {np.int64: ctypes.c_longlong, np.uint64: ctypes.c_ulonglong, np.int32: ctypes.c_int, np.float32: ctypes.c_float}
+
+
+@pytest.fixture
+def on_host(host_kernels, monkeypatch):
+    """Route _launch's kernel launches to the host-compiled kernels."""
+
+    def launch(module, function, device, work, args, block=256, grid=None):
+        if work <= 0:
+            return
+        converted = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else _CTYPES[type(a)](a.item()) for a in args]
+        getattr(host_kernels[module], function)(*converted)
+
+    monkeypatch.setattr(_launch, "launch", launch)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():  # compare bit patterns: NaN == NaN, -0 != +0
+        as_int = torch.int16 if a.element_size() == 2 else torch.int32
+        a, b = a.view(as_int), b.view(as_int)
+    return torch.equal(a, b)
+
+
+def data(n: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * torch.linspace(0.01, 10.0, n)
+    if n > 10:
+        x[3], x[4] = 0.0, -0.0
+        x[5:9] = 1.5  # exact ties
+    return x.to(dtype)
+
+
+SIZES = [1, 7, 1000, 5003]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def test_rng_and_bitpack(on_host):
+    cpu = torch.device("cpu")
+    for n in SIZES:
+        for offset in (0, 1, 77):
+            assert same_bits(_launch.uniform(9, n, offset, cpu), cc.uniform(9, n, offset))
+        for bits in (1, 2, 4, 8):
+            codes = torch.randint(0, 256, (n,), dtype=torch.uint8)
+            packed = _launch.pack_bits(codes, bits)
+            assert same_bits(packed, cc.pack_bits(codes, bits))
+            assert same_bits(_launch.unpack_bits(packed, bits, n), cc.unpack_bits(packed, bits, n))
+    idx = _launch.sample_indices(5, 100, 12345, cpu)
+    draws = torch.from_numpy(rng.bits32(5, 100).astype(np.int64))
+    assert torch.equal(idx, (draws * 12345) >> 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ternary(on_host, dtype):
+    world = 3
+    for n in SIZES:
+        xs = [data(n, dtype, r) for r in range(world)]
+        scales = torch.stack([x.float().abs().max() for x in xs])
+        ours = torch.stack(
+            [_launch.ternary_quantize_pack(x, s, cc.derive_seed(1, r)) for r, (x, s) in enumerate(zip(xs, scales))]
+        )
+        want = torch.stack([cc.ternary_quantize_pack(x, s, cc.derive_seed(1, r)) for r, (x, s) in enumerate(zip(xs, scales))])
+        assert same_bits(ours, want)
+        out, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        _launch.ternary_unpack_accumulate(ours, scales, n, out)
+        assert same_bits(out, cc.ternary_unpack_accumulate(want, scales, n, ref))
+    assert not _launch.ternary_quantize_pack(data(100), torch.tensor(0.0), 1).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize(on_host, dtype):
+    world = 2
+    for bits in (2, 4, 8):
+        for n in SIZES:
+            for bucket in (1, 37, 512):
+                xs = [data(n, dtype, r) for r in range(world)]
+                if n > 200:
+                    xs[0][74:111] = 0.5  # a constant bucket when bucket == 37
+                    xs[1][600] = float("nan")
+                ours = [_launch.quantize_pack(x, bits, bucket, cc.derive_seed(2, r)) for r, x in enumerate(xs)]
+                want = [cc.quantize_pack(x, bits, bucket, cc.derive_seed(2, r)) for r, x in enumerate(xs)]
+                for o, w in zip(ours, want):
+                    assert same_bits(o[0], w[0])
+                    assert torch.equal(o[1].nan_to_num(9.0), w[1].nan_to_num(9.0))  # NaN bits are unspecified
+                    assert torch.equal(o[2].nan_to_num(9.0), w[2].nan_to_num(9.0))
+                packed, mins, scales = (torch.stack(p) for p in zip(*want))
+                for average in (True, False):
+                    out, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+                    _launch.unpack_accumulate(packed, mins, scales, bits, bucket, n, out, average)
+                    cc.unpack_accumulate(packed, mins, scales, bits, bucket, n, ref, average=average)
+                    assert torch.equal(out.float().nan_to_num(9.0), ref.float().nan_to_num(9.0))
+                    assert same_bits(out[~ref.isnan()], ref[~ref.isnan()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_topk_compaction_and_scatter(on_host, dtype):
+    world, n, k = 3, 5003, 97
+    accs = [data(n, dtype, r) for r in range(world)]
+    picked = []
+    for acc in accs:
+        ours_acc, want_acc = acc.clone(), acc.clone()
+        values, idx = cc.topk_select(want_acc, k)
+        got_values, got_idx = _launch.gather_and_zero(ours_acc, idx.long())
+        assert same_bits(got_values, values) and torch.equal(got_idx, idx) and same_bits(ours_acc, want_acc)
+        picked.append((values, idx))
+    values, idx = (torch.stack(p) for p in zip(*picked))
+    for average in (True, False):
+        out, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        _launch.scatter_add_decode(values, idx, n, out, average)
+        assert same_bits(out, cc.scatter_add_decode(values, idx, n, ref, average=average))

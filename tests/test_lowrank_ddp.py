@@ -1,0 +1,141 @@
+"""PowerSGD and ACP-SGD under real 2-rank gloo DDP: training quality against plain
+all-reduce, a mid-run checkpoint that resumes bit-identically, and recovery from a
+non-finite step (skipped like torch.amp's GradScaler does)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from commpress.comm.launch import run_local
+
+pytestmark = pytest.mark.multiproc
+STEPS = 60
+METHODS = ["powersgd", "acpsgd"]
+
+
+def _quality(rank: int, world: int) -> dict:
+    from commpress.workloads.train import train_ddp
+
+    configs = {"none": {"method": "none"}, **{m: {"method": m, "params": {"rank": 4}} for m in METHODS}}
+    out = {}
+    for key, config in configs.items():
+        result = train_ddp(config, steps=STEPS, return_params=True)
+        out[key] = (result.eval_loss, result.params, result.bytes_per_step)
+    return out
+
+
+def _loop(
+    config: dict,
+    steps: int,
+    begin: int = 0,
+    end: int | None = None,
+    checkpoint: bytes | None = None,
+    bad: int = -1,
+    skip: int = -1,
+):
+    """Train the demo model from ``begin`` to ``end`` of a ``steps``-long schedule, from a
+    checkpoint if given. At step ``bad`` rank 0's loss is NaN; a step whose gradients are
+    not all finite is skipped, as GradScaler does. Step ``skip`` is left out entirely.
+    Returns (flat params, eval loss, checkpoint bytes, skipped steps)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from commpress import register
+    from commpress.workloads.charlm import CharTask
+    from commpress.workloads.train import cosine_lr
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    task = CharTask(batch_size=64)
+    model = task.model()
+    ddp = DistributedDataParallel(model)
+    state = register(ddp, config)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
+    if checkpoint is not None:
+        saved = torch.load(io.BytesIO(checkpoint), weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state.load_state_dict(saved["comm"])
+    schedule = cosine_lr(0.2, steps)
+    skipped = 0
+    for step in range(begin, steps if end is None else end):
+        if step == skip:
+            continue
+        for group in opt.param_groups:
+            group["lr"] = schedule(step)
+        x, y = task.batch(step, rank, world)
+        loss = F.cross_entropy(ddp(x), y)
+        if step == bad and rank == 0:
+            loss = loss * float("nan")
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        if all(torch.isfinite(p.grad).all() for p in model.parameters()):
+            opt.step()
+        else:
+            skipped += 1
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "comm": state.state_dict()}, buf)
+    xe, ye = task.eval_batch()
+    with torch.no_grad():
+        eval_loss = F.cross_entropy(model(xe), ye).item()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return params, eval_loss, buf.getvalue(), skipped
+
+
+def _resume_and_recover(rank: int, world: int) -> dict:
+    steps, cut, bad = 10, 4, 3
+    out = {}
+    for method in METHODS:
+        config = {"method": method, "params": {"rank": 4}}
+        straight = _loop(config, steps)
+        first = _loop(config, steps, end=cut)
+        out[method] = {
+            "straight": straight,
+            "resumed": _loop(config, steps, begin=cut, checkpoint=first[2]),
+            "bad": _loop(config, steps, bad=bad),
+            "without": _loop(config, steps, skip=bad),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def quality():
+    return run_local(_quality, 2)
+
+
+@pytest.fixture(scope="module")
+def resume():
+    return run_local(_resume_and_recover, 2)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rank4_trains_within_3_percent_of_none(quality, method):
+    ref_loss = quality[0]["none"][0]
+    loss, params, nbytes = quality[0][method]
+    assert torch.equal(params, quality[1][method][1])  # the ranks stay identical
+    assert abs(loss - ref_loss) / ref_loss < 0.03, (method, loss, ref_loss)
+    assert nbytes < quality[0]["none"][2] / 4  # and it does compress
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_checkpoint_resume_is_bit_identical(resume, method):
+    for rank_result in resume:
+        straight, resumed = rank_result[method]["straight"], rank_result[method]["resumed"]
+        assert torch.equal(straight[0], resumed[0])
+        assert straight[3] == resumed[3] == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_non_finite_step_is_skipped_and_training_recovers(resume, method):
+    for rank_result in resume:
+        bad, without = rank_result[method]["bad"], rank_result[method]["without"]
+        assert bad[3] == 1  # both ranks saw non-finite gradients and skipped the step
+        comm = torch.load(io.BytesIO(bad[2]), weights_only=False)["comm"]
+        for bucket in comm["compressors"]["main"]["buckets"].values():
+            assert torch.isfinite(bucket["error"]).all() and torch.isfinite(bucket["q"]).all()
+        # error and warm start were kept, so the run continues exactly as if the bad
+        # step had never happened
+        assert torch.equal(bad[0], without[0]) and torch.isfinite(bad[0]).all()
