@@ -55,7 +55,7 @@ def make_model(blocks: int, width: int) -> nn.Module:
     return nn.Sequential(*[Block(width) for _ in range(blocks)])
 
 
-def _ddp_for(method: str, model: nn.Module, rank: int):
+def _ddp_for(method: str, model: nn.Module, rank: int, bucket_cap_mb: float | None = None):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
     from torch.nn.parallel import DistributedDataParallel
 
@@ -67,7 +67,7 @@ def _ddp_for(method: str, model: nn.Module, rank: int):
         state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
         ddp.register_comm_hook(state, ps.powerSGD_hook)
         return ddp, None
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}))
     if method == "ddp":
         return ddp, None
     return ddp, commpress.register(ddp, {"method": method, "start_iter": 2, "params": {"rank": rank}})
@@ -79,7 +79,7 @@ def _rank_main(rank_id: int, world: int, args: argparse.Namespace) -> dict:
     runs = {}
     for method in args.methods:
         model = make_model(args.blocks, args.width)
-        ddp, state = _ddp_for(method, model, args.rank)
+        ddp, state = _ddp_for(method, model, args.rank, args.bucket_cap_mb)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
         runs[method] = (ddp, state, opt)
     times: dict[str, list[float]] = {m: [] for m in args.methods}
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per method per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket size for ddp and ours (default: DDP's)")
     parser.add_argument("--profile", action="store_true", help="profile the commpress compressors instead")
     args = parser.parse_args()
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]

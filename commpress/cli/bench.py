@@ -41,7 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--bucket-cap-mb", type=float, help="DDP bucket size (default DDP's 25)")
-    parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores / local ranks)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads per rank under torchrun/mpirun (default: cores / local ranks; --local splits the cores itself)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart of step time per method")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
