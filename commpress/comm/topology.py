@@ -4,7 +4,8 @@ world all-reduce, and the fast domains (ranks joined by fast links, or on one ho
 Links are measured one pair at a time (the others wait at a barrier), so a shared uplink
 is seen at its full rate, as one collective over it would see it. Each pair sends a
 growing message until one transfer lasts ``probe_ms`` (short messages only measure the
-token-bucket burst of a shaped link), then repeats it and keeps the median. Rank 0
+token-bucket burst of a shaped link), then repeats it and keeps the fastest (a loaded
+CPU only ever slows a transfer down). Rank 0
 assembles the result and broadcasts it, so every rank holds the same :class:`Topology`.
 """
 
@@ -250,7 +251,7 @@ def _measure_direction(dist: Any, peer: int, group: Any, probe_s: float, max_ele
             break
         size = min(max_elems, size * max(2, math.ceil(probe_s / max(elapsed, 1e-6))))
     times = [elapsed] + [_send_probe(dist, peer, group, size, payload) for _ in range(repeats - 1)]
-    elapsed = statistics.median(times)
+    elapsed = min(times)  # CPU load only ever slows a transfer down: keep the fastest
     transfer = max(elapsed - 2 * latency, elapsed / 2)  # a noisy latency must not inflate the rate
     dist.send(torch.tensor([0], dtype=torch.int64), peer, group=group)  # done
     return 4 * size / transfer, latency
