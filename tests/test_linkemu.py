@@ -12,8 +12,8 @@ import time
 import pytest
 
 from commpress.errors import ConfigError
-from commpress.linkemu import LinkEmuError, Network, Topology, check_can_run, parse_rate
-from commpress.linkemu.topology import burst_for
+from commpress.linkemu import LinkEmuError, LinkLayout, Network, check_can_run, parse_rate
+from commpress.linkemu.layout import burst_for
 
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="linkemu creates network namespaces: needs root (CI runs as root)")
@@ -33,17 +33,17 @@ def test_burst_matches_the_measured_settings():
 
 def test_topology_validation():
     with pytest.raises(ConfigError, match="nodes = 3"):
-        Topology.build("t", 4, nodes=3)
+        LinkLayout.build("t", 4, nodes=3)
     with pytest.raises(ConfigError, match="expected one rate or 4"):
-        Topology.build("t", 4, "1gbit,1gbit")
+        LinkLayout.build("t", 4, "1gbit,1gbit")
     with pytest.raises(ConfigError, match="inter_rate needs nodes > 1"):
-        Topology.build("t", 2, inter_rate="1gbit")
-    t = Topology.build("t", 3, "1gbit,none,100mbit")
+        LinkLayout.build("t", 2, inter_rate="1gbit")
+    t = LinkLayout.build("t", 3, "1gbit,none,100mbit")
     assert t.rates == (10**9, None, 10**8)
 
 
 def test_flat_commands_limit_both_ends_of_each_rank_link():
-    t = Topology.build("t", 2, "100mbit")
+    t = LinkLayout.build("t", 2, "100mbit")
     cmds = [" ".join(c) for c in t.setup_commands()]
     assert t.namespaces == ["t-hub0", "t-r0", "t-r1"]
     tbf = [c for c in cmds if " tbf " in c]
@@ -56,15 +56,15 @@ def test_flat_commands_limit_both_ends_of_each_rank_link():
 
 
 def test_two_level_commands_limit_only_the_trunks():
-    t = Topology.build("t", 4, nodes=2, inter_rate="100mbit")
+    t = LinkLayout.build("t", 4, nodes=2, inter_rate="100mbit")
     assert [t.node_of(r) for r in range(4)] == [0, 0, 1, 1]
     tbf = [" ".join(c) for c in t.setup_commands() if "tbf" in c]
     # two trunks (node hub <-> core), limited at both ends; rank links unlimited
     assert len(tbf) == 4 and {c.split()[6] for c in tbf} == {"uplink", "n0", "n1"}
     assert "between nodes: 100 Mbit/s" in t.describe()
     assert t.label == "2 nodes, 100mbit between, unlimited inside"
-    assert Topology.build("t", 2, "1gbit").label == "1gbit"
-    assert Topology.build("t", 2, "1gbit,500kbit").rank_env(0, 1)["COMMPRESS_LINK"] == "1gbit,500kbit"
+    assert LinkLayout.build("t", 2, "1gbit").label == "1gbit"
+    assert LinkLayout.build("t", 2, "1gbit,500kbit").rank_env(0, 1)["COMMPRESS_LINK"] == "1gbit,500kbit"
 
 
 def test_not_root_is_a_clear_error(monkeypatch):
@@ -106,7 +106,7 @@ def _bits_per_second(net: Network, src: int, dst: int, nbytes: int) -> float:
     """Goodput of one TCP transfer from rank ``src`` to rank ``dst`` (after the first chunk,
     which the tbf bucket lets through at once)."""
     rx = net.popen(dst, [sys.executable, "-c", _RECEIVER], stdout=subprocess.PIPE)
-    tx = net.popen(src, [sys.executable, "-c", _SENDER, net.topology.address(dst), str(nbytes)])
+    tx = net.popen(src, [sys.executable, "-c", _SENDER, net.layout.address(dst), str(nbytes)])
     out, _ = rx.communicate(timeout=60)
     assert tx.wait(timeout=60) == 0 and rx.returncode == 0
     return float(out)
@@ -121,8 +121,8 @@ def _ours(prefix: str) -> list[str]:
 def test_rate_limit_in_effect_and_cleaned_up(tmp_path):
     prefix = f"cpt{os.getpid()}"
     rate = 20_000_000
-    with Network(Topology.build(prefix, 2, "20mbit")) as net:
-        assert sorted(_ours(prefix)) == sorted(net.topology.namespaces)
+    with Network(LinkLayout.build(prefix, 2, "20mbit")) as net:
+        assert sorted(_ours(prefix)) == sorted(net.layout.namespaces)
         measured = _bits_per_second(net, 0, 1, 1_500_000)
         # TCP goodput through tbf stays below the configured rate (headers take ~3%); the
         # lower bound only guards against a broken link on a loaded machine
@@ -139,7 +139,7 @@ def test_rate_limit_in_effect_and_cleaned_up(tmp_path):
 def test_two_nodes_fast_inside_slow_between():
     prefix = f"cpt{os.getpid()}n"
     rate = 20_000_000
-    with Network(Topology.build(prefix, 4, nodes=2, inter_rate="20mbit")) as net:
+    with Network(LinkLayout.build(prefix, 4, nodes=2, inter_rate="20mbit")) as net:
         between = _bits_per_second(net, 0, 2, 1_500_000)
         inside = _bits_per_second(net, 0, 1, 1_500_000)
         assert between < 1.1 * rate, between

@@ -43,7 +43,7 @@ def _raise_on(signum: int, _frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from commpress.linkemu import LinkEmuError, Network, Topology
+    from commpress.linkemu import LinkEmuError, LinkLayout, Network
     from commpress.linkemu.network import remove_stale
 
     if args.remove_stale:
@@ -61,15 +61,15 @@ def run(args: argparse.Namespace) -> int:
     if not command:
         command = [sys.executable, "-m", "commpress", "bench"]
     try:
-        topology = Topology.build(f"cpe{os.getpid()}", args.ranks, args.rate, args.nodes, args.inter_rate)
+        layout = LinkLayout.build(f"cpe{os.getpid()}", args.ranks, args.rate, args.nodes, args.inter_rate)
     except ConfigError as exc:
         print(f"commpress linkemu: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_on)
     try:
-        with Network(topology) as net:
-            print(f"commpress linkemu: {args.ranks} ranks\n{topology.describe()}", file=sys.stderr)
+        with Network(layout) as net:
+            print(f"commpress linkemu: {args.ranks} ranks\n{layout.describe()}", file=sys.stderr)
             return net.run(command, port=args.port, timeout=args.timeout, log_dir=args.logs)
     except LinkEmuError as exc:
         print(f"commpress linkemu: {exc}", file=sys.stderr)

@@ -1,6 +1,6 @@
-"""Build a :class:`Topology` with ``ip``/``tc``, run one command per rank in it, tear it down.
+"""Build a :class:`LinkLayout` with ``ip``/``tc``, run one command per rank in it, tear it down.
 
-``with Network(topology) as net:`` creates everything and removes every namespace it
+``with Network(layout) as net:`` creates everything and removes every namespace it
 created on the way out, whether the body returns, raises or is interrupted (the CLI turns
 SIGTERM/SIGHUP into exceptions too). Needs root and iproute2.
 """
@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from commpress.linkemu.topology import Topology
+from commpress.linkemu.layout import LinkLayout
 
 __all__ = ["LinkEmuError", "Network", "check_can_run", "remove_stale"]
 
@@ -40,20 +40,20 @@ def check_can_run() -> None:
 
 
 class Network:
-    """The namespaces and links of ``topology``, alive inside a ``with`` block."""
+    """The namespaces and links of ``layout``, alive inside a ``with`` block."""
 
-    def __init__(self, topology: Topology) -> None:
-        self.topology = topology
+    def __init__(self, layout: LinkLayout) -> None:
+        self.layout = layout
         self.created: list[str] = []
 
     def __enter__(self) -> Network:
         check_can_run()
         existing = set(_netns_list())
-        clash = sorted(set(self.topology.namespaces) & existing)
+        clash = sorted(set(self.layout.namespaces) & existing)
         if clash:
             raise LinkEmuError(f"network namespace {clash[0]} already exists: another linkemu run uses this prefix")
         try:
-            for cmd in self.topology.setup_commands():
+            for cmd in self.layout.setup_commands():
                 _ip(cmd)
                 if cmd[:3] == ["ip", "netns", "add"]:
                     self.created.append(cmd[3])
@@ -74,7 +74,7 @@ class Network:
     def popen(self, rank: int, cmd: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: object) -> subprocess.Popen:
         """Start ``cmd`` inside rank ``rank``'s namespace (in its own process group)."""
         full_env = {**os.environ, **(env or {})}
-        argv = ["ip", "netns", "exec", self.topology.rank_ns(rank), *cmd]
+        argv = ["ip", "netns", "exec", self.layout.rank_ns(rank), *cmd]
         return subprocess.Popen(argv, env=full_env, start_new_session=True, **kwargs)  # type: ignore[call-overload]
 
     def run(self, cmd: Sequence[str], port: int = 29500, timeout: float | None = None, log_dir: str | None = None) -> int:
@@ -86,8 +86,8 @@ class Network:
         logs.mkdir(parents=True, exist_ok=True)
         procs, files = [], []
         try:
-            for r in range(self.topology.world_size):
-                env = self.topology.rank_env(r, port)
+            for r in range(self.layout.world_size):
+                env = self.layout.rank_env(r, port)
                 if r == 0:
                     procs.append(self.popen(r, cmd, env))
                 else:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
@@ -41,6 +42,53 @@ def cosine_lr(base_lr: float, steps: int) -> Callable[[int], float]:
     return lambda step: base_lr * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
+def _setup(
+    task: CharTask, lr: float, bucket_cap_mb: float | None
+) -> tuple[torch.nn.Module, DistributedDataParallel, torch.optim.Optimizer]:
+    """The demo model, its DDP wrapper and SGD with momentum (same on every path)."""
+    model = task.model()
+    kwargs = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb is not None else {}
+    ddp = DistributedDataParallel(model, **kwargs)
+    return model, ddp, torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+
+
+def _run_steps(
+    ddp: DistributedDataParallel,
+    opt: torch.optim.Optimizer,
+    update: Callable[[], Any],
+    task: CharTask,
+    steps: int,
+    lr: float,
+    on_step: Callable[[int], None] | None,
+) -> tuple[list[float], list[float]]:
+    """The training loop under a cosine schedule; ``update`` applies the step (the
+    optimizer's, or a Local SGD trainer's). Returns (losses, step wall times)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    schedule = cosine_lr(lr, steps)
+    losses, times = [], []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = schedule(step)
+        x, y = task.batch(step, rank, world)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(ddp(x), y)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        update()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step + 1)
+    return losses, times
+
+
+def _eval_loss(model: torch.nn.Module, task: CharTask) -> float:
+    """Loss of ``model`` on the task's held-out batch."""
+    xe, ye = task.eval_batch()
+    with torch.no_grad():
+        return F.cross_entropy(model(xe), ye).item()
+
+
 def train_ddp(
     config: Mapping[str, Any] | str | None,
     steps: int = 200,
@@ -55,40 +103,19 @@ def train_ddp(
     ``hook`` instead registers some other comm hook). SGD with momentum, cosine schedule.
     ``on_step(n)`` is called after every step (progress displays). A config with a
     ``[local_sgd]`` table trains with Local SGD or CO2 instead (:func:`train_local_sgd`)."""
-    import torch.distributed as dist
 
     if config is not None and Config.load(config).section("local_sgd") is not None:
         if hook is not None:
             raise ValueError("hook= cannot be combined with a [local_sgd] config: Local SGD registers its own hook")
         return train_local_sgd(config, steps, lr, task, bucket_cap_mb, return_params, on_step)
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     task = task or CharTask(batch_size=64)
-    model = task.model()
-    kwargs = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb is not None else {}
-    ddp = DistributedDataParallel(model, **kwargs)
+    model, ddp, opt = _setup(task, lr, bucket_cap_mb)
     state = register(ddp, config) if config is not None else None
     if hook is not None:
         hook(ddp)
-    schedule = cosine_lr(lr, steps)
-    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-    losses, times = [], []
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = schedule(step)
-        x, y = task.batch(step, rank, world)
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(ddp(x), y)
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step + 1)
-    xe, ye = task.eval_batch()
-    with torch.no_grad():
-        eval_loss = F.cross_entropy(model(xe), ye).item()
+    losses, times = _run_steps(ddp, opt, opt.step, task, steps, lr, on_step)
+    eval_loss = _eval_loss(model, task)
     traffic = state.traffic.snapshot() if state is not None else {"bytes_sent": 0, "compute_seconds": 0.0}
     return TrainResult(
         losses=losses,
@@ -116,36 +143,15 @@ def train_local_sgd(
     ``state`` holds the averager's state plus ``periods`` (H of every round), ``rounds``
     and ``wait_seconds`` (how long each sync point was blocked by communication).
     ``step_seconds`` is the mean step time, not the median, so the averaging steps count."""
-    import torch.distributed as dist
 
     from commpress.local_sgd import from_config
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     task = task or CharTask(batch_size=64)
-    model = task.model()
-    kwargs = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb is not None else {}
-    ddp = DistributedDataParallel(model, **kwargs)
-    schedule = cosine_lr(lr, steps)
-    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    model, ddp, opt = _setup(task, lr, bucket_cap_mb)
     trainer = from_config(ddp, opt, config, total_steps=steps)
-    losses, times = [], []
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = schedule(step)
-        x, y = task.batch(step, rank, world)
-        t0 = time.perf_counter()
-        loss = F.cross_entropy(ddp(x), y)
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        trainer.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step + 1)
+    losses, times = _run_steps(ddp, opt, trainer.step, task, steps, lr, on_step)
     trainer.finish()
-    xe, ye = task.eval_batch()
-    with torch.no_grad():
-        eval_loss = F.cross_entropy(model(xe), ye).item()
+    eval_loss = _eval_loss(model, task)
     traffic = trainer.traffic.snapshot()
     settled = times[min(5, steps - 1) :]
     state = {

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from commpress.errors import ConfigError
 
-__all__ = ["Link", "Topology", "burst_for", "parse_rate"]
+__all__ = ["Link", "LinkLayout", "burst_for", "parse_rate"]
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$", re.IGNORECASE)
 _UNIT = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
@@ -59,7 +59,7 @@ class Link:
 
 
 @dataclass(frozen=True)
-class Topology:
+class LinkLayout:
     """``world_size`` ranks, ``rates[r]`` the link of rank r, in ``nodes`` groups."""
 
     prefix: str
@@ -76,7 +76,7 @@ class Topology:
         rate: str | None = None,
         nodes: int = 1,
         inter_rate: str | None = None,
-    ) -> Topology:
+    ) -> LinkLayout:
         """Validate the command-line form: ``rate`` is one tc rate for every rank or one per
         rank, comma-separated."""
         if world_size < 1 or world_size > 1000:
