@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from commpress.comm.planner import HierarchyPlan
-from commpress.comm.torch_backend import TorchBackend
+from commpress.comm.torch_backend import TorchBackend, all_gather_single
 from commpress.comm.traffic import Traffic
 from commpress.compressors.base import Bucket, Context, ParamSlot, Reduction
 
@@ -255,7 +255,7 @@ class _Job:
         padded = torch.cat([self.shard, self.shard.new_zeros(self.width - self.shard.numel())])
         out = padded.new_empty(self.k * self.width)
         o.domain_traffic.add(nbytes=padded.numel() * padded.element_size(), collectives=1)
-        work = o._dist.all_gather_into_tensor(out, padded, group=o._gather_group, async_op=True)
+        work = all_gather_single(out, padded, group=o._gather_group, async_op=True)
 
         def gathered(f: torch.futures.Future) -> None:
             try:

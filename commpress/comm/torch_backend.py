@@ -8,11 +8,11 @@ import torch.distributed as dist
 from commpress.comm.backend import Backend
 from commpress.compressors.base import AllGather, AllReduce, Collective
 
-__all__ = ["TorchBackend"]
+__all__ = ["TorchBackend", "all_gather_single"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 # torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchBackend(Backend):
@@ -60,7 +60,7 @@ class TorchBackend(Backend):
         else:
             mine = torch.tensor([tensor.numel()], dtype=torch.int64, device=tensor.device)
             all_sizes = mine.new_empty(self.world_size)
-            _all_gather_single(all_sizes, mine, group=group)
+            all_gather_single(all_sizes, mine, group=group)
             self.traffic.add(nbytes=mine.numel() * mine.element_size(), collectives=1)
             sizes = all_sizes.tolist()
         longest = max(sizes)
@@ -71,6 +71,6 @@ class TorchBackend(Backend):
         if tensor.numel() < longest:
             tensor = torch.cat([tensor, tensor.new_zeros(longest - tensor.numel())])
         out = tensor.new_empty(self.world_size * longest)
-        work = _all_gather_single(out, tensor.contiguous(), group=group, async_op=True)
+        work = all_gather_single(out, tensor.contiguous(), group=group, async_op=True)
         rows = out.view(self.world_size, longest)
         return work.get_future().then(lambda _: [rows[i, :n] for i, n in enumerate(sizes)])
