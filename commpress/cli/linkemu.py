@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_on)
+    # a process started in the background by a shell inherits SIGINT ignored: restore
+    # Ctrl-C explicitly so an interrupt always reaches the clean-up below
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with Network(layout) as net:
             print(f"commpress linkemu: {args.ranks} ranks\n{layout.describe()}", file=sys.stderr)
