@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -25,6 +25,7 @@ __all__ = [
     "Context",
     "ParamSlot",
     "Reduction",
+    "on_dense_copy",
 ]
 
 
@@ -119,6 +120,14 @@ class Bucket:
         dtype = tensors[0].dtype if tensors else torch.float32
         flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=dtype)
         return cls(index, flat, tuple(slots))
+
+
+def on_dense_copy(reduce: Callable[[Bucket, Context], Reduction], bucket: Bucket, ctx: Context) -> Reduction:
+    """Run ``reduce`` on a contiguous copy of a strided ``bucket`` and write the average back
+    (for compressors whose kernels need dense memory)."""
+    dense = Bucket(bucket.index, bucket.buffer.contiguous(), bucket.slots)
+    yield from reduce(dense, ctx)
+    bucket.buffer.copy_(dense.buffer)
 
 
 @dataclass(frozen=True)

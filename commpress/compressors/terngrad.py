@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from commpress.compressors.base import AllGather, AllReduce, Bucket, Compressor, Context, Reduction
+from commpress.compressors.base import AllGather, AllReduce, Bucket, Compressor, Context, Reduction, on_dense_copy
 from commpress.compressors.framing import unframe
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_key, tensor_seed
@@ -59,9 +59,7 @@ class TernGradCompressor(Compressor):
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)
         if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
-            dense = Bucket(bucket.index, bucket.buffer.contiguous(), bucket.slots)
-            yield from self.reduce(dense, ctx)
-            bucket.buffer.copy_(dense.buffer)
+            yield from on_dense_copy(self.reduce, bucket, ctx)
             return
         slots = [s for s in bucket.slots if s.numel]
         if not slots:

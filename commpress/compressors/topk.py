@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction
+from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, on_dense_copy
 from commpress.compressors.framing import frame, unframe
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_key, tensor_seed
@@ -123,9 +123,7 @@ class TopKCompressor(Compressor):
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)
         if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
-            dense = Bucket(bucket.index, bucket.buffer.contiguous(), bucket.slots)
-            yield from self.reduce(dense, ctx)
-            bucket.buffer.copy_(dense.buffer)
+            yield from on_dense_copy(self.reduce, bucket, ctx)
             return
         n = bucket.buffer.numel()
         slots = [s for s in bucket.slots if s.numel]
