@@ -33,8 +33,10 @@ DEMO_ROWS: list[DemoRow] = [
     DemoRow("none", {"method": "none"}),
     DemoRow("fp16", {"method": "fp16"}),
     DemoRow("bf16", {"method": "bf16"}),
-    DemoRow("powersgd", {"method": "powersgd", "params": {"rank": 4}}),
-    DemoRow("acpsgd", {"method": "acpsgd", "params": {"rank": 4}}),
+    # the low-rank rows start after 20 plain steps, 10% of the default run, as PyTorch
+    # recommends for its PowerSGD hook (start_powerSGD_iter): early gradients change too fast
+    DemoRow("powersgd", {"method": "powersgd", "start_iter": 20, "params": {"rank": 4}}),
+    DemoRow("acpsgd", {"method": "acpsgd", "start_iter": 20, "params": {"rank": 4}}),
     DemoRow("terngrad", {"method": "terngrad"}),
     DemoRow("topk", {"method": "topk", "params": {"ratio": 0.01}}),
     DemoRow("local-sgd+qsr", {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": 0.2}}),
