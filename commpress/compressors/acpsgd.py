@@ -33,12 +33,11 @@ class ACPSGDCompressor(LowRankCompressor):
     rounds: ClassVar[int] = 1
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        self.check_dtype(bucket)
-        if bucket.buffer.numel() == 0:
+        begun = self._begin(bucket)
+        if begun is None:
             return
-        st = self._state(bucket)
+        st, ms = begun
         plan = st.plan
-        ms = self._matrices(bucket, st)
         p_step = not self.warm_start or st.steps % 2 == 0 or st.p is None
         if p_step:
             qs = self._start_qs(bucket, st)

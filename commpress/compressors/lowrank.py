@@ -74,6 +74,15 @@ class LowRankCompressor(Compressor):
         qt = st.q if warm else self._random_qt(bucket, st, 0 if self.warm_start else st.steps)
         return [orthonormalize(v.transpose(1, 2)) for v in st.plan.qt_views(qt)]
 
+    def _begin(self, bucket: Bucket) -> tuple[BucketState, list[torch.Tensor]] | None:
+        """The shared start of a step: check the dtype, then this bucket's state and its
+        matrices ``M`` (see :meth:`_matrices`); None for an empty bucket."""
+        self.check_dtype(bucket)
+        if bucket.buffer.numel() == 0:
+            return None
+        st = self._state(bucket)
+        return st, self._matrices(bucket, st)
+
     def _matrices(self, bucket: Bucket, st: BucketState) -> list[torch.Tensor]:
         """``M`` of every batch, in fp32: ``grad + error`` written into the spare error
         buffer (error feedback), else the gradients themselves (fp32) or fp32 copies."""

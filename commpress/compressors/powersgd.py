@@ -29,12 +29,11 @@ class PowerSGDCompressor(LowRankCompressor):
     rounds: ClassVar[int] = 2
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        self.check_dtype(bucket)
-        if bucket.buffer.numel() == 0:
+        begun = self._begin(bucket)
+        if begun is None:
             return
-        st = self._state(bucket)
+        st, ms = begun
         plan = st.plan
-        ms = self._matrices(bucket, st)
         first = self._payload(bucket, st, plan.p_numel, ctx.world_size)
         for m, q, p in zip(ms, self._start_qs(bucket, st), plan.p_views(first)):
             torch.bmm(m, q, out=p)
