@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from commpress.cli.table import format_table
+from commpress.terminal import format_table
 from commpress.comm.launch import run_local
 
 ROWS = {

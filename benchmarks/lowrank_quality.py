@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from commpress.cli.table import format_table
+from commpress.terminal import format_table
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, build
 from commpress.compressors.lowrank_plan import LowRankPlan

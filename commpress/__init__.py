@@ -5,7 +5,6 @@ Quick start::
     state = commpress.register(ddp_model, {"method": "powersgd", "params": {"rank": 4}})
 """
 
-from commpress import local_sgd  # noqa: F401  (registers the [local_sgd] config table)
 from commpress.config import Config
 from commpress.errors import ConfigError
 from commpress.hooks import CommState, ddp_hook, register

@@ -1,10 +1,16 @@
 """Checks keyword settings against type hints, so every config error names key, value and
-what is accepted. Used for compressor parameters and for config sections."""
+what is accepted. Used for compressor parameters and for config sections.
+
+Numbers must be finite wherever a ``float`` is accepted: no setting means anything at
+infinity or NaN, and letting one through only moves the failure into training.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -12,7 +18,7 @@ from typing import Any, Literal, TypeVar
 
 from commpress.errors import ConfigError
 
-__all__ = ["check_kwargs", "parse_dataclass", "signature_fields"]
+__all__ = ["check_fields", "check_keys", "check_kwargs", "parse_dataclass", "signature_fields"]
 
 T = TypeVar("T")
 
@@ -27,7 +33,7 @@ def _describe(tp: Any) -> str:
         return f"a list of {_describe(typing.get_args(tp)[0])}"
     if tp is type(None):
         return "none"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+    return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
@@ -61,15 +67,30 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False, value
+        try:
+            conv = float(value)
+        except OverflowError:  # an integer too large for a float
+            return False, value
+        return math.isfinite(conv), conv
     if tp is str:
         return isinstance(value, str), value
     return isinstance(value, tp), value
 
 
+def check_keys(where: str, data: Any) -> None:
+    """Raise ConfigError unless ``data`` is a table (mapping) whose keys are all strings."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a table of settings, got {data!r}")
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}: key {key!r} is not accepted; setting names are strings")
+
+
 def check_kwargs(where: str, data: Mapping[str, Any], fields: Mapping[str, tuple[Any, bool]]) -> dict[str, Any]:
     """Validate ``data`` against ``fields`` (name -> (type, required)); return converted values."""
+    check_keys(where, data)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         accepted = ", ".join(sorted(fields)) or "none"
@@ -98,14 +119,28 @@ def signature_fields(fn: Callable[..., Any]) -> dict[str, tuple[Any, bool]]:
     return fields
 
 
-def parse_dataclass(where: str, cls: type[T], data: Mapping[str, Any]) -> T:
-    """Build dataclass ``cls`` from ``data``, with clear errors for unknown or mistyped keys."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a table of settings, got {data!r}")
+@functools.cache
+def _dataclass_fields(cls: type) -> dict[str, tuple[Any, bool]]:
     hints = typing.get_type_hints(cls)
-    fields = {
+    return {
         f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls)
         if f.init
     }
-    return cls(**check_kwargs(where, data, fields))
+
+
+def parse_dataclass(where: str, cls: type[T], data: Mapping[str, Any]) -> T:
+    """Build dataclass ``cls`` from ``data``, with clear errors for unknown or mistyped keys."""
+    return cls(**check_kwargs(where, data, _dataclass_fields(cls)))
+
+
+def check_fields(where: str, obj: Any) -> None:
+    """Check every field of the (frozen) dataclass instance ``obj`` against its type hint and
+    store the converted value (lists become tuples, integers floats): called from
+    ``__post_init__`` so a table built directly is held to the same rules as one parsed."""
+    for name, (tp, _) in _dataclass_fields(type(obj)).items():
+        value = getattr(obj, name)
+        ok, conv = _coerce(value, tp)
+        if not ok:
+            raise ConfigError(f"{where}: {name} = {value!r} is not accepted; expected {_describe(tp)}")
+        object.__setattr__(obj, name, conv)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from commpress.cli.table import format_table
+from commpress.terminal import format_table
 from commpress.compressors import AllGather, AllReduce, Bucket, Compressor, Context, build
 
 DEFAULT_METHODS = "terngrad;topk:ratio=0.01;topk:ratio=0.01,selection=exact;topk:ratio=0.01,value_dtype=float16"

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from commpress.comm.ratios import register_ratio_mapping
+from commpress.adaptive.ratios import register_ratio_mapping
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction, register_compressor
 from commpress.errors import ConfigError
 

@@ -25,6 +25,13 @@ def buckets(tensors: list[list[torch.Tensor]], index: int = 0, names=NAMES) -> l
     return [Bucket.from_tensors(index, ts, names[: len(ts)]) for ts in tensors]
 
 
+def reduce_step(sim: SimulatedWorld, comps, bs: list[Bucket], step: int = 0, commit: bool = True) -> None:
+    """One training step of one bucket per rank: reduce, then end the step on every rank."""
+    sim.reduce(comps, bs, step)
+    for c in comps:
+        c.end_step(commit)
+
+
 def run(method: str, params: dict, world: int, steps: int, seed: int = 0, comps=None):
     """``steps`` steps of fresh random gradients; returns (compressors, last buckets, world)."""
     sim = SimulatedWorld(world)
@@ -32,17 +39,26 @@ def run(method: str, params: dict, world: int, steps: int, seed: int = 0, comps=
     out = None
     for step in range(steps):
         out = buckets(grads(world, seed * 1000 + step))
-        sim.reduce(comps, out, step)
+        reduce_step(sim, comps, out, step)
     return comps, out, sim
 
 
-def error_of(comp, index: int = 0) -> torch.Tensor | None:
-    return comp.state_dict()["buckets"][index]["error"]
+def error_of(comp, bucket: Bucket) -> torch.Tensor:
+    """The committed error of ``bucket``'s parameters, laid out like the bucket (zeros where
+    a parameter holds none: the dense ones)."""
+    saved = comp.state_dict()["error"]
+    out = torch.zeros(bucket.buffer.numel())
+    for s in bucket.slots:
+        if s.name in saved:
+            assert saved[s.name].shape == s.shape and saved[s.name].device.type == "cpu"
+            out[s.offset : s.offset + s.numel] = saved[s.name].reshape(-1)
+    return out
 
 
 def seeded_state(comps, bucket: Bucket, rank: int, steps: int, seed: int = 7) -> list[dict]:
     """Load a known state into every rank's compressor: a random error per rank (errors
-    differ across ranks), random q and p factors shared by all. Returns the loaded states."""
+    differ across ranks), random q and p factors shared by all. Returns the loaded states
+    as flat tensors laid out like the bucket (error) and the plan's factor buffers (q, p)."""
     plan = LowRankPlan.build(tuple(bucket.slots), rank, 2.0)
     g = torch.Generator().manual_seed(seed)
     q, p = torch.randn(plan.q_numel, generator=g), torch.randn(plan.p_numel, generator=g)
@@ -50,16 +66,15 @@ def seeded_state(comps, bucket: Bucket, rank: int, steps: int, seed: int = 7) ->
     for comp in comps:
         error = torch.randn(bucket.buffer.numel(), generator=g)
         error[plan.dense_index] = 0
-        saved = {
-            "slots": [(s.name, tuple(s.shape), s.offset) for s in bucket.slots],
-            "numel": bucket.buffer.numel(),
-            "steps": steps,
-            "error": error,
-            "q": q.clone(),
-            "p": p.clone(),
-        }
-        comp.load_state_dict({"buckets": {bucket.index: saved}})
-        states.append(saved)
+        saved = {"error": {}, "q": {}, "p": {}, "steps": {}}
+        for f in plan.factors:
+            name = f.slot.name
+            saved["error"][name] = error[f.slot.offset : f.slot.offset + f.slot.numel].view(f.slot.shape).clone()
+            saved["q"][name] = q[f.q_offset : f.q_offset + f.rank * f.m].view(f.rank, f.m).clone()
+            saved["p"][name] = p[f.p_offset : f.p_offset + f.n * f.rank].view(f.n, f.rank).clone()
+            saved["steps"][name] = steps
+        comp.load_state_dict(saved)
+        states.append({"error": error, "q": q.clone(), "p": p.clone(), "steps": steps})
     return states
 
 

@@ -14,8 +14,8 @@ from commpress.compressors import AllGather, AllReduce, Bucket, Compressor, Cont
 
 @register_compressor
 class MultiRound(Compressor):
-    """Round 1: all-reduce the pre-divided buffer. Round 2: variable-size all-gather of a
-    rank-dependent prefix. Round 3 (odd bucket indices only): max all-reduce of the step.
+    """Round 1: all-reduce the pre-divided buffer. Round 2: all-gather of a rank- and
+    bucket-dependent vector (its size depends on the bucket). Round 3 (odd bucket indices only): max all-reduce of the step.
     Random sleeps between rounds shuffle the timing of completion callbacks."""
 
     name: ClassVar[str] = "test-multiround"
@@ -29,9 +29,10 @@ class MultiRound(Compressor):
         time.sleep(rng.random() * self.jitter)
         total = yield AllReduce(bucket.buffer.div(ctx.world_size))
         time.sleep(rng.random() * self.jitter)
-        mine = torch.full((ctx.rank + 1,), float(bucket.index * 1000 + ctx.rank))
+        size = bucket.index % 3 + 1  # buckets differ: a mixed-up order shows as a size mismatch
+        mine = torch.full((size,), float(bucket.index * 1000 + ctx.rank))
         gathered = yield AllGather(mine)
-        expected = [torch.full((r + 1,), float(bucket.index * 1000 + r)) for r in range(ctx.world_size)]
+        expected = [torch.full((size,), float(bucket.index * 1000 + r)) for r in range(ctx.world_size)]
         if len(gathered) != ctx.world_size or not all(torch.equal(a, b) for a, b in zip(gathered, expected)):
             raise AssertionError(f"bucket {bucket.index}: gathered {gathered}, expected {expected}")
         if bucket.index % 2:

@@ -28,8 +28,11 @@ class _ShuffledBackend(Backend):
     def allgather_object(self, obj):
         return [obj]
 
+    def members(self, scope):
+        return [0]
+
     def _start(self, channel, request):
-        self.issued[channel].append(request.tag)
+        self.issued[channel[1]].append(request.tag)
         fut = torch.futures.Future()
         delay = self.rng.random() * 0.004
         value = request.tensor if isinstance(request, AllReduce) else [request.tensor]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from commpress.bench.methods import default_methods, parse_methods, split_specs
-from commpress.bench.report import format_report, summarize, write_plot
+from commpress.bench.report import LOOPBACK_NOTE, format_report, summarize, write_plot
 from commpress.bench.runner import BenchPlan, bench_rank
 from commpress.cli import main
 from commpress.comm.from_env import detect_launcher
@@ -157,6 +157,29 @@ def test_summarize_takes_slowest_rank_per_step():
     assert "fp16" in text and "3.00x" in text and "2.0x" in text
 
 
+@pytest.mark.parametrize(
+    ("link", "hosts", "noted"),
+    [
+        (None, ["h", "h"], True),  # --local or torchrun on one machine: loopback
+        ("unlimited", ["h", "h"], True),  # linkemu without --rate
+        ("100mbit", ["h", "h"], False),  # linkemu with a real limit
+        (None, ["h1", "h2"], False),  # a real network between hosts
+    ],
+)
+def test_loopback_runs_say_where_compression_pays(link, hosts, noted):
+    raw = _raw([[[1.0] * 4, [0.5] * 4]] * 2, [16000, 8000], [[0.1] * 4] * 2)
+    for rank, host in zip(raw["ranks"], hosts):
+        rank["host"] = host
+    if link is not None:
+        raw["link"] = link
+    summary = summarize(raw)
+    text = format_report(summary)
+    assert summary["loopback"] is noted
+    assert (LOOPBACK_NOTE in text) is noted
+    assert "compression pays only when the network is the bottleneck" in LOOPBACK_NOTE
+    assert "commpress linkemu" in LOOPBACK_NOTE
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is in the bench and test extras")
     raw = _raw([[[1.0] * 4, [0.5] * 4]] * 2, [16000, 8000], [[0.1] * 4] * 2)
@@ -206,7 +229,7 @@ def test_bench_rank_rows(two_ranks):
 
 @pytest.mark.multiproc
 def test_cli_local_run_writes_json(tmp_path, capsys):
-    out = tmp_path / "bench.json"
+    path = tmp_path / "bench.json"
     code = main(
         [
             "bench",
@@ -223,13 +246,16 @@ def test_cli_local_run_writes_json(tmp_path, capsys):
             "--warmup",
             "2",
             "--json",
-            str(out),
+            str(path),
             "--quiet",
         ]
     )
     assert code == 0
-    assert "speed-up over ddp" in capsys.readouterr().out
-    data = json.loads(out.read_text())
+    out = capsys.readouterr().out
+    assert "speed-up over ddp" in out
+    assert out.rstrip().endswith(LOOPBACK_NOTE)  # two ranks on this machine, no link limit
+    data = json.loads(path.read_text())
+    assert data["loopback"] is True
     assert [m["label"] for m in data["methods"]] == ["ddp", "fp16"]
     assert data["methods"][1]["compression"] == pytest.approx(2.0)
 
@@ -245,3 +271,37 @@ def test_collect_markdown_tables():
     assert header == "| method | 2 ranks, 100mbit | 2 ranks, unlimited |"
     assert "| fp16 | 500 ms (2.00x) | 200 ms (1.00x) |" in lines
     assert "| fp16 | 2,000 | 2.0x |" in lines  # 8000 bytes over 4 steps
+
+
+def test_fsdp_bench_rows_include_fsdp2_bf16():
+    from commpress.cli.bench_fsdp import FSDP_ROWS, parse_rows
+
+    bf16 = next(r for r in FSDP_ROWS if r.label == "fsdp-bf16")
+    assert bf16.mixed_precision == "bf16" and bf16.config == FSDP_ROWS[0].config  # plain collectives, counted
+    (bare,) = parse_rows("fsdp-bf16")
+    assert (bare.config, bare.mixed_precision) == (bf16.config, "bf16")
+    (q,) = parse_rows("q:weight_bits=8,mixed_precision=fp16")
+    assert (q.config, q.mixed_precision) == ({"weight_bits": 8}, "fp16")
+
+
+@pytest.mark.multiproc
+def test_fsdp_bench_bf16_row_halves_the_bytes(capsys):
+    code = main(["bench-fsdp", "--local", "2", "--steps", "6", "--hidden", "16", "--batch", "4", "--rows", "fsdp;fsdp-bf16"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    plain, bf16 = (line.split() for line in lines[2:4])
+    assert plain[0] == "fsdp" and bf16[0] == "fsdp-bf16"
+    gather, scatter = (float(v.replace(",", "")) for v in plain[1:3])
+    assert gather > 0 and scatter > 0
+    assert [float(v.replace(",", "")) for v in bf16[1:3]] == [gather / 2, scatter / 2]  # bf16 on the wire
+    assert bf16[3] == "2.00x"
+    assert abs(float(bf16[6].rstrip("%"))) < 1.0  # the same training, within 1% of its loss
+
+
+def test_a_malformed_launcher_variable_is_named():
+    import pytest
+
+    from commpress.comm.from_env import detect_launcher
+
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE='two' is not an integer"):
+        detect_launcher({"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "x"})

@@ -112,8 +112,12 @@ def test_state_dict_round_trip_and_config_check():
         assert messages and "load it with the same config" in messages[0]
 
 
-def test_clear_error_without_process_group():
+def test_state_is_lazy_and_says_what_is_missing_when_used_without_a_process_group():
+    """Built before init_process_group (Lightning does this), it connects on first use;
+    used with no process group at all, it says what to call."""
     from commpress import CommState
 
+    state = CommState({"method": "powersgd"})
+    assert state.step == 0 and state.state_dict()["step"] == 0  # checkpoints work unconnected
     with pytest.raises(RuntimeError, match=r"call torch.distributed.init_process_group\(...\) first"):
-        CommState({"method": "none"})
+        state.connect()

@@ -37,7 +37,7 @@ def _reduce_scatter_statistics(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from commpress.fsdp import FSDPConfig, QuantizedReduceScatter
-    from commpress.hooks.fsdp2_unit import ParamShard, Unit
+    from commpress.fsdp.fsdp2 import ParamShard, Unit
 
     n, bits, bucket, k = 2048, 2, 256, 200
     unit = Unit(0, (ParamShard("w", n * world, n),), FSDPConfig(grad_bits=bits, bucket_size=bucket, min_numel=0))

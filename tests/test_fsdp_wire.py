@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from commpress import Config, ConfigError
-from commpress.fsdp import FSDPConfig
-from commpress.hooks.fsdp2_unit import ParamShard, Unit
-from commpress.hooks.fsdp_wire import Segments, Wire
+from commpress.fsdp import FSDPConfig, load_fsdp_config
+from commpress.fsdp.fsdp2 import ParamShard, Unit
+from commpress.fsdp.wire import Segments, Wire
 
 
 @pytest.mark.parametrize(
@@ -34,12 +34,12 @@ def test_config_forms():
     cfg = Config.load({"method": "none", "fsdp": {"weight_bits": 4, "exclude": ["*norm*"]}})
     section = cfg.section("fsdp")
     assert section == FSDPConfig(weight_bits=4, exclude=("*norm*",))
-    assert FSDPConfig.load(cfg) == section
-    assert FSDPConfig.load({"fsdp": {"weight_bits": 4, "exclude": ["*norm*"]}}) == section
-    assert FSDPConfig.load({"weight_bits": 4, "exclude": ["*norm*"]}) == section  # the table's keys alone
-    assert FSDPConfig.load({"method": "none"}) == FSDPConfig()  # no table: defaults
+    assert load_fsdp_config(cfg) == section
+    assert load_fsdp_config({"fsdp": {"weight_bits": 4, "exclude": ["*norm*"]}}) == section
+    assert load_fsdp_config({"weight_bits": 4, "exclude": ["*norm*"]}) == section  # the table's keys alone
+    assert load_fsdp_config({"method": "none"}) == FSDPConfig()  # no table: defaults
     with pytest.raises(ConfigError, match="fsdp: unknown key 'weight_bitz'"):
-        FSDPConfig.load({"weight_bitz": 8})
+        load_fsdp_config({"weight_bitz": 8})
     assert cfg.to_dict()["fsdp"]["weight_bits"] == 4
 
 

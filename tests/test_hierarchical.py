@@ -13,10 +13,11 @@ import multiround  # noqa: F401  (registers test-multiround)
 import pytest
 import torch
 
-from commpress.comm import SimulatedWorld, Topology
-from commpress.comm.hierarchical import shard_ranges, shard_slots
+from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes, shard_ranges, shard_slots
+from commpress.adaptive.planner import plan_hierarchy
+from commpress.adaptive.topology import Topology
+from commpress.comm import SimulatedWorld
 from commpress.comm.launch import run_local
-from commpress.comm.planner import plan_hierarchy
 from commpress.compressors import Bucket, ParamSlot, build
 
 G = 1e9 / 8
@@ -60,12 +61,14 @@ def _grad(rank: int, step: int, index: int, n: int) -> torch.Tensor:
 
 
 def _hierarchical_runs(rank: int, world: int) -> dict:
-    from commpress.comm.hierarchical import HierarchicalBackend
+    from commpress.comm.torch_backend import TorchBackend
 
     out = {}
     for layout, domains in LAYOUTS.items():
         plan = plan_hierarchy(domains, [[G] * world] * world, 10_000)
-        backend = HierarchicalBackend(plan, rounds=3)  # enough for every method below
+        # enough cross rounds for every method below
+        backend = TorchBackend(None, {"domain": 2, "cross": 3}, scopes=hierarchy_scopes(plan, world))
+        place = Place.of(plan, rank)
         for method, params in METHODS:
             comp = build(method, params)
             results = []
@@ -75,8 +78,9 @@ def _hierarchical_runs(rank: int, world: int) -> dict:
                     slots = _slots(spec)
                     buf = _grad(rank, step, index, sum(s.numel for s in slots))
                     buffers.append(buf)
-                    futures.append(backend.run(index, buf, slots, comp.reduce, step))
+                    futures.append(backend.run(hierarchical_reduction(Bucket(index, buf, slots), step, place, comp.reduce), buf))
                 torch.futures.wait_all(futures)
+                comp.end_step(True)
                 results.append([b.clone() for b in buffers])
             out[layout, method] = results
     return out
@@ -111,6 +115,9 @@ def _reference(domains, method, params) -> list[list[torch.Tensor]]:
                 SimulatedWorld(d).reduce(cross, buckets, step)
                 out[a:b] = buckets[0].buffer
             row.append(out)
+        for cross in comps.values():
+            for c in cross:
+                c.end_step(True)
         results.append(row)
     return results
 
@@ -150,6 +157,30 @@ def test_hierarchical_is_exactly_the_mean_of_what_the_compressor_sends(hier, lay
                 else:
                     torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
         assert all(torch.equal(a, b) for a, b in zip(got[-1], hier[0][layout, method][-1]))  # ranks agree
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(("method", "params"), METHODS)
+def test_hierarchical_runs_in_the_simulated_world(layout, method, params):
+    """The same generator on the in-process backend: sums in rank order, so it equals the
+    reference exactly for every method."""
+    domains = LAYOUTS[layout]
+    plan = plan_hierarchy(domains, [[G] * WORLD] * WORLD, 10_000)
+    world = SimulatedWorld(WORLD, hierarchy_scopes(plan, WORLD))
+    comps = [build(method, params) for _ in range(WORLD)]
+    places = [Place.of(plan, r) for r in range(WORLD)]
+    expected = _reference(domains, method, params)
+    for step in range(STEPS):
+        for (index, spec), want in zip(BUCKETS, expected[step]):
+            slots = _slots(spec)
+            bufs = [_grad(r, step, index, sum(s.numel for s in slots)) for r in range(WORLD)]
+            world.run(
+                [hierarchical_reduction(Bucket(index, bufs[r], slots), step, places[r], comps[r].reduce) for r in range(WORLD)]
+            )
+            for r in range(WORLD):
+                assert torch.equal(bufs[r], want), (layout, method, step, r)
+        for c in comps:
+            c.end_step(True)
 
 
 @pytest.mark.multiproc
@@ -240,7 +271,9 @@ def _adaptive_runs(rank: int, world: int) -> dict:
         "results": results,
         "residuals": state.compressors["main"].state_dict()["residuals"],
         "history": [(h["step"], h["active"]) for h in state.adaptive.history],
-        "cross_index": state.adaptive.backend.cross_index,
+        "cross_index": state.adaptive.place.cross_rank
+        if state.adaptive.place.cross_rank is None
+        else state.adaptive.place.local_rank,
         "domain": state.adaptive.plan.domain_of(rank),
     }
     # the real Top-k: a new ratio, the same residuals

@@ -2,7 +2,7 @@
 
 import torch
 
-from commpress.cuda import bench
+from commpress.bench import kernels as bench
 
 
 def test_bench_measures_every_op_against_copy(capsys):

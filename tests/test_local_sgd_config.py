@@ -7,13 +7,14 @@ import torch
 
 from commpress.config import Config, ConfigError
 from commpress.local_sgd import QSR, Constant, from_config
+from commpress.local_sgd.config import period_policy
 
 
 def test_defaults_and_period_policy():
     cfg = Config.load({"method": "bf16", "local_sgd": {"period": 3}})
     section = cfg.section("local_sgd")
-    assert section.algorithm == "local_sgd" and isinstance(section.period_policy(), Constant)
-    qsr = Config.load({"local_sgd": {"period": 4, "qsr_alpha": 0.0175, "warmup_steps": 5}}).section("local_sgd").period_policy()
+    assert section.algorithm == "local_sgd" and isinstance(period_policy(section), Constant)
+    qsr = period_policy(Config.load({"local_sgd": {"period": 4, "qsr_alpha": 0.0175, "warmup_steps": 5}}).section("local_sgd"))
     assert isinstance(qsr, QSR) and qsr.next(step=5, lr=0.0040005) == 19 and qsr.next(step=4, lr=0.0040005) == 4
     assert Config.load(cfg.to_dict()).digest() == cfg.digest()
 
@@ -24,6 +25,9 @@ def test_defaults_and_period_policy():
         ({"period": 0}, "local_sgd: period = 0 is not accepted; expected an integer >= 1"),
         ({"algorithm": "diloco"}, "local_sgd: algorithm = 'diloco' is not accepted; expected one of 'local_sgd', 'co2'"),
         ({"qsr_alpha": -1.0}, "local_sgd: qsr_alpha = -1.0"),
+        ({"qsr_alpha": float("inf")}, "local_sgd: qsr_alpha = inf is not accepted; expected a finite number or none"),
+        ({"outer_lr": float("inf")}, "local_sgd: outer_lr = inf is not accepted; expected a finite number"),
+        ({"period": True}, "local_sgd: period = True is not accepted; expected an integer"),
         ({"staleness_penalty": 0.5}, "staleness_penalty = 0.5 is not accepted; expected a number >= 1 or 'adaptive'"),
         ({"outer_momentum": 1.0}, "outer_momentum = 1.0 is not accepted; expected a number in [0, 1)"),
         ({"outer_lr": 0}, "outer_lr = 0.0 is not accepted"),

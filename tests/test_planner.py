@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import pytest
 
-from commpress.comm.planner import BandwidthConfig, plan_hierarchy, plan_links
-from commpress.comm.ratios import method_for_ratio
+from commpress.adaptive.planner import BandwidthConfig, plan_hierarchy, plan_links
+from commpress.adaptive.ratios import method_for_ratio
 from commpress.compressors import Compressor, register_compressor
 from commpress.config import Config, ConfigError
 
@@ -209,7 +209,7 @@ def test_ratio_maps_to_each_methods_parameter():
 def test_low_rank_state_keeps_errors_and_drops_factors_of_another_rank():
     import torch
 
-    from commpress.comm.ratios import adapt_state
+    from commpress.adaptive.ratios import adapt_state
 
     err = torch.arange(6.0)
     state = {"buckets": {0: {"error": err, "q": torch.ones(3), "p": torch.ones(2), "steps": 5}}}

@@ -11,6 +11,7 @@ from lowrank_helpers import (
     error_of,
     grads,
     one_thread,  # noqa: F401  (autouse: one thread for tiny LAPACK calls)
+    reduce_step,
     reference,
     run,
     seeded_state,
@@ -29,12 +30,12 @@ def test_matches_per_matrix_reference(world):
     bs = buckets(grads(world, seed=1))
     states = seeded_state(comps, bs[0], rank, steps=3)
     expected, errors = reference("powersgd", bs, states, rank)
-    sim.reduce(comps, bs)
+    reduce_step(sim, comps, bs)
     # float32 batched products against a float64 per-matrix loop over values of size ~1-10:
     # a few float32 ulps of the sums (2^-23 * 10 * world) stay far below 1e-4.
     for b, comp, err in zip(bs, comps, errors):
         torch.testing.assert_close(b.buffer.double(), expected, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(error_of(comp).double(), err, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(error_of(comp, b).double(), err, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("world", [2, 5])
@@ -45,11 +46,11 @@ def test_exact_when_rank_covers_the_smaller_side(world):
     for step in range(3):
         bs = buckets(grads(world, seed=step, shapes=shapes), names=[f"w{i}" for i in range(len(shapes))])
         mean = torch.stack([b.buffer for b in bs]).mean(0)
-        sim.reduce(comps, bs, step)
+        reduce_step(sim, comps, bs, step)
         # a full-rank projection is the identity up to float32 rounding of values ~1-3
         torch.testing.assert_close(bs[0].buffer, mean, atol=1e-5, rtol=1e-5)
         # each rank keeps M_i - mean(M): local deviations that cancel in the average
-        assert torch.stack([error_of(c) for c in comps]).mean(0).abs().max() < 1e-5
+        assert torch.stack([error_of(c, b) for c, b in zip(comps, bs)]).mean(0).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("rank", [1, 2])

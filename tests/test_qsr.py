@@ -68,3 +68,11 @@ def test_round_clock_picks_h_from_the_first_step_of_each_round():
     restored = RoundClock(QSR(alpha=0.0175, h_base=4), total_steps=30)
     restored.load_state_dict(clock.state_dict())
     assert restored.state_dict() == clock.state_dict()
+
+
+def test_a_huge_alpha_caps_the_period_instead_of_overflowing():
+    import sys
+
+    from commpress.local_sgd.periods import qsr_period
+
+    assert qsr_period(1e-300, 1e300, 4) == sys.maxsize

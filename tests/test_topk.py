@@ -27,6 +27,13 @@ def _bucket(grads, index: int = 0, names=NAMES, dtype=torch.float32) -> Bucket:
     return Bucket.from_tensors(index, [t.to(dtype) for t in grads], list(names)[: len(grads)])
 
 
+def _step(sim: SimulatedWorld, comps, buckets, step: int = 0) -> None:
+    """One training step of one bucket per rank: reduce, then commit the staged residuals."""
+    sim.reduce(comps, buckets, step)
+    for c in comps:
+        c.end_step(True)
+
+
 def _residual(comp, names=NAMES) -> torch.Tensor:
     res = comp.state_dict()["residuals"]
     return torch.cat([res[n] for n in names if n in res])
@@ -45,7 +52,7 @@ def test_mass_is_conserved_exactly(value_dtype, selection):
         grad = torch.cat(_grads(step)) * (100.0 if step == 3 else 1.0)
         bucket = _bucket(_grads(step))
         bucket.buffer.copy_(grad)
-        sim.reduce([comp], [bucket], step=step)
+        _step(sim, [comp], [bucket], step=step)
         new = _residual(comp)
         assert torch.equal(bucket.buffer + new, grad + old)
         counts = [topk_count(0.05, n) for n in SIZES]
@@ -60,12 +67,12 @@ def test_float16_wire_clamps_and_keeps_the_excess():
     grad = torch.zeros(100)
     grad[17] = 1e6  # beyond float16's range
     bucket = Bucket.from_tensors(0, [grad.clone()], ["w"])
-    sim.reduce([comp], [bucket])
+    _step(sim, [comp], [bucket])
     assert bucket.buffer[17] == 65504 and bucket.buffer.isfinite().all()
     assert torch.equal(bucket.buffer + _residual(comp, ["w"]), grad)
     grad[3] = math.inf  # Inf is not clamped away: it must reach every rank
     bucket = Bucket.from_tensors(0, [grad.clone()], ["w"])
-    sim.reduce([comp], [bucket], step=1)
+    _step(sim, [comp], [bucket], step=1)
     assert not bucket.buffer.isfinite().all()
 
 
@@ -74,7 +81,7 @@ def test_sends_the_largest_entries_of_each_tensor():
     (comp,) = sim.compressors(lambda: build("topk", {"ratio": 0.1, "selection": "exact"}))
     grads = _grads(0)
     bucket = _bucket(grads)
-    sim.reduce([comp], [bucket])
+    _step(sim, [comp], [bucket])
     for g, view in zip(grads, bucket.views()):
         k = topk_count(0.1, g.numel())
         top = g.abs().topk(k).indices
@@ -91,7 +98,7 @@ def test_average_over_ranks_of_what_each_sent():
     for step in range(4):
         grads = [torch.cat(_grads(10 * step + r)) for r in range(world)]
         buckets = [_bucket(_grads(10 * step + r)) for r in range(world)]
-        sim.reduce(comps, buckets, step=step)
+        _step(sim, comps, buckets, step=step)
         news = [_residual(c) for c in comps]
         sent = [g + o - n for g, o, n in zip(grads, olds, news)]  # exact: entries are either sent or kept
         expected = sum(sent) / world
@@ -106,7 +113,7 @@ def test_average_over_ranks_of_what_each_sent():
 def test_bytes_on_the_wire(value_dtype, value_bytes):
     sim = SimulatedWorld(2)
     comps = sim.compressors(lambda: build("topk", {"ratio": 0.01, "value_dtype": value_dtype}))
-    sim.reduce(comps, [_bucket(_grads(r)) for r in range(2)])
+    _step(sim, comps, [_bucket(_grads(r)) for r in range(2)])
     k = sum(topk_count(0.01, n) for n in SIZES)
     assert k == 3 + 1 + 1 + 1
     for t in sim.traffic:
@@ -119,7 +126,7 @@ def test_ratio_one_is_exact_averaging():
     comps = sim.compressors(lambda: build("topk", {"ratio": 1.0}))
     buckets = [_bucket(_grads(r)) for r in range(2)]
     expected = (buckets[0].buffer + buckets[1].buffer) / 2
-    sim.reduce(comps, buckets)
+    _step(sim, comps, buckets)
     assert torch.equal(buckets[0].buffer, expected)
     assert _residual(comps[0]).abs().max() == 0
 
@@ -132,7 +139,7 @@ def test_warmup_schedule():
     for a, b in itertools.pairwise(ratios[:5]):
         assert b / a == pytest.approx((0.01 / 0.25) ** 0.25)
     sim = SimulatedWorld(1)
-    sim.reduce([comp], [_bucket(_grads(0))], step=0)
+    _step(sim, [comp], [_bucket(_grads(0))], step=0)
     assert sim.traffic[0].bytes_sent == 8 * sum(topk_count(0.25, n) for n in SIZES)
 
 
@@ -140,7 +147,7 @@ def test_all_zero_gradients():
     sim = SimulatedWorld(2)
     comps = sim.compressors(lambda: build("topk", {"ratio": 0.1}))
     buckets = [_bucket([torch.zeros(n) for n in SIZES]) for _ in range(2)]
-    sim.reduce(comps, buckets)
+    _step(sim, comps, buckets)
     assert torch.equal(buckets[0].buffer, torch.zeros(sum(SIZES)))
     assert torch.equal(_residual(comps[0]), torch.zeros(sum(SIZES)))
 
@@ -148,10 +155,10 @@ def test_all_zero_gradients():
 def test_empty_bucket_and_empty_tensor():
     sim = SimulatedWorld(2)
     comps = sim.compressors(lambda: build("topk"))
-    sim.reduce(comps, [Bucket(0, torch.zeros(0)) for _ in range(2)])
+    _step(sim, comps, [Bucket(0, torch.zeros(0)) for _ in range(2)])
     assert sim.traffic[0].bytes_sent == 0 and sim.traffic[0].collectives == 0
     buckets = [_bucket([torch.ones(3), torch.zeros(0), torch.ones(1)], names=["x", "e", "y"]) for _ in range(2)]
-    sim.reduce(comps, buckets)
+    _step(sim, comps, buckets)
     assert torch.equal(buckets[0].buffer, torch.tensor([1.0, 0, 0, 1.0]))  # k = 1 of x, 1 of y
     assert sim.traffic[0].bytes_sent == 2 * 8
 
@@ -166,8 +173,8 @@ def test_half_precision_gradients(dtype):
         grads = [g.to(dtype) for g in _grads(step)]
         half = _bucket(grads, dtype=dtype)
         full = _bucket([g.float() for g in grads])
-        sim.reduce([comp], [half], step=step)
-        sim.reduce([ref], [full], step=step)
+        _step(sim, [comp], [half], step=step)
+        _step(sim, [ref], [full], step=step)
         assert half.buffer.dtype == dtype
         assert torch.equal(half.buffer, full.buffer.to(dtype))
         assert torch.equal(_residual(comp), _residual(ref))
@@ -182,8 +189,8 @@ def test_strided_buffer_gives_the_same_result():
         big = torch.zeros(2 * dense.buffer.numel())
         big[1::2] = dense.buffer
         strided = Bucket(0, big[1::2], dense.slots)
-        sim.reduce([a], [dense], step=step)
-        sim.reduce([b], [strided], step=step)
+        _step(sim, [a], [dense], step=step)
+        _step(sim, [b], [strided], step=step)
         assert not strided.buffer.is_contiguous()
         assert torch.equal(strided.buffer, dense.buffer)
         assert big[::2].eq(0).all()
@@ -197,18 +204,18 @@ def test_non_finite_step_is_passed_through_and_keeps_residuals(bad):
     world = 2
     sim = SimulatedWorld(world)
     comps = sim.compressors(lambda: build("topk", {"ratio": 0.05}))
-    sim.reduce(comps, [_bucket(_grads(r)) for r in range(world)], step=0)
+    _step(sim, comps, [_bucket(_grads(r)) for r in range(world)], step=0)
     before = [_residual(c) for c in comps]
     grads = [_grads(10 + r) for r in range(world)]
     grads[1][0][7] = bad
     buckets = [_bucket(g) for g in grads]
-    sim.reduce(comps, buckets, step=1)
+    _step(sim, comps, buckets, step=1)
     for b, c, old in zip(buckets, comps, before):
         assert not b.buffer.isfinite().all()
         assert torch.equal(_residual(c), old)
     # the next finite step carries on from the kept residuals
     buckets = [_bucket(_grads(20 + r)) for r in range(world)]
-    sim.reduce(comps, buckets, step=2)
+    _step(sim, comps, buckets, step=2)
     assert buckets[0].buffer.isfinite().all()
     for r, c in enumerate(comps):
         sent = torch.cat(_grads(20 + r)) + before[r] - _residual(c)
@@ -222,7 +229,7 @@ def test_state_dict_resume_is_exact():
         outs = []
         for step in steps:
             b = _bucket(_grads(step))
-            sim.reduce([comp], [b], step=step)
+            _step(sim, [comp], [b], step=step)
             outs.append(b.buffer)
         return comp, outs
 
@@ -243,15 +250,16 @@ def test_residuals_follow_parameters_into_new_buckets():
     ref = build("topk", {"ratio": 0.05})
     moved = build("topk", {"ratio": 0.05})
     sim = SimulatedWorld(1)
-    sim.reduce([ref], [_bucket(grads)], step=0)
-    sim.reduce([moved], [_bucket(grads)], step=0)  # one bucket holding w, b, c, d
+    _step(sim, [ref], [_bucket(grads)], step=0)
+    _step(sim, [moved], [_bucket(grads)], step=0)  # one bucket holding w, b, c, d
     later = _grads(1)
-    sim.reduce([ref], [_bucket(later)], step=1)
+    _step(sim, [ref], [_bucket(later)], step=1)
     # now bucket 0 holds d, c and bucket 1 holds b, w: new layouts, same parameters
     b0 = _bucket([later[3], later[2]], index=0, names=["d", "c"])
     b1 = _bucket([later[1], later[0]], index=1, names=["b", "w"])
-    sim.reduce([moved], [b0], step=1)
+    sim.reduce([moved], [b0], step=1)  # two buckets of one step, then the step ends
     sim.reduce([moved], [b1], step=1)
+    moved.end_step(True)
     res_ref, res_moved = ref.state_dict()["residuals"], moved.state_dict()["residuals"]
     assert sorted(res_ref) == sorted(res_moved) == sorted(NAMES)
     for name in NAMES:
@@ -262,8 +270,8 @@ def test_flat_buckets_keep_separate_residuals():
     # buckets without parameter names are told apart by their index
     sim = SimulatedWorld(1)
     (comp,) = sim.compressors(lambda: build("topk", {"ratio": 0.1}))
-    sim.reduce([comp], [Bucket(0, torch.arange(10.0))])
-    sim.reduce([comp], [Bucket(1, -torch.arange(10.0))])
+    _step(sim, [comp], [Bucket(0, torch.arange(10.0))])
+    _step(sim, [comp], [Bucket(1, -torch.arange(10.0))])
     res = comp.state_dict()["residuals"]
     assert torch.equal(res["flat0"], torch.arange(10.0).where(torch.arange(10) < 9, 0.0))
     assert torch.equal(res["flat1"], -res["flat0"])
@@ -284,7 +292,7 @@ def test_config_errors():
             build("topk", params)
     with pytest.raises(TypeError, match="does not support gradient dtype float64"):
         sim = SimulatedWorld(1)
-        sim.reduce([build("topk")], [Bucket(0, torch.ones(4, dtype=torch.float64))])
+        _step(sim, [build("topk")], [Bucket(0, torch.ones(4, dtype=torch.float64))])
 
 
 def test_context_step_drives_the_schedule_not_call_counts():
@@ -303,8 +311,8 @@ def test_cuda_gives_the_same_bits_as_cpu():
     for step in range(3):
         a = [_bucket(_grads(10 * step + r)) for r in range(2)]
         b = [Bucket(x.index, x.buffer.cuda(), x.slots) for x in (_bucket(_grads(10 * step + r)) for r in range(2))]
-        sim.reduce(cpu, a, step=step)
-        sim.reduce(gpu, b, step=step)
+        _step(sim, cpu, a, step=step)
+        _step(sim, gpu, b, step=step)
         assert torch.equal(b[0].buffer.cpu(), a[0].buffer)
     assert torch.equal(_residual(gpu[1]).cpu(), _residual(cpu[1]))
 

@@ -6,9 +6,8 @@ import math
 
 import pytest
 
-from commpress.comm import Topology
+from commpress.adaptive.topology import Topology, auto_threshold, find_domains
 from commpress.comm.launch import run_local
-from commpress.comm.topology import auto_threshold, find_domains
 
 G = 1e9 / 8
 
@@ -63,7 +62,7 @@ def test_table_and_round_trip():
 
 
 def _measure(rank: int, world: int) -> list[Topology]:
-    from commpress.comm.topology import measure_topology
+    from commpress.adaptive.topology import measure_topology
 
     return [
         measure_topology(probe_ms=5, max_bytes=2**20, repeats=2),

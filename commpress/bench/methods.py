@@ -81,7 +81,12 @@ def split_specs(text: str) -> list[str]:
 
 def parse_methods(text: str) -> list[BenchMethod]:
     """``"ddp;torch-powersgd:rank=4;powersgd:rank=4"`` -> validated rows."""
-    rows = [_parse_one(spec) for spec in split_specs(text)]
+    rows = []
+    for spec in split_specs(text):
+        try:
+            rows.append(_parse_one(spec))
+        except ConfigError as exc:
+            raise ConfigError(f"--methods {spec!r}: {exc}") from None
     if not rows:
         raise ConfigError(f"--methods {text!r} names no method")
     labels = [r.label for r in rows]
@@ -99,7 +104,7 @@ def _parse_one(spec: str) -> BenchMethod:
         return BenchMethod(spec, name, params=BASELINES[name](**checked))
     if name not in available():
         accepted = ", ".join([*BASELINES, *available()])
-        raise ConfigError(f"--methods: {name!r} is neither a baseline nor a commpress method; accepted: {accepted}")
+        raise ConfigError(f"{name!r} is neither a baseline nor a commpress method; accepted: {accepted}")
     return BenchMethod(spec, "commpress", config=Config.from_dict(parse_method_spec(spec)))
 
 

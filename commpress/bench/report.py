@@ -4,7 +4,8 @@ A synchronous step is as slow as its slowest rank, so each step's time is the ma
 ranks; the row gives the median and quartiles of those. Bytes and compression time are
 means over ranks per step. "network" is what is left of the step once the computation
 alone (same steps without DDP) and the compression time are taken out: time spent waiting
-for collectives that compression and computation did not hide.
+for collectives that compression and computation did not hide. A run whose ranks share one
+host over links without a limit gets a note: there the network is never the bottleneck.
 """
 
 from __future__ import annotations
@@ -14,9 +15,18 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from commpress.cli.table import format_table
+from commpress.terminal import format_table
 
-__all__ = ["format_report", "summarize", "write_json", "write_plot"]
+__all__ = ["LOOPBACK_NOTE", "format_report", "summarize", "write_json", "write_plot"]
+
+#: Printed under the table of a run on one host without a link limit.
+LOOPBACK_NOTE = (
+    "note: these ranks talk over loopback with no link limit, so sending bytes costs almost nothing here; "
+    "compression pays only when the network is the bottleneck. Measure on throttled links with "
+    "`sudo commpress linkemu --ranks 2 --rate 100mbit -- python -m commpress bench --scale 0.05`."
+)
+#: ``COMMPRESS_LINK`` values (set by ``commpress linkemu``) of links without a limit; unset is "local".
+_UNLIMITED = ("local", "unlimited")
 
 
 def _quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -60,8 +70,10 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     reference = next((r for r in rows if r["kind"] == "ddp"), rows[0] if rows else None)
     for r in rows:
         r["speedup"] = reference["step_seconds_median"] / r["step_seconds_median"] if reference else None
+    link = raw.get("link", "local")
     return {
-        "link": raw.get("link", "local"),
+        "link": link,
+        "loopback": link in _UNLIMITED and len({r.get("host") for r in ranks}) == 1,
         "workload": raw["workload"],
         "world_size": raw["world_size"],
         "steps": steps,
@@ -97,7 +109,8 @@ def format_report(summary: dict[str, Any]) -> str:
             ]
         )
     headers = ["method", "step ms", "IQR ms", "bytes/step/rank", "compression", "compress ms", "network ms", "speed-up"]
-    return head + "\n" + format_table(headers, table) + f"\n(speed-up over {summary['reference']})"
+    text = head + "\n" + format_table(headers, table) + f"\n(speed-up over {summary['reference']})"
+    return text + "\n" + LOOPBACK_NOTE if summary.get("loopback") else text
 
 
 def write_json(summary: dict[str, Any], path: str) -> None:

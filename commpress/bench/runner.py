@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,9 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.bench.methods import BenchMethod
 from commpress.bench.workloads import make_workload
-from commpress.cli.progress import Progress
 from commpress.comm.traffic import Traffic
 from commpress.hooks import register
+from commpress.terminal import Progress
 
 __all__ = ["BenchPlan", "bench_rank"]
 
@@ -59,7 +60,7 @@ def bench_rank(rank: int, world_size: int, plan: BenchPlan) -> dict[str, Any]:
     for i, method in enumerate(plan.methods, start=2):
         bar = _bar(show, f"[{i}/{total}] {method.label}", plan)
         methods.append(_measure(task, method, plan, rank, world_size, grad_bytes, bar))
-    mine = {"rank": rank, "compute_seconds": compute, "methods": methods}
+    mine = {"rank": rank, "host": socket.gethostname(), "compute_seconds": compute, "methods": methods}
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)
     return {

@@ -1,15 +1,24 @@
-"""The ``commpress`` command: ``commpress demo``, ``commpress bench``, ..."""
+"""The ``commpress`` command: ``commpress demo``, ``commpress bench``, ...
+
+Every command checks its whole command line before it starts a rank: a bad value ends the
+command with one line on standard error, naming the option, and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+import textwrap
 from collections.abc import Sequence
+from typing import NoReturn
 
-__all__ = ["main"]
+from commpress.errors import ConfigError
 
-#: Subcommand name -> module with ``add_arguments(parser)`` and ``run(args) -> int``.
+__all__ = ["main", "summary"]
+
+#: Subcommand name -> module with ``add_arguments(parser)`` and ``run(args) -> int``;
+#: ``run`` raises :class:`ConfigError` for bad input before it starts any rank.
 COMMANDS = {
     "demo": "commpress.cli.demo",
     "bench": "commpress.cli.bench",
@@ -19,17 +28,57 @@ COMMANDS = {
 }
 
 
+class UsageError(Exception):
+    """The command line does not parse (unknown option, missing or malformed value)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors become :class:`UsageError` (one line) instead of usage + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (examples keep their lines); option help wrapped without
+    breaking names like ``torch-powersgd`` at the hyphen."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def summary(doc: str | None) -> str:
+    """The first sentence of a module docstring, on one line (a command's ``--help`` entry)."""
+    paragraph = " ".join((doc or "").strip().split("\n\n")[0].split())
+    head, dot, _ = paragraph.partition(". ")
+    return head + "." if dot else paragraph
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script and of ``python -m commpress``."""
-    parser = argparse.ArgumentParser(prog="commpress", description="Communication compression for PyTorch DDP/FSDP.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
+    """Entry point of the console script and of ``python -m commpress``: the exit status."""
+    parser = _Parser(prog="commpress", description=__doc__, formatter_class=_Formatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    modules, parsers = {}, {}
     for name, path in COMMANDS.items():
-        module = importlib.import_module(path)
-        modules[name] = module
-        module.add_arguments(sub.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__))
-    args = parser.parse_args(argv)
-    return int(modules[args.command].run(args) or 0)
+        modules[name] = importlib.import_module(path)
+        parsers[name] = sub.add_parser(
+            name, help=summary(modules[name].__doc__), description=modules[name].__doc__, formatter_class=_Formatter
+        )
+        modules[name].add_arguments(parsers[name])
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the command they were given to
+            parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        return int(modules[args.command].run(args) or 0)
+    except UsageError as exc:
+        print(_one_line(str(exc)), file=sys.stderr)
+    except ConfigError as exc:
+        print(_one_line(f"commpress {args.command}: {exc}"), file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

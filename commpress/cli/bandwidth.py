@@ -19,8 +19,10 @@ import os
 import sys
 from typing import Any
 
-from commpress.cli.table import format_table
-from commpress.config import parse_method_spec
+from commpress.cli.args import integer, number
+from commpress.config import Config, parse_method_spec
+from commpress.errors import ConfigError
+from commpress.terminal import format_table
 
 __all__ = ["add_arguments", "run"]
 
@@ -43,8 +45,10 @@ ADAPTIVE_ROWS = ("powersgd", "topk", "fp16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--local", type=int, metavar="N", help="start N ranks on this machine (default: from torchrun/linkemu)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per row (default 200)")
+    parser.add_argument(
+        "--local", type=integer(1), metavar="N", help="start N ranks on this machine (default: from torchrun/linkemu)"
+    )
+    parser.add_argument("--steps", type=integer(1), default=200, help="training steps per row (default 200)")
     parser.add_argument("--methods", help="semicolon-separated global settings (default: the registered ones of a built-in list)")
     parser.add_argument("--adaptive", help="semicolon-separated methods to run with [bandwidth] adaptive = true")
     parser.add_argument(
@@ -53,10 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated [bandwidth] budget_ms values, one adaptive row each "
         "(0: even out with the fastest link; default 0,25)",
     )
-    parser.add_argument("--probe-ms", type=float, default=40.0, help="duration of one bandwidth probe (default 40)")
+    parser.add_argument(
+        "--probe-ms", type=number(0, 10_000), default=40.0, help="duration of one bandwidth probe in ms (default 40)"
+    )
     parser.add_argument("--measure-only", action="store_true", help="print the topology and the plan, train nothing")
     parser.add_argument("--expect-domains", help="the domains that were built, e.g. 0,1/2,3: exit 1 if the measurement differs")
-    parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores / local ranks)")
+    parser.add_argument("--threads", type=integer(1), help="torch threads per rank (default: cores / local ranks)")
 
 
 def _available(specs: tuple[str, ...]) -> list[str]:
@@ -66,23 +72,52 @@ def _available(specs: tuple[str, ...]) -> list[str]:
     return [s for s in specs if s.partition(":")[0] in names]
 
 
-def _rows(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    globals_ = args.methods.split(";") if args.methods else _available(GLOBAL_ROWS)
-    adaptive = args.adaptive.split(";") if args.adaptive else _available(ADAPTIVE_ROWS)[:2]
-    rows = [(spec.strip(), parse_method_spec(spec.strip())) for spec in globals_ if spec.strip()]
-    budgets = [float(b) for b in args.budgets.split(",") if b.strip()]
+def _rows(args: argparse.Namespace, budgets: list[float]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, config) of every row, each config validated (ConfigError naming the option)."""
+    globals_ = args.methods.split(";") if args.methods is not None else _available(GLOBAL_ROWS)
+    adaptive = args.adaptive.split(";") if args.adaptive is not None else _available(ADAPTIVE_ROWS)[:2]
+    rows = [(spec, _config("--methods", spec)) for spec in filter(None, (s.strip() for s in globals_))]
     for spec in filter(None, (s.strip() for s in adaptive)):
         for budget in budgets:
-            config = parse_method_spec(spec)
-            config["bandwidth"] = {"adaptive": True, "probe_ms": args.probe_ms, "budget_ms": budget}
-            rows.append((f"adaptive {spec}" + (f" {budget:g}ms" if budget else ""), config))
+            table = {"adaptive": True, "probe_ms": args.probe_ms, "budget_ms": budget}
+            rows.append((f"adaptive {spec}" + (f" {budget:g}ms" if budget else ""), _config("--adaptive", spec, table)))
+    if not rows and not args.measure_only:
+        raise ConfigError("--methods and --adaptive name no row to train; pass --measure-only to only measure the links")
     return rows
 
 
-def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+def _config(option: str, spec: str, bandwidth: dict[str, Any] | None = None) -> dict[str, Any]:
+    try:
+        config = parse_method_spec(spec)
+        if bandwidth is not None:
+            config["bandwidth"] = bandwidth
+        Config.load(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{option} {spec!r}: {exc}") from None
+    return config
+
+
+def _budgets(text: str) -> list[float]:
+    """``--budgets "0,25"`` -> [0.0, 25.0] (each a valid [bandwidth] budget_ms)."""
+    from commpress.config.tables import BandwidthConfig
+
+    budgets = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            budgets.append(BandwidthConfig(budget_ms=float(item)).budget_ms)
+        except ValueError:  # float() or the table's range check
+            raise ConfigError(f"--budgets = {text!r} is not accepted; expected comma-separated finite numbers >= 0") from None
+    if not budgets:
+        raise ConfigError(f"--budgets = {text!r} is not accepted; expected at least one number >= 0")
+    return budgets
+
+
+def rank_main(
+    rank: int, world: int, args: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]], budgets: list[float]
+) -> dict[str, Any]:
     """What every rank runs: measure, plan, train each row; rank 0's result is reported."""
-    from commpress.comm.planner import BandwidthConfig, plan_hierarchy
-    from commpress.comm.topology import measure_topology
+    from commpress.adaptive.planner import BandwidthConfig, plan_hierarchy
+    from commpress.adaptive.topology import measure_topology
     from commpress.workloads.charlm import CharTask
     from commpress.workloads.train import train_ddp
 
@@ -92,7 +127,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[
     out: dict[str, Any] = {"topology": str(topology), "domains": topology.domains, "rows": []}
     if rank == 0:
         print(out["topology"], "\n", file=sys.stderr)
-        for budget in [float(b) for b in args.budgets.split(",") if b.strip()]:
+        for budget in budgets:
             plan = plan_hierarchy(
                 topology.domains, topology.bandwidth, payload, topology.latency, BandwidthConfig(budget_ms=budget)
             )
@@ -143,23 +178,34 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _domains(text: str) -> tuple[tuple[int, ...], ...]:
-    return tuple(sorted(tuple(sorted(int(r) for r in d.split(","))) for d in text.split("/") if d))
+def _domains(text: str, world: int | None) -> tuple[tuple[int, ...], ...]:
+    """``--expect-domains "0,1/2,3"`` -> ((0, 1), (2, 3)): every rank once (all ``world``, when known)."""
+    try:
+        domains = tuple(sorted(tuple(sorted(int(r) for r in d.split(","))) for d in text.split("/") if d.strip()))
+    except ValueError:
+        domains = ()
+    ranks = sorted(r for d in domains for r in d)
+    if not domains or ranks != list(range(len(ranks))) or (world is not None and len(ranks) != world):
+        of = f", all {world} ranks" if world is not None else ""
+        raise ConfigError(f"--expect-domains = {text!r} is not accepted; expected ranks like 0,1/2,3, each rank once{of}")
+    return domains
 
 
 def run(args: argparse.Namespace) -> int:
     from commpress.comm.from_env import detect_launcher
 
-    rows = _rows(args)
+    budgets = _budgets(args.budgets)
+    rows = _rows(args, budgets)
+    launch = detect_launcher()
+    world = args.local if args.local is not None else launch.world_size if launch.kind != "none" else None
+    expected = _domains(args.expect_domains, world) if args.expect_domains is not None else None
     if args.local is not None:
         from commpress.comm.launch import run_local
 
-        result = run_local(rank_main, args.local, args, rows)[0]
+        result = run_local(rank_main, args.local, args, rows, budgets)[0]
     else:
-        launch = detect_launcher()
         if launch.kind == "none":
-            print("commpress bandwidth: not started by torchrun, mpirun or linkemu; pass --local N", file=sys.stderr)
-            return 2
+            raise ConfigError("not started by torchrun, mpirun or linkemu; pass --local N")
         import torch
         import torch.distributed as dist
 
@@ -168,15 +214,14 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // launch.local_world_size))
         init_from_env("gloo")
         try:
-            result = rank_main(launch.rank, launch.world_size, args, rows)
+            result = rank_main(launch.rank, launch.world_size, args, rows, budgets)
         finally:
             dist.destroy_process_group()
         if launch.rank != 0:
             return 0
     if result["rows"]:
         print(render(result["rows"]))
-    if args.expect_domains:
-        expected = _domains(args.expect_domains)
+    if expected is not None:
         ok = tuple(result["domains"]) == expected
         verdict = "match" if ok else "DO NOT match"
         print(f"measured domains {list(map(list, result['domains']))} {verdict} the expected {list(map(list, expected))}")

@@ -18,13 +18,16 @@ from commpress.bench.methods import BenchMethod, default_methods, method_from_co
 from commpress.bench.report import format_report, summarize, write_json, write_plot
 from commpress.bench.runner import BenchPlan, bench_rank
 from commpress.bench.workloads import WORKLOADS, make_workload
+from commpress.cli.args import integer, number
 from commpress.errors import ConfigError
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--local", type=int, metavar="N", help="start N ranks on this machine (gloo) instead of a launcher")
+    parser.add_argument(
+        "--local", type=integer(1), metavar="N", help="start N ranks on this machine (gloo) instead of a launcher"
+    )
     parser.add_argument(
         "--methods",
         help="methods to compare, e.g. 'ddp;torch-powersgd:rank=4;powersgd:rank=4' "
@@ -35,15 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workload", default="gpt2", choices=WORKLOADS, help="gradient shapes to send (default gpt2)")
     parser.add_argument(
-        "--scale", type=float, default=0.1, help="fraction of the model's parameters (default 0.1; 1 = real size)"
+        "--scale", type=number(0), default=0.1, help="fraction of the model's parameters (default 0.1; 1 = real size)"
     )
-    parser.add_argument("--batch", type=int, default=8, help="rank of the shaped gradients / demo batch size (default 8)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per method (default 20)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    parser.add_argument("--bucket-cap-mb", type=float, help="DDP bucket size (default DDP's 25)")
+    parser.add_argument("--batch", type=integer(1), default=8, help="rank of the shaped gradients / demo batch size (default 8)")
+    parser.add_argument("--steps", type=integer(1), default=20, help="timed steps per method (default 20)")
+    parser.add_argument("--warmup", type=integer(2), default=5, help="untimed steps first (default 5, at least 2)")
+    parser.add_argument("--bucket-cap-mb", type=number(0), help="DDP bucket size (default DDP's 25)")
     parser.add_argument(
         "--threads",
-        type=int,
+        type=integer(1),
         help="torch threads per rank under torchrun/mpirun (default: cores / local ranks; --local splits the cores itself)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
@@ -58,18 +61,22 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         methods = parse_methods(args.methods)
     if methods is None:
         methods = default_methods()
-    methods += [method_from_config(path) for path in args.config]
-    for name, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 2)):
-        if value < low:
-            raise ConfigError(f"{name} = {value} is not accepted; expected an integer >= {low}")
+    for path in args.config:
+        try:
+            methods.append(method_from_config(path))
+        except ConfigError as exc:
+            raise ConfigError(f"--config: {exc}") from None
     late = [(m.label, _start_iter(m)) for m in methods if _start_iter(m) > args.warmup]
     if late:
         raise ConfigError(
             f"--warmup = {args.warmup} is not accepted: {late[0][0]} starts compressing at step {late[0][1]}; "
             "warm up at least that long"
         )
-    if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
-        raise ConfigError(f"--bucket-cap-mb = {args.bucket_cap_mb} is not accepted; expected a number > 0")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and path != "-":
+            check_output_path(option, path)
+    if args.plot is not None:
+        check_can_plot()
     make_workload(args.workload, args.scale, args.batch)
     return BenchPlan(
         methods=tuple(methods),
@@ -83,6 +90,21 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     )
 
 
+def check_output_path(option: str, path: str) -> None:
+    """ConfigError unless ``path`` can be written: found now, not after the whole run."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"{option} = {path!r} is not accepted; expected a file path in an existing, writable folder")
+
+
+def check_can_plot() -> None:
+    """ConfigError unless matplotlib (the bench extra) is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot needs matplotlib: pip install 'commpress[bench]'")
+
+
 def _start_iter(method: BenchMethod) -> int:
     if method.kind == "torch-powersgd":
         return method.params["start_iter"]
@@ -92,16 +114,9 @@ def _start_iter(method: BenchMethod) -> int:
 def run(args: argparse.Namespace) -> int:
     from commpress.comm.from_env import detect_launcher
 
-    try:
-        plan = plan_from_args(args)
-    except ConfigError as exc:
-        print(f"commpress bench: {exc}", file=sys.stderr)
-        return 2
+    plan = plan_from_args(args)
     launch = detect_launcher()
     if args.local is not None:
-        if args.local < 1:
-            print(f"commpress bench: --local = {args.local} is not accepted; expected an integer >= 1", file=sys.stderr)
-            return 2
         from commpress.comm.launch import run_local
 
         _banner(plan, args.local, "local processes")
@@ -124,12 +139,10 @@ def run(args: argparse.Namespace) -> int:
         if launch.rank != 0:
             return 0
     else:
-        print(
-            "commpress bench: not started by torchrun or mpirun; pass --local N to start N ranks here, "
-            "or launch with `torchrun --nproc_per_node N -m commpress bench ...` / `mpirun -n N python -m commpress bench ...`",
-            file=sys.stderr,
+        raise ConfigError(
+            "not started by torchrun or mpirun; pass --local N to start N ranks here, or launch with "
+            "`torchrun --nproc_per_node N -m commpress bench ...` / `mpirun -n N python -m commpress bench ...`"
         )
-        return 2
     summary = summarize(raw)
     print(format_report(summary))
     if args.json:

@@ -13,11 +13,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from commpress.cli.progress import Progress
-from commpress.cli.table import format_table
-from commpress.config import parse_method_spec
+from commpress.cli.args import integer
+from commpress.config import Config, parse_method_spec
+from commpress.errors import ConfigError
+from commpress.terminal import Progress, format_table
 
-__all__ = ["DEMO_ROWS", "DemoRow", "add_arguments", "run"]
+__all__ = ["DEMO_ROWS", "DemoRow", "add_arguments", "progress_labels", "run"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ DEMO_ROWS: list[DemoRow] = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="local ranks to start (default 2)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per method (default 200)")
+    parser.add_argument("--ranks", type=integer(1), default=2, help="local ranks to start (default 2)")
+    parser.add_argument("--steps", type=integer(1), default=200, help="training steps per method (default 200)")
     parser.add_argument(
         "--methods",
         default=None,
@@ -58,8 +59,8 @@ def _rank_main(rank: int, world: int, rows: list[DemoRow], steps: int) -> list[d
     from commpress.workloads.train import train_ddp
 
     out = []
-    for i, row in enumerate(rows):
-        bar = Progress(steps, f"[{i + 1}/{len(rows)}] {row.label:<12}") if rank == 0 else None
+    for row, label in zip(rows, progress_labels([row.label for row in rows])):
+        bar = Progress(steps, label) if rank == 0 else None
         result = train_ddp(row.config, steps=steps, on_step=bar.update if bar else None)
         out.append(
             {
@@ -72,15 +73,31 @@ def _rank_main(rank: int, world: int, rows: list[DemoRow], steps: int) -> list[d
     return out
 
 
+def progress_labels(labels: list[str]) -> list[str]:
+    """``[i/n] label`` for each row, padded to the longest so the progress bars line up."""
+    width = max(map(len, labels), default=0)
+    return [f"[{i}/{len(labels)}] {label:<{width}}" for i, label in enumerate(labels, start=1)]
+
+
 def rows_from_specs(text: str) -> list[DemoRow]:
-    """``"none;powersgd:rank=2"`` -> demo rows."""
-    return [DemoRow(spec.strip(), parse_method_spec(spec.strip())) for spec in text.split(";") if spec.strip()]
+    """``"none;powersgd:rank=2"`` -> demo rows, each config validated (ConfigError naming ``--methods``)."""
+    rows = []
+    for spec in filter(None, (s.strip() for s in text.split(";"))):
+        try:
+            config = parse_method_spec(spec)
+            Config.load(config)
+        except ConfigError as exc:
+            raise ConfigError(f"--methods {spec!r}: {exc}") from None
+        rows.append(DemoRow(spec, config))
+    if not rows:
+        raise ConfigError(f"--methods = {text!r} names no method")
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
     from commpress.comm.launch import run_local
 
-    rows = rows_from_specs(args.methods) if args.methods else DEMO_ROWS
+    rows = rows_from_specs(args.methods) if args.methods is not None else DEMO_ROWS
     print(f"commpress demo: {args.ranks} ranks on gloo/CPU, {args.steps} steps per method", file=sys.stderr)
     results = run_local(_rank_main, args.ranks, rows, args.steps)[0]
     print(render(results))

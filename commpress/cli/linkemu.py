@@ -17,22 +17,22 @@ import os
 import signal
 import sys
 
-from commpress.errors import ConfigError
+from commpress.cli.args import integer, number
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="ranks, one namespace each (default 2)")
+    parser.add_argument("--ranks", type=integer(1), default=2, help="ranks, one namespace each (default 2)")
     parser.add_argument(
         "--rate",
         help="tc rate of every rank's link (e.g. 100mbit, 1gbit; 'none' = unlimited), or one per rank, comma-separated "
         "(with --nodes: the links inside a node, default unlimited)",
     )
-    parser.add_argument("--nodes", type=int, default=1, help="group ranks into this many nodes (consecutive ranks)")
+    parser.add_argument("--nodes", type=integer(1), default=1, help="group ranks into this many nodes (consecutive ranks)")
     parser.add_argument("--inter-rate", help="with --nodes: rate of each node's uplink to the others (e.g. 100mbit)")
-    parser.add_argument("--port", type=int, default=29500, help="MASTER_PORT (default 29500)")
-    parser.add_argument("--timeout", type=float, help="stop the ranks after this many seconds")
+    parser.add_argument("--port", type=integer(1, 65535), default=29500, help="MASTER_PORT (default 29500)")
+    parser.add_argument("--timeout", type=number(0), help="stop the ranks after this many seconds")
     parser.add_argument("--logs", metavar="DIR", help="where ranks other than 0 write their output (default: a temp folder)")
     parser.add_argument("--remove-stale", action="store_true", help="only delete namespaces left by killed linkemu runs")
     parser.add_argument("cmd", metavar="command", nargs=argparse.REMAINDER, help="the command to run per rank, after --")
@@ -60,11 +60,7 @@ def run(args: argparse.Namespace) -> int:
         command = command[1:]
     if not command:
         command = [sys.executable, "-m", "commpress", "bench"]
-    try:
-        layout = LinkLayout.build(f"cpe{os.getpid()}", args.ranks, args.rate, args.nodes, args.inter_rate)
-    except ConfigError as exc:
-        print(f"commpress linkemu: {exc}", file=sys.stderr)
-        return 2
+    layout = LinkLayout.build(f"cpe{os.getpid()}", args.ranks, args.rate, args.nodes, args.inter_rate)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_on)
     # a process started in the background by a shell inherits SIGINT ignored: restore

@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from commpress.comm.backend import Backend
-from commpress.comm.planner import BandwidthConfig  # registers the [bandwidth] config table
 from commpress.comm.simulated import SimulatedWorld
-from commpress.comm.topology import Topology
 from commpress.comm.traffic import Traffic
 from commpress.errors import ConfigError
 
-__all__ = ["Backend", "BandwidthConfig", "SimulatedWorld", "Topology", "Traffic", "make_backend"]
+__all__ = ["Backend", "SimulatedWorld", "Traffic", "make_backend"]
 
 
 def make_backend(name: str, process_group: Any = None, rounds: int = 1) -> Backend:

@@ -1,13 +1,19 @@
-"""Runs generator compressors as futures, issuing collectives in the same order on every rank.
+"""The one backend contract: run reduction generators as futures, issuing collectives in
+the same order on every rank.
 
 Why ordered channels: collectives on one communicator must be issued in the same order on
-all ranks. A compressor's first round is issued from the calling thread (DDP's hook, in
-bucket order), but later rounds are issued from completion callbacks, which on gloo run on
-worker threads in a timing-dependent order. Here round ``r`` of every reduction goes to
-channel ``r`` (its own communicator), and each channel issues strictly in the order the
-reductions were started, a reduction that ends before round ``r`` releasing its turn. So
-bucket ``i``'s second round can run while bucket ``i+1`` is still compressing, and every
-rank still issues the same sequence on every communicator.
+all ranks. A reduction's first collective is issued from the calling thread (DDP's hook,
+in bucket order), but later ones are issued from completion callbacks, which on gloo run
+on worker threads in a timing-dependent order. Here the ``i``-th collective a reduction
+issues in a scope goes to channel ``(scope, i)`` (its own communicator), and each channel
+issues strictly in the order the reductions were started, a reduction that ends without
+using a channel releasing its turn there. So bucket ``i``'s second collective can run
+while bucket ``i+1`` is still compressing, and every rank still issues the same sequence
+on every communicator.
+
+Failures are loud: a failed collective fails the reduction's future with a
+:class:`~commpress.errors.CollectiveError` naming the collective, the channel and its
+ranks, and every later reduction on this backend fails at once with the same cause.
 """
 
 from __future__ import annotations
@@ -15,16 +21,20 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from commpress.comm.traffic import Traffic
-from commpress.compressors.base import AllGather, AllReduce, Collective, Reduction
+from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction
+from commpress.errors import CollectiveError
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "Channel", "describe"]
+
+#: A channel: (scope, ordinal of the collective within that scope in one reduction).
+Channel = tuple[str, int]
 
 
 @dataclass
@@ -33,11 +43,12 @@ class _Task:
     gen: Reduction
     result: torch.futures.Future
     value: Any
-    round: int = 0
+    started: bool = False
+    used: dict[str, int] = field(default_factory=dict)  # collectives issued per scope
 
 
 @dataclass
-class _Channel:
+class _Queue:
     next_seq: int = 0
     pending: dict[int, tuple[_Task, Collective]] = field(default_factory=dict)
     released: set[int] = field(default_factory=set)
@@ -45,30 +56,55 @@ class _Channel:
 
 
 class Backend(ABC):
-    """Drives reductions; subclasses only say how to start one collective on one channel."""
+    """Drives reductions; a subclass says how to start one collective on one channel
+    (:meth:`_start`), which ranks a channel spans (:meth:`members`), and how to exchange
+    a picklable object for set-up checks (:meth:`allgather_object`).
 
-    def __init__(self, rank: int, world_size: int, rounds: int) -> None:
-        if rounds < 1:
-            raise ValueError(f"rounds must be >= 1, got {rounds}")
+    ``rounds`` is the most collectives one reduction issues, per scope (an int: all in
+    the ``"world"`` scope). ``traffic`` counts bytes of every scope but ``"domain"`` (the
+    links the compression is for), ``domain_traffic`` the bytes inside fast domains.
+    """
+
+    def __init__(self, rank: int, world_size: int, rounds: int | Mapping[str, int]) -> None:
+        rounds = {"world": rounds} if isinstance(rounds, int) else dict(rounds)
+        for scope, n in rounds.items():
+            if scope not in SCOPES:
+                raise ValueError(f"unknown scope {scope!r}; accepted: {', '.join(SCOPES)}")
+            if n < 1:
+                raise ValueError(f"rounds of scope {scope!r} must be >= 1, got {n}")
         self.rank = rank
         self.world_size = world_size
         self.traffic = Traffic()
-        self._channels = [_Channel() for _ in range(rounds)]
+        self.domain_traffic = Traffic()
+        self._queues = {(scope, i): _Queue() for scope, n in rounds.items() for i in range(n)}
         self._seq = 0
+        self._failure: CollectiveError | None = None
 
     @property
-    def rounds(self) -> int:
-        """How many collective rounds one reduction may use."""
-        return len(self._channels)
+    def rounds(self) -> dict[str, int]:
+        """How many collectives one reduction may issue, per scope."""
+        out: dict[str, int] = {}
+        for scope, _ in self._queues:
+            out[scope] = out.get(scope, 0) + 1
+        return out
+
+    @property
+    def failure(self) -> CollectiveError | None:
+        """The first collective failure this backend saw (later reductions fail with it)."""
+        return self._failure
 
     @abstractmethod
     def allgather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), blocking; used for set-up checks only."""
 
     @abstractmethod
-    def _start(self, channel: int, request: Collective) -> torch.futures.Future:
-        """Start ``request`` on ``channel``'s communicator; the future gives the result
-        (a tensor for AllReduce, a list of tensors for AllGather)."""
+    def members(self, scope: str) -> Sequence[int]:
+        """The global ranks this rank talks to in ``scope``."""
+
+    @abstractmethod
+    def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:
+        """Start ``request`` on ``channel``'s communicator; the future gives the result (a
+        tensor for AllReduce and ReduceScatter, a list of tensors for AllGather) or fails."""
 
     def run(self, reduction: Reduction, value: Any = None) -> torch.futures.Future:
         """Run ``reduction``; the returned future completes with ``value`` when it ends.
@@ -82,68 +118,104 @@ class Backend(ABC):
 
     def _advance(self, task: _Task, result: Any) -> None:
         """Step the generator with ``result``; queue its next request or finish it."""
+        if self._failure is not None:
+            task.gen.close()
+            return self._finish(task, self._failure)
         t0 = time.perf_counter()
         try:
-            request = task.gen.send(result) if task.round else next(task.gen)
+            request = task.gen.send(result) if task.started else next(task.gen)
+            task.started = True
         except StopIteration:
             self.traffic.add(seconds=time.perf_counter() - t0)
-            self._release_from(task, task.round)
-            task.result.set_result(task.value)
-            return
+            return self._finish(task, None)
         except BaseException as exc:  # the future carries it to whoever waits
-            self._release_from(task, task.round)
-            task.result.set_exception(exc)
-            return
+            return self._finish(task, exc)
         self.traffic.add(seconds=time.perf_counter() - t0)
-        if not isinstance(request, (AllReduce, AllGather)):
-            self._release_from(task, task.round)
-            task.result.set_exception(TypeError(f"a compressor yielded {type(request).__name__}, not a collective"))
-            return
-        if task.round >= self.rounds:
-            self._release_from(task, self.rounds)
-            task.result.set_exception(
-                RuntimeError(f"a reduction yielded more than {self.rounds} collectives; raise the compressor's `rounds`")
+        if not isinstance(request, (AllReduce, AllGather, ReduceScatter)):
+            return self._finish(task, TypeError(f"a reduction yielded {type(request).__name__}, not a collective"))
+        channel = (request.scope, task.used.get(request.scope, 0))
+        if channel not in self._queues:
+            limit = self.rounds.get(request.scope, 0)
+            return self._finish(
+                task,
+                RuntimeError(
+                    f"a reduction yielded more than {limit} collectives in scope {request.scope!r}; "
+                    "raise the compressor's `rounds`"
+                ),
             )
-            return
-        with self._channels[task.round].lock:
-            self._channels[task.round].pending[task.seq] = (task, request)
-        self._pump(task.round)
+        task.used[request.scope] = channel[1] + 1
+        queue = self._queues[channel]
+        with queue.lock:
+            queue.pending[task.seq] = (task, request)
+        self._pump(channel)
 
-    def _release_from(self, task: _Task, first: int) -> None:
-        """``task`` will use none of the channels from ``first`` on: give up its turns."""
-        for index in range(first, self.rounds):
-            with self._channels[index].lock:
-                self._channels[index].released.add(task.seq)
-            self._pump(index)
+    def _finish(self, task: _Task, error: BaseException | None) -> None:
+        """End ``task``: give up its turns on the channels it did not use, complete its future."""
+        for channel, queue in self._queues.items():
+            if channel[1] >= task.used.get(channel[0], 0):
+                with queue.lock:
+                    queue.released.add(task.seq)
+                self._pump(channel)
+        if error is None:
+            task.result.set_result(task.value)
+        else:
+            task.result.set_exception(error)
 
-    def _pump(self, index: int) -> None:
-        """Issue every request whose turn has come on channel ``index``, in sequence order."""
-        channel = self._channels[index]
+    def _pump(self, channel: Channel) -> None:
+        """Issue every request whose turn has come on ``channel``, in sequence order."""
+        queue = self._queues[channel]
         started = []
-        with channel.lock:
+        with queue.lock:
             while True:
-                seq = channel.next_seq
-                if seq in channel.released:
-                    channel.released.discard(seq)
-                elif seq in channel.pending:
-                    task, request = channel.pending.pop(seq)
-                    started.append((task, request, self._start(index, request)))
+                seq = queue.next_seq
+                if seq in queue.released:
+                    queue.released.discard(seq)
+                elif seq in queue.pending:
+                    task, request = queue.pending.pop(seq)
+                    started.append((task, request, self._issue(channel, request)))
                 else:
                     break
-                channel.next_seq += 1
+                queue.next_seq += 1
         for task, request, fut in started:
-            self.traffic.add(nbytes=request.nbytes, collectives=1)
-            task.round += 1
-            fut.then(self._callback(task))
+            traffic = self.domain_traffic if channel[0] == "domain" else self.traffic
+            traffic.add(nbytes=request.nbytes, collectives=1)
+            fut.then(self._callback(task, channel, request))
 
-    def _callback(self, task: _Task) -> Callable[[torch.futures.Future], None]:
+    def _issue(self, channel: Channel, request: Collective) -> torch.futures.Future:
+        """:meth:`_start`, with a failure to start turned into a failed future."""
+        try:
+            return self._start(channel, request)
+        except BaseException as exc:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_exception(exc)
+            return fut
+
+    def _callback(self, task: _Task, channel: Channel, request: Collective) -> Callable[[torch.futures.Future], None]:
         def on_done(fut: torch.futures.Future) -> None:
             try:
                 result = fut.value()
             except BaseException as exc:
-                self._release_from(task, task.round)
-                task.result.set_exception(exc)
+                error = CollectiveError(
+                    f"{describe(request)} on channel {channel[0]}/{channel[1]} over ranks "
+                    f"{list(self.members(channel[0]))} failed on rank {self.rank}: {exc}"
+                )
+                error.__cause__ = exc
+                if self._failure is None:
+                    self._failure = error
+                task.gen.close()
+                self._finish(task, error)
                 return
             self._advance(task, result)
 
         return on_done
+
+
+def describe(request: Collective) -> str:
+    """``all_reduce(sum, 1024 x float32)``: what a collective was, for error messages."""
+    t = request.tensor
+    shape = f"{t.numel()} x {str(t.dtype).removeprefix('torch.')}"
+    if isinstance(request, AllReduce):
+        return f"all_reduce({request.op}, {shape})"
+    if isinstance(request, ReduceScatter):
+        return f"reduce_scatter({shape})"
+    return f"all_gather({shape})"

@@ -39,13 +39,23 @@ class Launch:
 def detect_launcher(environ: Mapping[str, str] | None = None) -> Launch:
     """Read the launcher's variables from ``environ`` (default ``os.environ``)."""
     env = os.environ if environ is None else environ
+
+    def number(var: str, default: int | None = None) -> int:
+        raw = env.get(var)
+        if raw is None and default is not None:
+            return default
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            raise RuntimeError(f"environment variable {var}={raw!r} is not an integer (set by the launcher?)") from None
+
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
-        world = int(env["WORLD_SIZE"])
-        return Launch("torchrun", int(env["RANK"]), world, int(env.get("LOCAL_WORLD_SIZE", world)))
+        world = number("WORLD_SIZE")
+        return Launch("torchrun", number("RANK"), world, number("LOCAL_WORLD_SIZE", world))
     for rank_var, size_var, local_var in _MPI_VARS:
         if rank_var in env and size_var in env:
-            world = int(env[size_var])
-            return Launch("mpirun", int(env[rank_var]), world, int(env.get(local_var, world)))
+            world = number(size_var)
+            return Launch("mpirun", number(rank_var), world, number(local_var, world))
     return Launch("none")
 
 

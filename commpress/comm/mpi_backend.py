@@ -5,8 +5,10 @@ Collectives run on zero-copy numpy views of CPU tensors (``Iallreduce`` in place
 directly when the MPI library is CUDA-aware, otherwise through pinned host buffers. A
 progress thread tests the outstanding requests and completes their futures, so
 ``commpress.hooks.ddp_hook`` works unchanged with ``backend = "mpi"`` under ``mpirun``.
-Following :class:`commpress.comm.backend.Backend`, round ``r`` of every reduction uses its
-own duplicated communicator, issued in the same order on every rank.
+Following :class:`commpress.comm.backend.Backend`, every channel (the ``i``-th collective
+of a reduction) uses its own duplicated communicator, issued in the same order on every
+rank. MPI has no collective timeout: a request not done within ``timeout`` fails its future
+(:class:`~commpress.errors.CollectiveError`), so a stalled peer is reported, not waited on.
 
 DDP itself still needs a torch process group: under ``mpirun`` start gloo from the MPI
 environment with :func:`commpress.comm.from_env.init_from_env`.
@@ -19,13 +21,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from commpress.comm.backend import Backend
+from commpress.comm.backend import Backend, Channel
 from commpress.comm.from_env import detect_launcher
-from commpress.compressors.base import AllGather, AllReduce, Collective
+from commpress.comm.torch_backend import group_timeout, sum_rows
+from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter
+from commpress.errors import CollectiveError
 
 __all__ = ["MPIBackend", "cuda_aware"]
 
@@ -74,9 +79,11 @@ class _Ops:
 
 class MPIBackend(Backend):
     """Runs reductions with mpi4py non-blocking collectives over ``comm`` (default
-    ``MPI.COMM_WORLD``). Every rank of ``comm`` must construct it together."""
+    ``MPI.COMM_WORLD``), in the ``"world"`` scope. Every rank of ``comm`` must construct it
+    together. ``timeout`` (default: torch.distributed's default group timeout when it is
+    initialized, else 30 minutes) bounds how long one collective may take."""
 
-    def __init__(self, comm: Any = None, rounds: int = 1) -> None:
+    def __init__(self, comm: Any = None, rounds: int = 1, timeout: timedelta | None = None) -> None:
         if detect_launcher().kind != "mpirun":
             raise RuntimeError(
                 'backend = "mpi" needs ranks started by mpirun (no OMPI_COMM_WORLD_RANK / PMI_RANK in the '
@@ -87,17 +94,21 @@ class MPIBackend(Backend):
         _check_matches_torch(comm)
         super().__init__(comm.Get_rank(), comm.Get_size(), rounds)
         self.comm = comm
-        self._comms = [comm.Dup() for _ in range(rounds)]
+        self.timeout = (timeout or _torch_timeout()).total_seconds()
+        self._comms = {channel: comm.Dup() for channel in self._queues}
         self._ops = _Ops(mpi)
         self._cuda_aware = cuda_aware()
         # one lock around every MPI call (correct at any MPI thread level) and the pending list
         self._lock = threading.RLock()
-        self._pending: list[tuple[Any, torch.futures.Future, Callable[[], Any]]] = []
+        self._pending: list[tuple[Any, torch.futures.Future, Callable[[], Any], float]] = []
         self._wake = threading.Condition(self._lock)
         self._closed = False
         self._thread = threading.Thread(target=self._progress, name="commpress-mpi-progress", daemon=True)
         self._thread.start()
         atexit.register(self._stop)  # before mpi4py finalizes MPI (atexit runs last-in first)
+
+    def members(self, scope: str) -> list[int]:
+        return list(range(self.world_size))
 
     def allgather_object(self, obj: object) -> list[object]:
         with self._lock:
@@ -113,15 +124,17 @@ class MPIBackend(Backend):
         """Stop the progress thread and free the duplicated communicators (collective)."""
         self._stop()
         atexit.unregister(self._stop)
-        for c in self._comms:
+        for c in self._comms.values():
             c.Free()
-        self._comms = []
+        self._comms = {}
 
     # starting collectives ------------------------------------------------------------
-    def _start(self, channel: int, request: Collective) -> torch.futures.Future:
+    def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:
         comm = self._comms[channel]
         if isinstance(request, AllReduce):
             return self._allreduce(comm, request)
+        if isinstance(request, ReduceScatter):
+            return self._reduce_scatter(comm, request)
         assert isinstance(request, AllGather)
         return self._allgather(comm, request)
 
@@ -165,29 +178,25 @@ class MPIBackend(Backend):
         return self._track(req, finish)
 
     def _allgather(self, comm: Any, request: AllGather) -> torch.futures.Future:
-        tensor = request.tensor.reshape(-1)
-        work, _ = self._host(tensor)
-        n = self.world_size
-        if request.uniform:
-            sizes = [work.numel()] * n
-        else:
-            with self._lock:
-                sizes = comm.allgather(work.numel())
-            self.traffic.add(nbytes=8, collectives=1)
-        out = work.new_empty(sum(sizes))
-        esize = work.element_size()
-        counts = [s * esize for s in sizes]
-        displs = [sum(counts[:i]) for i in range(n)]
+        work, _ = self._host(request.tensor.reshape(-1))
+        out = work.new_empty(self.world_size * work.numel())
         with self._lock:
-            if request.uniform:
-                req = comm.Iallgather(self._buffer(work, raw=True), self._buffer(out, raw=True))
-            else:
-                recv = [self._buffer(out, raw=True), (counts, displs), self._mpi.BYTE]
-                req = comm.Iallgatherv(self._buffer(work, raw=True), recv)
+            req = comm.Iallgather(self._buffer(work, raw=True), self._buffer(out, raw=True))
 
         def finish() -> list[torch.Tensor]:
             result = out.to(request.tensor.device) if request.tensor.device != out.device else out
-            return list(torch.split(result, sizes))
+            return list(result.view(self.world_size, -1).unbind(0))
+
+        return self._track(req, finish)
+
+    def _reduce_scatter(self, comm: Any, request: ReduceScatter) -> torch.futures.Future:
+        work, _ = self._host(request.tensor.reshape(-1))
+        received = torch.empty_like(work)
+        with self._lock:
+            req = comm.Ialltoall(self._buffer(work, raw=True), self._buffer(received, raw=True))
+
+        def finish() -> torch.Tensor:
+            return sum_rows(received.view(self.world_size, -1)).to(request.tensor.device)
 
         return self._track(req, finish)
 
@@ -195,7 +204,7 @@ class MPIBackend(Backend):
     def _track(self, req: Any, finish: Callable[[], Any]) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
         with self._wake:
-            self._pending.append((req, fut, finish))
+            self._pending.append((req, fut, finish, time.monotonic() + self.timeout))
             self._wake.notify()
         return fut
 
@@ -211,14 +220,20 @@ class MPIBackend(Backend):
                     return
                 done = []
                 try:
-                    flags = [req.Test() for req, _, _ in self._pending]
+                    flags = [req.Test() for req, _, _, _ in self._pending]
                 except BaseException as exc:
-                    done = [(fut, None, exc) for _, fut, _ in self._pending]
+                    done = [(fut, None, exc) for _, fut, _, _ in self._pending]
                     self._pending = []
                 else:
-                    still = []
-                    for item, flag in zip(self._pending, flags):
-                        (done.append((item[1], item[2], None)) if flag else still.append(item))
+                    still, now = [], time.monotonic()
+                    for (req, fut, finish, deadline), flag in zip(self._pending, flags):
+                        if flag:
+                            done.append((fut, finish, None))
+                        elif now > deadline:
+                            late = CollectiveError(f"an MPI collective did not complete within {self.timeout:.0f} s")
+                            done.append((fut, None, late))
+                        else:
+                            still.append((req, fut, finish, deadline))
                     self._pending = still
             for fut, finish, exc in done:
                 try:
@@ -250,3 +265,14 @@ def _check_matches_torch(comm: Any) -> None:
         raise RuntimeError(
             f"ranks disagree: this process is rank {dist.get_rank()} in torch.distributed but {comm.Get_rank()} in MPI"
         )
+
+
+def _torch_timeout() -> timedelta:
+    """torch.distributed's default group timeout when initialized, else 30 minutes."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        found = group_timeout(dist.group.WORLD)
+        if found is not None:
+            return found
+    return timedelta(minutes=30)

@@ -33,32 +33,35 @@ class ACPSGDCompressor(LowRankCompressor):
     rounds: ClassVar[int] = 1
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        begun = self._begin(bucket)
-        if begun is None:
+        step = self._begin(bucket)
+        if step is None:
             return
-        st, ms = begun
-        plan = st.plan
-        p_step = not self.warm_start or st.steps % 2 == 0 or st.p is None
-        if p_step:
-            qs = self._start_qs(bucket, st)
-            payload = self._payload(bucket, st, plan.p_numel, ctx.world_size)
-            for m, q, p in zip(ms, qs, plan.p_views(payload)):
+        lay = step.layout
+        plan = lay.plan
+        old_p = None
+        if self.warm_start and step.steps % 2 == 1 and plan.batches:
+            old_p, missing = self._memory.gather("p", lay.ps, plan.p_numel, lay.device)
+            old_p = None if missing else old_p  # a parameter without P: a P step
+        if old_p is None:
+            qs = self._start_qs(lay, ctx.step) if plan.batches else []
+            payload = self._payload(bucket, plan, plan.p_numel, ctx.world_size)
+            for m, q, p in zip(step.ms, qs, plan.p_views(payload)):
                 torch.bmm(m, q, out=p)
             factor_numel = plan.p_numel
         else:
-            ps = [orthonormalize(p) for p in plan.p_views(st.p)]
-            payload = self._payload(bucket, st, plan.q_numel, ctx.world_size)
-            for m, p, qt in zip(ms, ps, plan.qt_views(payload)):
+            ps = [orthonormalize(p) for p in plan.p_views(old_p)]
+            payload = self._payload(bucket, plan, plan.q_numel, ctx.world_size)
+            for m, p, qt in zip(step.ms, ps, plan.qt_views(payload)):
                 torch.bmm(p.transpose(1, 2), m, out=qt)
             factor_numel = plan.q_numel
         summed = yield AllReduce(payload)
-        self._write_dense(summed, bucket, st, factor_numel)
-        if not self._usable(summed, bucket, st) or not plan.batches:
+        self._write_dense(summed, bucket, plan, factor_numel)
+        if not plan.batches or not self._usable(summed, bucket, plan):
             return
-        factors = summed[:factor_numel].div_(ctx.world_size)
-        if p_step:
-            self._decompress(bucket, st, ms, plan.p_views(factors), [q.transpose(1, 2) for q in qs])
-            st.p = factors
+        factors = summed.narrow(0, 0, factor_numel).div_(ctx.world_size)
+        if old_p is None:
+            self._decompress(bucket, step, plan.p_views(factors), [q.transpose(1, 2) for q in qs])
+            self._memory.stage("p", lay.ps, summed)
         else:
-            self._decompress(bucket, st, ms, ps, plan.qt_views(factors))
-            st.q = factors
+            self._decompress(bucket, step, ps, plan.qt_views(factors))
+            self._memory.stage("q", lay.qs, summed)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
+
+from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter, Reduction
 
 __all__ = [
     "AllGather",
@@ -24,45 +26,10 @@ __all__ = [
     "Compressor",
     "Context",
     "ParamSlot",
+    "ReduceScatter",
     "Reduction",
     "on_dense_copy",
 ]
-
-
-@dataclass
-class AllReduce:
-    """Reduce ``tensor`` over all ranks; the result (same shape and dtype) is sent back.
-
-    ``op`` is ``"sum"`` (the default) or ``"max"``.
-    """
-
-    tensor: torch.Tensor
-    op: Literal["sum", "max"] = "sum"
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-
-@dataclass
-class AllGather:
-    """Gather ``tensor`` (1-D) from every rank; the list of all ranks' tensors is sent back.
-
-    Sizes may differ per rank unless ``uniform`` is true, which lets a backend skip the
-    exchange of sizes.
-    """
-
-    tensor: torch.Tensor
-    uniform: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-
-Collective = AllReduce | AllGather
-# What ``reduce`` is: yields collectives, receives their results, returns nothing.
-Reduction = Generator[Collective, Any, None]
 
 
 @dataclass(frozen=True)
@@ -80,10 +47,11 @@ class ParamSlot:
 
 @dataclass
 class Bucket:
-    """A flat gradient buffer, the parameters it holds, and a stable index.
+    """A flat gradient buffer, the parameters it holds, and an index.
 
-    ``index`` stays the same for the same parameters across steps, so compressors key
-    their per-bucket state (error feedback, warm starts) on it.
+    Compressors key their state (error feedback, warm starts) on parameter names, so it
+    survives DDP moving parameters between buckets; ``index`` only names a bucket whose
+    single slot has no parameter name, and keys caches derived from the layout.
     """
 
     index: int
@@ -101,13 +69,13 @@ class Bucket:
 
     @property
     def layout(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """(name, shape) of every slot: per-bucket state is valid only for the same layout
-        (DDP rebuilds its buckets after the first step, so an index may change members)."""
+        """(name, shape) of every slot (DDP rebuilds its buckets after the first step, so
+        an index may change members)."""
         return tuple((s.name, tuple(s.shape)) for s in self.slots)
 
     def views(self) -> list[torch.Tensor]:
         """One view of the buffer per parameter, shaped like the parameter."""
-        return [self.buffer[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+        return [self.buffer.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots]
 
     @classmethod
     def from_tensors(cls, index: int, tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> Bucket:
@@ -156,7 +124,20 @@ class Compressor(ABC):
 
     @abstractmethod
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        """Average ``bucket.buffer`` over ranks in place, yielding the collectives needed."""
+        """Average ``bucket.buffer`` over ranks in place, yielding the collectives needed.
+
+        A stateful compressor only *stages* its state changes here (see :meth:`end_step`).
+        """
+
+    def end_step(self, commit: bool) -> None:  # noqa: B027  (a no-op unless the compressor keeps state)
+        """Called once per training step after every reduction of that step finished.
+
+        ``commit=True`` applies the state changes the step's reductions staged (error
+        buffers, warm starts, step counters); ``commit=False`` discards them (a non-finite
+        step the optimizer skips), so training continues exactly as if that step had not
+        happened. Until then :meth:`state_dict` returns the last committed state. The caller
+        calls it before the next step's first reduction. Stateless compressors: a no-op.
+        """
 
     def check_dtype(self, bucket: Bucket) -> None:
         """Raise a clear error for a gradient dtype this compressor does not handle."""
@@ -168,7 +149,7 @@ class Compressor(ABC):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-bucket state to checkpoint; stateless compressors return ``{}``."""
+        """The committed state to checkpoint (tensors on the CPU); stateless compressors return ``{}``."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

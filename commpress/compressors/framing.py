@@ -42,7 +42,7 @@ def unframe(frames: Sequence[torch.Tensor], layout: Sequence[tuple[torch.dtype, 
     for dtype, count in layout:
         end = start + dtype.itemsize * count
         if count and frames:
-            out.append(torch.stack([f[start:end] for f in frames]).view(dtype))
+            out.append(torch.stack([f.narrow(0, start, end - start) for f in frames]).view(dtype))
         else:
             out.append(torch.empty(len(frames), count, dtype=dtype, device=frames[0].device if frames else None))
         start = end

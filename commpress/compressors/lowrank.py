@@ -1,22 +1,57 @@
 """The base class of PowerSGD and ACP-SGD: parameters, the shared steps of both
 (error feedback, warm or random start, the dense part fused into the factor all-reduce,
-decompression), the non-finite policy and checkpoints."""
+decompression), the non-finite policy, staged state and checkpoints.
+
+State is kept per parameter name in an :class:`ErrorMemory` (kinds "error", "q", "p" and
+a step counter), so it follows a parameter into whatever bucket DDP puts it. A step
+stages its changes; :meth:`Compressor.end_step` commits or drops them.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from commpress.compressors import host
 from commpress.compressors.base import Bucket, Compressor, ParamSlot
 from commpress.compressors.lowrank_plan import LowRankPlan, orthonormalize
-from commpress.compressors.lowrank_state import BucketState, StateStore
+from commpress.compressors.memory import ErrorMemory, Piece
+from commpress.compressors.seeding import check_seed, shared_normal, stream_starts, tensor_key
 from commpress.errors import ConfigError
 
 __all__ = ["LowRankCompressor"]
+
+_STATE_KEYS = ("error", "p", "q", "steps")
+
+
+@dataclass(eq=False)
+class _Layout:
+    """What a bucket's slots and device determine (rebuilt when either changes): the
+    plan, where each compressed matrix's state sits, its random streams, spare buffers."""
+
+    slots: tuple[ParamSlot, ...]
+    device: torch.device
+    plan: LowRankPlan
+    names: list[str]  # of the compressed matrices, in factor order
+    errors: list[Piece]  # error entries in the bucket's flat layout
+    qs: list[Piece]  # transposed Q (r x m) in the flat Q layout
+    ps: list[Piece]  # P (n x r) in the flat P layout
+    starts: torch.Tensor | None = None  # random-stream counters of the Q layout, made at first use
+    buffers: list[torch.Tensor] = field(default_factory=list)  # M buffers to reuse (double buffering)
+
+
+@dataclass(eq=False)
+class _Step:
+    """One bucket's step in progress."""
+
+    layout: _Layout
+    ms: list[torch.Tensor]  # M = grad + error of every batch (fp32)
+    m_buffer: torch.Tensor | None  # the flat buffer the ms view (with error feedback)
+    steps: int  # committed compressed steps of these parameters
 
 
 class LowRankCompressor(Compressor):
@@ -24,8 +59,9 @@ class LowRankCompressor(Compressor):
 
     Parameters: ``rank`` (>= 1), ``min_compression_rate`` (>= 0; a matrix is compressed
     only if it shrinks by more than this factor), ``error_feedback``, ``warm_start`` and
-    ``seed`` (the shared seed of the random initial factors). Plain steps before
-    compression starts are the config's top-level ``start_iter``.
+    ``seed`` (of the random initial factors, shared by all ranks: drawn per parameter name
+    and step). Plain steps before compression starts are the config's top-level
+    ``start_iter``.
     """
 
     def __init__(
@@ -42,97 +78,119 @@ class LowRankCompressor(Compressor):
             raise ConfigError(
                 f"{self.name}: min_compression_rate = {min_compression_rate!r} is not accepted; expected a finite number >= 0"
             )
+        check_seed(self.name, seed)
         self.rank = rank
         self.min_compression_rate = float(min_compression_rate)
         self.error_feedback = error_feedback
         self.warm_start = warm_start
         self.seed = seed
-        self._store = StateStore()
+        self._memory = ErrorMemory()
+        self._layouts: dict[int, _Layout] = {}
 
-    # ---- per-bucket state -------------------------------------------------------------
+    # ---- the shared steps --------------------------------------------------------------
 
-    def _plan(self, slots: tuple[ParamSlot, ...]) -> LowRankPlan:
-        return LowRankPlan.build(slots, self.rank, self.min_compression_rate)
+    def _layout(self, bucket: Bucket) -> _Layout:
+        slots, device = tuple(bucket.slots), bucket.buffer.device
+        lay = self._layouts.get(bucket.index)
+        if lay is not None and lay.slots == slots and lay.device == device:
+            return lay
+        plan = LowRankPlan.build(slots, self.rank, self.min_compression_rate, device)
+        names = [tensor_key(bucket, f.slot) for f in plan.factors]
+        lay = _Layout(
+            slots,
+            device,
+            plan,
+            names,
+            errors=[(name, f.slot.offset, tuple(f.slot.shape)) for name, f in zip(names, plan.factors)],
+            qs=[(name, f.q_offset, (f.rank, f.m)) for name, f in zip(names, plan.factors)],
+            ps=[(name, f.p_offset, (f.n, f.rank)) for name, f in zip(names, plan.factors)],
+        )
+        self._layouts[bucket.index] = lay
+        return lay
 
-    def _state(self, bucket: Bucket) -> BucketState:
-        """This bucket's state; a new one, taking over each parameter's error and factors
-        from where it was before, when the layout changed (DDP rebuilds its buckets)."""
-        return self._store.get(bucket, self._plan, lambda st: self._random_qt(bucket, st, 0))
+    def _random_qt(self, lay: _Layout, step: int) -> torch.Tensor:
+        """Random transposed Q factors of the bucket, on its device. Matrix by matrix they
+        depend on (seed, parameter name, step) only: the same on every rank without
+        communication, and whatever the bucket layout."""
+        if lay.starts is None:
+            lay.starts = stream_starts(self.seed, [(n, f.rank * f.m) for n, f in zip(lay.names, lay.plan.factors)], lay.device)
+        return shared_normal(lay.starts, step)
 
-    def _random_qt(self, bucket: Bucket, st: BucketState, draw: int) -> torch.Tensor:
-        """Random transposed Q factors, the same on every rank without communication:
-        seeded by (seed, bucket index, layout, draw)."""
-        layout = tuple((s.name, tuple(s.shape)) for s in st.plan.slots)
-        text = repr((self.seed, bucket.index, layout, draw)).encode()
-        gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1)
-        return torch.randn(st.plan.q_numel, generator=gen)
+    def _start_qs(self, lay: _Layout, step: int) -> list[torch.Tensor]:
+        """Orthonormalized Q (count, m, r) of every batch: the warm start where there is one,
+        else the random draw of ``step`` (every step when warm start is off)."""
+        if self.warm_start:
+            qt, _ = self._memory.gather("q", lay.qs, lay.plan.q_numel, lay.device, fill=lambda: self._random_qt(lay, step))
+        else:
+            qt = self._random_qt(lay, step)
+        return [orthonormalize(v.transpose(1, 2)) for v in lay.plan.qt_views(qt)]
 
-    def _start_qs(self, bucket: Bucket, st: BucketState) -> list[torch.Tensor]:
-        """Orthonormalized Q (count, m, r) of every batch: the warm start, or a random draw
-        (a new draw every step when warm start is off)."""
-        warm = self.warm_start and st.q is not None
-        qt = st.q if warm else self._random_qt(bucket, st, 0 if self.warm_start else st.steps)
-        return [orthonormalize(v.transpose(1, 2)) for v in st.plan.qt_views(qt)]
-
-    def _begin(self, bucket: Bucket) -> tuple[BucketState, list[torch.Tensor]] | None:
-        """The shared start of a step: check the dtype, then this bucket's state and its
-        matrices ``M`` (see :meth:`_matrices`); None for an empty bucket."""
+    def _begin(self, bucket: Bucket) -> _Step | None:
+        """The shared start of a step: check the dtype, then this bucket's layout, step
+        count and matrices ``M`` (see :meth:`_matrices`); None for an empty bucket."""
         self.check_dtype(bucket)
         if bucket.buffer.numel() == 0:
             return None
-        st = self._state(bucket)
-        return st, self._matrices(bucket, st)
+        lay = self._layout(bucket)
+        steps = max((self._memory.count(n) for n in lay.names), default=0)
+        ms, m_buffer = self._matrices(bucket, lay)
+        return _Step(lay, ms, m_buffer, steps)
 
-    def _matrices(self, bucket: Bucket, st: BucketState) -> list[torch.Tensor]:
-        """``M`` of every batch, in fp32: ``grad + error`` written into the spare error
-        buffer (error feedback), else the gradients themselves (fp32) or fp32 copies."""
-        plan, grad = st.plan, bucket.buffer
-        if self.error_feedback:
-            if st.error is None:
-                st.error = torch.zeros(grad.numel(), dtype=torch.float32)
-            if st.spare is None:
-                st.spare = torch.zeros_like(st.error)
-            return [torch.add(b.view(st.error), b.view(grad), out=b.view(st.spare)) for b in plan.batches]
-        if grad.dtype == torch.float32:
-            return [b.view(grad) for b in plan.batches]
-        return [b.view(grad).float() for b in plan.batches]
+    def _matrices(self, bucket: Bucket, lay: _Layout) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """``M`` of every batch, in fp32: ``grad + error`` (error feedback) written into a
+        buffer that is not committed state, else the gradients themselves (fp32) or copies."""
+        plan, grad = lay.plan, bucket.buffer
+        if not plan.batches:
+            return [], None
+        if not self.error_feedback:
+            if grad.dtype == torch.float32:
+                return [b.view(grad) for b in plan.batches], None
+            return [b.view(grad).float() for b in plan.batches], None
+        error, _ = self._memory.gather("error", lay.errors, grad.numel(), lay.device)
+        if not self._memory.holds(error):  # a fresh gathered copy: M in place
+            lay.buffers = [error]
+            return [b.view(error).add_(b.view(grad)) for b in plan.batches], error
+        # the committed error itself: M goes to the other buffer, if no entry lives there
+        out = next((b for b in lay.buffers if b is not error and not self._memory.holds(b)), None)
+        if out is None:
+            out = torch.empty(grad.numel(), dtype=torch.float32, device=lay.device)
+        lay.buffers = [error, out]
+        return [torch.add(b.view(error), b.view(grad), out=b.view(out)) for b in plan.batches], out
 
     @staticmethod
-    def _payload(bucket: Bucket, st: BucketState, factor_numel: int, world_size: int) -> torch.Tensor:
-        """A fresh fp32 tensor: room for the factors, then the dense elements divided by
-        the world size, so that they ride in the same all-reduce."""
-        plan = st.plan
-        out = torch.empty(factor_numel + plan.dense_numel, dtype=torch.float32)
+    def _payload(bucket: Bucket, plan: LowRankPlan, factor_numel: int, world_size: int) -> torch.Tensor:
+        """A fresh fp32 tensor on the gradient's device: room for the factors, then the dense
+        elements divided by the world size, so that they ride in the same all-reduce."""
+        out = torch.empty(factor_numel + plan.dense_numel, dtype=torch.float32, device=bucket.buffer.device)
         if plan.dense_numel:
-            torch.div(bucket.buffer[plan.dense_index], world_size, out=out[factor_numel:])
+            dense = bucket.buffer.index_select(0, plan.dense_index)
+            torch.div(dense, world_size, out=out.narrow(0, factor_numel, plan.dense_numel))
         return out
 
     @staticmethod
-    def _write_dense(summed: torch.Tensor, bucket: Bucket, st: BucketState, factor_numel: int) -> None:
+    def _write_dense(summed: torch.Tensor, bucket: Bucket, plan: LowRankPlan, factor_numel: int) -> None:
         """Copy the averaged dense elements (after the factors in ``summed``) into the bucket."""
-        plan = st.plan
         if plan.dense_numel:
-            bucket.buffer.index_copy_(0, plan.dense_index, summed[factor_numel:].to(bucket.buffer.dtype))
+            dense = summed.narrow(0, factor_numel, plan.dense_numel).to(bucket.buffer.dtype)
+            bucket.buffer.index_copy_(0, plan.dense_index, dense)
 
     @staticmethod
-    def _usable(summed: torch.Tensor, bucket: Bucket, st: BucketState) -> bool:
-        """Whether the all-reduced ``summed`` is finite. If not, the compressed part of the
-        bucket is set to NaN and the caller returns without touching error or warm start.
-        Every rank sees the same sums, so all ranks agree; the non-finite gradient makes
-        torch.amp's GradScaler skip the step."""
-        if bool(torch.isfinite(summed).all()):
+    def _usable(summed: torch.Tensor, bucket: Bucket, plan: LowRankPlan) -> bool:
+        """Whether the all-reduced ``summed`` is finite (one flag read on the host). If not,
+        the compressed part of the bucket is set to NaN and the caller returns without
+        staging anything. Every rank sees the same sums, so all ranks agree; the non-finite
+        gradient makes torch.amp's GradScaler skip the step."""
+        if host.flags(torch.isfinite(summed).all())[0]:
             return True
-        for b in st.plan.batches:
+        for b in plan.batches:
             b.view(bucket.buffer).fill_(float("nan"))
         return False
 
-    def _decompress(
-        self, bucket: Bucket, st: BucketState, ms: list[torch.Tensor], ps: list[torch.Tensor], qts: list[torch.Tensor]
-    ) -> None:
+    def _decompress(self, bucket: Bucket, step: _Step, ps: list[torch.Tensor], qts: list[torch.Tensor]) -> None:
         """Write ``P Qt`` (already averaged) into the bucket; with error feedback the new
-        error ``M - P Qt`` is formed in place in the spare buffer, which becomes current."""
-        grad = bucket.buffer
-        for b, m, p, qt in zip(st.plan.batches, ms, ps, qts):
+        error ``M - P Qt`` is formed in place in M's buffer and staged. Stages the step count."""
+        grad, lay = bucket.buffer, step.layout
+        for b, m, p, qt in zip(lay.plan.batches, step.ms, ps, qts):
             if self.error_feedback:
                 m.baddbmm_(p, qt, alpha=-1)
             out = b.view(grad)
@@ -140,22 +198,30 @@ class LowRankCompressor(Compressor):
                 torch.bmm(p, qt, out=out)
             else:
                 out.copy_(torch.bmm(p, qt))
-        if self.error_feedback:
-            st.error, st.spare = st.spare, st.error
-        st.steps += 1
+        if step.m_buffer is not None:
+            self._memory.stage("error", lay.errors, step.m_buffer)
+        for name in lay.names:
+            self._memory.stage_count(name, step.steps + 1)
 
-    # ---- checkpoints -------------------------------------------------------------------
+    # ---- steps and checkpoints ---------------------------------------------------------
+
+    def end_step(self, commit: bool) -> None:
+        """Apply (``commit``) or drop the error, factors and step counts the step staged."""
+        self._memory.end_step(commit)
 
     def state_dict(self) -> dict[str, Any]:
-        """Per bucket: slots, completed steps, error buffer and factors (copies)."""
-        return {"buckets": {index: st.to_dict() for index, st in self._store.buckets.items()}}
+        """The committed state by parameter name, on the CPU: "error" (shaped like the
+        parameter), "q" (r x m, transposed), "p" (n x r) and "steps" (compressed steps done)."""
+        state: dict[str, Any] = {kind: self._memory.tensors(kind) for kind in ("error", "q", "p")}
+        state["steps"] = self._memory.counts()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a bucket whose layout then differs takes its
-        parameters' state over as at a DDP bucket rebuild."""
-        if set(state) != {"buckets"}:
-            raise ValueError(f"{self.name} state must have exactly the key 'buckets', got {sorted(state)}")
-        store = StateStore()
-        for index, saved in state["buckets"].items():
-            store.buckets[int(index)] = BucketState.from_dict(saved, self._plan)
-        self._store = store
+        """Restore :meth:`state_dict`. Tensors move to the gradients' device at first use;
+        factors whose shape no longer fits (another ``rank``) are drawn afresh."""
+        if sorted(state) != list(_STATE_KEYS):
+            raise ValueError(f"{self.name} state must have exactly the keys {list(_STATE_KEYS)}, got {sorted(state)}")
+        self._memory.clear()
+        for kind in ("error", "q", "p"):
+            self._memory.load(kind, state[kind])
+        self._memory.load_counts(state["steps"])

@@ -6,9 +6,13 @@ spaced offsets (one per transformer block), so a batch is a strided 3-D *view* o
 buffer and one ``torch.bmm`` handles every layer of that shape, with no copy and no Python
 loop over layers. The error buffer is double-buffered: ``M = grad + error`` is written into
 the spare buffer, which then becomes the new error in place (``baddbmm_``), so error
-feedback costs one write and keeps the old error intact when a step has to be dropped. And
+feedback costs one write and keeps the old error intact until the step is committed. And
 the factor ``Q`` is kept transposed (r x m), which makes ``Q = M^T P`` the fast
 ``P^T M`` product.
+
+Per-parameter state (error, factors) is stored by name elsewhere (``memory``); a plan's
+:attr:`LowRankPlan.factors` says where each compressed matrix sits in the bucket and in the
+flat factor buffers, so a bucket can gather and stage its parameters' state.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from commpress.compressors.base import ParamSlot
 
-__all__ = ["LowRankPlan", "MatrixBatch", "orthonormalize"]
+__all__ = ["Factor", "LowRankPlan", "MatrixBatch", "orthonormalize"]
 
 
 def orthonormalize(x: torch.Tensor) -> torch.Tensor:
@@ -60,21 +64,39 @@ class MatrixBatch:
         return self.count * self.m * self.rank
 
 
+@dataclass(frozen=True)
+class Factor:
+    """One compressed matrix: its slot, and where its blocks of the flat factor buffers
+    start (``q``: r x m, transposed Q; ``p``: n x r)."""
+
+    slot: ParamSlot
+    n: int
+    m: int
+    rank: int
+    q_offset: int
+    p_offset: int
+
+
 @dataclass(frozen=True, eq=False)
 class LowRankPlan:
     """How one bucket is compressed: its matrix batches and the positions of the dense
-    elements (1-D tensors and matrices that would not compress by ``min_compression_rate``)."""
+    elements (1-D tensors and matrices that would not compress by ``min_compression_rate``),
+    with its index tensor on ``device`` (the gradients' device)."""
 
     slots: tuple[ParamSlot, ...]
     batches: tuple[MatrixBatch, ...]
     dense_index: torch.Tensor  # int64 positions in the bucket buffer, ascending
     where: dict[int, tuple[int, int]]  # offset of a compressed matrix -> (batch, position in it)
+    factors: tuple[Factor, ...]  # every compressed matrix, in factor-buffer order
 
     @classmethod
-    def build(cls, slots: Sequence[ParamSlot], rank: int, min_compression_rate: float) -> LowRankPlan:
+    def build(
+        cls, slots: Sequence[ParamSlot], rank: int, min_compression_rate: float, device: torch.device | None = None
+    ) -> LowRankPlan:
         """Group compressible matrices by shape, then into runs of equal spacing."""
         by_shape: dict[tuple[int, int], list[int]] = {}
         dense: list[torch.Tensor] = []
+        by_offset: dict[int, ParamSlot] = {}
         for s in slots:
             if s.numel == 0:
                 continue
@@ -84,15 +106,22 @@ class LowRankPlan:
             # the rule of PyTorch's hook: compress when r (n + m) * rate < n m
             if len(s.shape) >= 2 and r * (n + m) * min_compression_rate < n * m:
                 by_shape.setdefault((n, m), []).append(s.offset)
+                by_offset[s.offset] = s
             else:
-                dense.append(torch.arange(s.offset, s.offset + s.numel))
+                dense.append(torch.arange(s.offset, s.offset + s.numel, device=device))
         batches = []
         for (n, m), offsets in by_shape.items():
             for first, stride, count in _equal_runs(sorted(offsets)):
                 batches.append(MatrixBatch(first, stride if count > 1 else n * m, count, n, m, min(rank, n, m)))
-        index = torch.cat(dense) if dense else torch.zeros(0, dtype=torch.int64)
+        index = torch.cat(dense) if dense else torch.zeros(0, dtype=torch.int64, device=device)
         where = {b.first + k * b.stride: (i, k) for i, b in enumerate(batches) for k in range(b.count)}
-        return cls(tuple(slots), tuple(batches), index.sort().values, where)
+        factors, q_at, p_at = [], 0, 0
+        for b in batches:
+            for k in range(b.count):
+                factors.append(Factor(by_offset[b.first + k * b.stride], b.n, b.m, b.rank, q_at, p_at))
+                q_at += b.rank * b.m
+                p_at += b.n * b.rank
+        return cls(tuple(slots), tuple(batches), index.sort().values, where, tuple(factors))
 
     def locate(self, offset: int) -> tuple[int, int] | None:
         """(batch, position) of the compressed matrix at ``offset``; None if it is dense."""
@@ -135,6 +164,6 @@ def _split(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch
     out, pos = [], 0
     for shape in shapes:
         size = math.prod(shape)
-        out.append(flat[pos : pos + size].view(shape))
+        out.append(flat.narrow(0, pos, size).view(shape))
         pos += size
     return out

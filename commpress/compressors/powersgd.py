@@ -29,25 +29,26 @@ class PowerSGDCompressor(LowRankCompressor):
     rounds: ClassVar[int] = 2
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        begun = self._begin(bucket)
-        if begun is None:
+        step = self._begin(bucket)
+        if step is None:
             return
-        st, ms = begun
-        plan = st.plan
-        first = self._payload(bucket, st, plan.p_numel, ctx.world_size)
-        for m, q, p in zip(ms, self._start_qs(bucket, st), plan.p_views(first)):
-            torch.bmm(m, q, out=p)
+        lay = step.layout
+        plan = lay.plan
+        first = self._payload(bucket, plan, plan.p_numel, ctx.world_size)
+        if plan.batches:
+            for m, q, p in zip(step.ms, self._start_qs(lay, ctx.step), plan.p_views(first)):
+                torch.bmm(m, q, out=p)
         summed = yield AllReduce(first)
-        self._write_dense(summed, bucket, st, plan.p_numel)
-        if not self._usable(summed, bucket, st) or not plan.batches:
+        self._write_dense(summed, bucket, plan, plan.p_numel)
+        if not plan.batches or not self._usable(summed, bucket, plan):
             return
         ps = [orthonormalize(p) for p in plan.p_views(summed)]
-        second = torch.empty(plan.q_numel, dtype=torch.float32)
-        for m, p, qt in zip(ms, ps, plan.qt_views(second)):
+        second = torch.empty(plan.q_numel, dtype=torch.float32, device=bucket.buffer.device)
+        for m, p, qt in zip(step.ms, ps, plan.qt_views(second)):
             torch.bmm(p.transpose(1, 2), m, out=qt)
         summed = yield AllReduce(second)
-        if not self._usable(summed, bucket, st):
+        if not self._usable(summed, bucket, plan):
             return
         summed.div_(ctx.world_size)
-        self._decompress(bucket, st, ms, ps, plan.qt_views(summed))
-        st.q = summed
+        self._decompress(bucket, step, ps, plan.qt_views(summed))
+        self._memory.stage("q", lay.qs, summed)

@@ -30,6 +30,8 @@ def available() -> list[str]:
 
 def compressor_class(method: str) -> type[Compressor]:
     """The class registered as ``method``, or a ConfigError listing the accepted names."""
+    if not isinstance(method, str):
+        raise ConfigError(f"method = {method!r} is not accepted; expected a compressor name, one of: {', '.join(available())}")
     try:
         return _REGISTRY[method]
     except KeyError:

@@ -1,20 +1,30 @@
-"""Names and seeds for the random choices of stochastic compressors: per rank, per step, per tensor.
+"""Names and seeds for the random choices of compressors: per tensor, keyed by stable things.
 
 A seed depends on the parameter's *name*, not on its bucket or position, so the random
 bits a tensor gets do not change when DDP rebuilds its buckets, when ``bucket_cap_mb``
 changes, or when a resumed run starts with DDP's initial bucket layout again. Runs are
-reproducible; ranks and steps draw independent numbers.
+reproducible; ranks and steps draw independent numbers where the method wants them to.
+
+:func:`shared_normal` draws the random factors the low-rank methods share across ranks:
+computed on the gradient's device with integer torch operations (SplitMix64, the
+generator of :mod:`commpress.cuda.rng`), so every rank gets the same numbers without
+communication, without a host transfer and without CuPy.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
+from collections.abc import Sequence
+
+import torch
 
 from commpress.compressors.base import Bucket, ParamSlot
 from commpress.cuda import derive_seed
+from commpress.cuda.rng import GAMMA, MIX1, MIX2
 from commpress.errors import ConfigError
 
-__all__ = ["check_seed", "tensor_key", "tensor_seed"]
+__all__ = ["check_seed", "shared_normal", "stream_starts", "tensor_key", "tensor_seed"]
 
 
 def tensor_key(bucket: Bucket, slot: ParamSlot) -> str:
@@ -32,3 +42,47 @@ def check_seed(where: str, seed: int) -> None:
     """Seeds are 63-bit non-negative integers (they are mixed into a 64-bit key)."""
     if not 0 <= seed < 2**63:
         raise ConfigError(f"{where}: seed = {seed!r} is not accepted; expected an integer in [0, 2**63)")
+
+
+def _signed(v: int) -> int:
+    """A 64-bit pattern as the int64 torch stores it."""
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _name_key(seed: int, name: str) -> int:
+    return derive_seed(seed, zlib.crc32(name.encode()))
+
+
+def stream_starts(seed: int, pieces: Sequence[tuple[str, int]], device: torch.device) -> torch.Tensor:
+    """int64 SplitMix64 counters, one per element of consecutive pieces (name, numel):
+    element ``j`` of piece ``name`` starts at ``key(seed, name) + j * GAMMA``."""
+    parts = [
+        torch.arange(numel, dtype=torch.int64, device=device).mul_(_signed(GAMMA)).add_(_signed(_name_key(seed, name)))
+        for name, numel in pieces
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def _shift(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 ``z`` (torch shifts arithmetically)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's output function on every element of int64 ``z`` (two's-complement wrap)."""
+    z = z ^ _shift(z, 30)
+    z = z * _signed(MIX1)
+    z = z ^ _shift(z, 27)
+    z = z * _signed(MIX2)
+    return z ^ _shift(z, 31)
+
+
+def shared_normal(starts: torch.Tensor, draw: int) -> torch.Tensor:
+    """Standard normal float32 numbers, one per counter of :func:`stream_starts`, for draw
+    ``draw`` (the training step): Box-Muller on two 23-bit fields of one 64-bit word."""
+    z = mix64(starts + _signed(derive_seed(draw)))
+    scale = 2.0**-23
+    u1 = _shift(z, 41).to(torch.float32).add_(0.5).mul_(scale)  # (0, 1): the log is finite
+    u2 = (_shift(z, 18) & ((1 << 23) - 1)).to(torch.float32).mul_(scale)
+    return u1.log_().mul_(-2.0).sqrt_().mul_(torch.cos(u2.mul_(2 * math.pi)))

@@ -3,7 +3,7 @@
 Per tensor: clip at ``clip_sigma`` standard deviations (about zero), take s = max|g| (one scalar per
 tensor, shared across ranks by a max all-reduce: ONE small collective per bucket),
 keep each element with probability |g|/s (so the expectation is g: unbiased), and send
-the signs packed 4 per byte, all tensors of a bucket in ONE uniform all-gather. The
+the signs packed 4 per byte, all tensors of a bucket in ONE all-gather. The
 scales are not gathered again: after the max all-reduce every rank already holds them.
 
 Wire bytes per rank and bucket: sum over tensors of ceil(n/4) + 4 bytes per tensor.
@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from commpress.compressors import host
 from commpress.compressors.base import AllGather, AllReduce, Bucket, Compressor, Context, Reduction, on_dense_copy
 from commpress.compressors.framing import unframe
 from commpress.compressors.registry import register_compressor
@@ -64,26 +65,28 @@ class TernGradCompressor(Compressor):
         slots = [s for s in bucket.slots if s.numel]
         if not slots:
             return
-        views = [bucket.buffer[s.offset : s.offset + s.numel] for s in slots]
+        views = [bucket.buffer.narrow(0, s.offset, s.numel) for s in slots]
         bounds, peaks, scales = self._local_scales(views)
         shared = yield AllReduce(scales, op="max")
-        finite = torch.isfinite(shared).tolist()
         # Elements above the shared scale are always kept (probability >= 1): the quantizer
         # clips at s by itself. Clamp explicitly only where this rank's bound is lower.
-        clip = (bounds < torch.minimum(peaks, shared)).tolist()
+        # Both decisions reach the host in one read.
+        read = host.flags(torch.cat([torch.isfinite(shared), bounds < torch.minimum(peaks, shared)]))
+        finite, clip = read[: len(slots)], read[len(slots) :]
+        bound, scale = bounds.unbind(), shared.unbind()
         pieces = []
         for t, (slot, view) in enumerate(zip(slots, views)):
             if not finite[t]:
                 pieces.append(torch.zeros(_packed_len(slot.numel), dtype=torch.uint8, device=view.device))
                 continue
-            x = torch.clamp(view, -bounds[t], bounds[t]) if clip[t] else view
+            x = torch.clamp(view, -bound[t], bound[t]) if clip[t] else view
             seed = tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, slot))
-            pieces.append(ternary_quantize_pack(x, shared[t], seed))
-        gathered = yield AllGather(torch.cat(pieces), uniform=True)
+            pieces.append(ternary_quantize_pack(x, scale[t], seed))
+        gathered = yield AllGather(torch.cat(pieces))
         rows = unframe(gathered, [(torch.uint8, _packed_len(s.numel)) for s in slots])
         for t, (slot, view) in enumerate(zip(slots, views)):
             if finite[t]:
-                ternary_unpack_accumulate(rows[t], shared[t].expand(ctx.world_size).contiguous(), slot.numel, view)
+                ternary_unpack_accumulate(rows[t], scale[t].repeat(ctx.world_size), slot.numel, view)
             else:
                 view.fill_(math.nan)
 

@@ -3,7 +3,7 @@
 acc = grad + residual; from every tensor send its k = ceil(ratio·n) entries of largest
 |acc| as (int32 index, value) pairs; the residual becomes acc with the sent values
 removed, so nothing is lost, only delayed. All (index, value) pairs of a bucket travel
-in ONE uniform all-gather; every rank adds up all ranks' pairs and divides by the world.
+in ONE all-gather; every rank adds up all ranks' pairs and divides by the world.
 
 Selection is per tensor (layer-wise, like DGC), not per bucket: every layer sends its
 share each step, so layers with small gradients are not starved by layers with large
@@ -16,13 +16,14 @@ Wire bytes per rank and bucket: k·(value bytes + 4), k the sum of the tensors' 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 
+from commpress.compressors import host
 from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, on_dense_copy
 from commpress.compressors.framing import frame, unframe
+from commpress.compressors.memory import ErrorMemory
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_key, tensor_seed
 from commpress.cuda import add_error, scatter_add_decode, topk_select
@@ -39,24 +40,12 @@ _FP16_MAX = torch.finfo(torch.float16).max
 
 def _all_finite(t: torch.Tensor) -> bool:
     """No Inf/NaN in ``t``: one float64 sum (Inf/NaN propagate, float32 values cannot overflow it)."""
-    return bool(torch.isfinite(t.sum(dtype=torch.float64)))
+    return host.flags(torch.isfinite(t.sum(dtype=torch.float64)))[0]
 
 
 def topk_count(ratio: float, numel: int) -> int:
     """How many entries a tensor of ``numel`` elements sends: ceil(ratio·numel), at least 1."""
     return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
-
-
-@dataclass
-class _Residual:
-    """A bucket's error-feedback buffer (float32, laid out like the bucket), valid for the
-    layout ``signature``: (tensor key, shape, offset) of every slot."""
-
-    signature: tuple[tuple[str, tuple[int, ...], int], ...]
-    buffer: torch.Tensor
-
-    def slices(self) -> dict[str, torch.Tensor]:
-        return {key: self.buffer[o : o + math.prod(shape)] for key, shape, o in self.signature}
 
 
 @register_compressor
@@ -77,9 +66,12 @@ class TopKCompressor(Compressor):
         seed: key material of the sampled selection's random numbers (with rank, step and
             parameter name).
 
+    Residuals are kept per parameter name (float32, shaped like the parameter) and staged
+    until :meth:`end_step`.
+
     Non-finite gradients: a rank whose acc holds Inf/NaN sends NaN values, so every rank
     decodes a non-finite gradient and ``torch.amp.GradScaler`` skips the step everywhere;
-    no rank updates its residual from such a step.
+    no rank stages a residual from such a step.
     """
 
     name: ClassVar[str] = "topk"
@@ -110,9 +102,7 @@ class TopKCompressor(Compressor):
         self.warmup_steps = warmup_steps
         self.warmup_ratio = warmup_ratio
         self.seed = seed
-        self._buckets: dict[int, _Residual] = {}
-        self._owner: dict[str, int] = {}  # parameter name -> bucket index holding its residual
-        self._loose: dict[str, torch.Tensor] = {}  # residuals not (yet) in a bucket: loaded, or left by a rebuild
+        self._memory = ErrorMemory()
 
     def ratio_at(self, step: int) -> float:
         """The ratio used at ``step`` (the hook's step counter, the one ``start_iter`` counts)."""
@@ -131,8 +121,9 @@ class TopKCompressor(Compressor):
             return
         if n >= 2**31:
             raise ValueError(f"compressor 'topk' sends int32 indices: a bucket holds at most 2**31 - 1 elements, got {n}")
-        residual = self._residual(bucket)
-        acc = add_error(bucket.buffer, residual.buffer)
+        pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in slots]
+        residual, _ = self._memory.gather("residual", pieces, n, bucket.buffer.device)
+        acc = add_error(bucket.buffer, residual.narrow(0, 0, n))
         ratio = self.ratio_at(ctx.step)
         counts = [topk_count(ratio, s.numel) for s in slots]
         k = sum(counts)
@@ -141,11 +132,11 @@ class TopKCompressor(Compressor):
         # a non-finite value: every rank's decode is then non-finite (no extra pass needed)
         finite = _all_finite(values)
         wire = self._to_wire(acc, indices, values) if finite else values.to(self.value_dtype)
-        gathered = yield AllGather(frame([indices, wire]), uniform=True)
+        gathered = yield AllGather(frame([indices, wire]))
         all_indices, all_values = unframe(gathered, [(torch.int32, k), (self.value_dtype, k)])
         scatter_add_decode(all_values, all_indices, n, bucket.buffer, average=True)
         if finite and _all_finite(all_values):
-            residual.buffer = acc  # not from a non-finite step: the old residual stays
+            self._memory.stage("residual", pieces, acc)  # not from a non-finite step: the old residual stays
 
     def _select(
         self, acc: torch.Tensor, bucket: Bucket, slots: list[ParamSlot], counts: list[int], ctx: Context
@@ -156,7 +147,7 @@ class TopKCompressor(Compressor):
         for slot, k in zip(slots, counts):
             exact = self.selection == "exact" or (self.selection == "auto" and slot.numel <= EXACT_MAX_NUMEL)
             seed = tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, slot))
-            v, i = topk_select(acc[slot.offset : slot.offset + slot.numel], k, exact=exact, seed=seed)
+            v, i = topk_select(acc.narrow(0, slot.offset, slot.numel), k, exact=exact, seed=seed)
             indices.append(i + slot.offset)
             values.append(v)
         return torch.cat(indices), torch.cat(values)
@@ -171,46 +162,18 @@ class TopKCompressor(Compressor):
         acc.index_put_((indices.long(),), values - wire.float(), accumulate=True)
         return wire
 
-    def _residual(self, bucket: Bucket) -> _Residual:
-        """The bucket's residual; on a new layout it is rebuilt from the residuals held
-        under each tensor's name (DDP moves parameters between buckets once)."""
-        signature = tuple((tensor_key(bucket, s), tuple(s.shape), s.offset) for s in bucket.slots)
-        current = self._buckets.get(bucket.index)
-        if current is not None and current.signature == signature and current.buffer.numel() == bucket.buffer.numel():
-            return current
-        if current is not None:  # give back what this bucket still held
-            for key, piece in current.slices().items():
-                if self._owner.get(key) == bucket.index:
-                    self._loose[key] = piece
-                    del self._owner[key]
-        buffer = torch.zeros(bucket.buffer.numel(), dtype=torch.float32, device=bucket.buffer.device)
-        for key, shape, offset in signature:
-            old = self._take(key)
-            numel = math.prod(shape)
-            if old is not None and old.numel() == numel:
-                buffer[offset : offset + numel].copy_(old.reshape(-1))
-            self._owner[key] = bucket.index
-        made = self._buckets[bucket.index] = _Residual(signature, buffer)
-        return made
-
-    def _take(self, key: str) -> torch.Tensor | None:
-        """The residual held under ``key``, wherever it is, or None."""
-        if key in self._loose:
-            return self._loose.pop(key)
-        owner = self._owner.get(key)
-        return self._buckets[owner].slices()[key] if owner is not None else None
+    def end_step(self, commit: bool) -> None:
+        """Apply (``commit``) or drop the residuals the step staged."""
+        self._memory.end_step(commit)
 
     def state_dict(self) -> dict[str, Any]:
-        """The residual of every parameter, by name (copies, float32)."""
-        residuals = {key: t.clone() for key, t in self._loose.items()}
-        for key, index in self._owner.items():
-            residuals[key] = self._buckets[index].slices()[key].clone()
-        return {"residuals": residuals}
+        """The committed residual of every parameter, by name (CPU copies, float32)."""
+        return {"residuals": self._memory.tensors("residual")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; buckets pick their residuals up by parameter name."""
+        """Restore :meth:`state_dict`; buckets pick their residuals up by parameter name
+        (moved to the gradients' device at first use)."""
         if set(state) != {"residuals"}:
             raise ValueError(f"compressor 'topk' expects state with key 'residuals', got keys {sorted(state)}")
-        self._buckets.clear()
-        self._owner.clear()
-        self._loose = {name: t.detach().to(torch.float32).clone() for name, t in state["residuals"].items()}
+        self._memory.clear()
+        self._memory.load("residual", state["residuals"])

@@ -103,8 +103,8 @@ def gather_and_zero(acc: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tens
 def scatter_add_decode(values: torch.Tensor, indices: torch.Tensor, n: int, out: torch.Tensor, average: bool) -> torch.Tensor:
     world, k = values.shape
     acc = out.view(-1).zero_() if out.dtype == torch.float32 else torch.zeros(n, dtype=torch.float32, device=out.device)
-    for r in range(world):  # one launch per rank on one stream: additions land in rank order
-        launch("topk", "cp_scatter_add_rank", out.device, k, (values[r], _code(values), indices[r], np.int64(k), acc))
+    for row, idx in zip(values.unbind(0), indices.unbind(0)):  # one launch per rank on one stream: rank order
+        launch("topk", "cp_scatter_add_rank", out.device, k, (row, _code(values), idx, np.int64(k), acc))
     divisor = world if average and world > 1 else 1
     if divisor > 1 or acc is not out.view(-1):
         launch("topk", "cp_finish", out.device, n, (acc, out, _code(out), np.int64(n), np.int32(divisor)))

@@ -1,6 +1,5 @@
 """Adapters that turn a compressor plus a backend into framework hooks."""
 
-from commpress.hooks import fsdp_config as _fsdp_config  # noqa: F401  (registers the [fsdp] table)
 from commpress.hooks.ddp import ddp_hook, register
 from commpress.hooks.state import CommState
 

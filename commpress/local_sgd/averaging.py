@@ -9,7 +9,10 @@ from typing import Any
 import torch
 
 from commpress.comm import Backend, Traffic, make_backend
-from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction, build
+from commpress.comm.agreement import agree_on_config
+from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction
+from commpress.config import Config
+from commpress.config.groups import MAIN, MethodGroups
 
 __all__ = ["ParameterAverager"]
 
@@ -22,9 +25,10 @@ def _exact_sum(tensor: torch.Tensor) -> Reduction:
 
 
 class ParameterAverager:
-    """Runs a compressor's ``reduce`` over a flat bucket of model values.
+    """Runs a method group's reduction over a flat bucket of model values.
 
-    ``method`` and ``params`` name the compressor as in a commpress config. Local SGD and
+    ``method`` and ``params`` name the compressor as in a commpress config; built with a
+    backend name, the ranks first agree on them. Local SGD and
     CO2 average *differences* from a value every rank holds identically (the last
     average), so a narrow wire dtype such as ``bf16`` rounds the small change of one round,
     not the weights themselves. Build it on every rank in the same order.
@@ -37,14 +41,19 @@ class ParameterAverager:
         process_group: Any = None,
         backend: Backend | str = "torch",
     ) -> None:
-        self.compressor: Compressor = build(method, params)
+        self.groups = MethodGroups(Config(method=method, params=dict(params or {})))
         self.method = method
         if isinstance(backend, str):
-            backend = make_backend(backend, process_group, self.compressor.rounds)
-        elif backend.rounds < self.compressor.rounds:
-            raise ValueError(f"backend has {backend.rounds} rounds, method {method!r} needs {self.compressor.rounds}")
+            agree_on_config(self.groups.config, f"the parameter averager ({method!r})", backend, process_group)
+            backend = make_backend(backend, process_group, self.groups.rounds)
+        elif backend.rounds.get("world", 0) < self.groups.rounds:
+            raise ValueError(f"backend has {backend.rounds} rounds, method {method!r} needs {self.groups.rounds}")
         self.backend = backend
         self.calls = 0
+
+    @property
+    def compressor(self) -> Compressor:
+        return self.groups.compressors[MAIN]
 
     @property
     def rank(self) -> int:
@@ -64,7 +73,14 @@ class ParameterAverager:
         Keep the buffer untouched until then. Call in the same order on every rank."""
         ctx = Context(rank=self.rank, world_size=self.world_size, step=self.calls)
         self.calls += 1
-        return self.backend.run(self.compressor.reduce(bucket, ctx), bucket.buffer)
+        return self.backend.run(self.groups.reduction(bucket, ctx), bucket.buffer).then(self._commit)
+
+    def _commit(self, fut: torch.futures.Future) -> torch.Tensor:
+        """Commit the compressor's state of a finished average (its caller checks the
+        result is finite and stops training otherwise)."""
+        buffer = fut.value()
+        self.groups.end_step(commit=True)
+        return buffer
 
     def average(self, bucket: Bucket) -> torch.Tensor:
         """Average ``bucket.buffer`` in place and wait for it."""

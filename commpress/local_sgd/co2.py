@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from commpress.errors import ConfigError
+from commpress.config.tables import check_co2_settings
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.local_sgd import LocalSGD, check_finite
 from commpress.local_sgd.periods import Period
 
-__all__ = ["CO2", "check_co2_settings"]
+__all__ = ["CO2"]
 
 
 @dataclass
@@ -67,14 +67,22 @@ class CO2(LocalSGD):
         total_steps: int | None = None,
     ) -> None:
         check_co2_settings(outer_lr, outer_momentum, staleness_penalty, clip)
-        super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps)
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.staleness_penalty = staleness_penalty
         self.clip = None if clip is None else float(clip)
+        super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps)
         self.momentum = torch.zeros_like(self.anchor)
         self._pending: _Pending | None = None
         self.penalties: list[float] = []
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum,
+            "staleness_penalty": self.staleness_penalty,
+            "clip": self.clip,
+        }
 
     def sync(self) -> None:
         """End a round: apply the previous round's average, start this round's in the background."""
@@ -151,17 +159,3 @@ class CO2(LocalSGD):
             done.set_result(buffer)
             anchor = None if pending["anchor"] is None else pending["anchor"].clone()
             self._pending = _Pending(done, buffer, anchor)
-
-
-def check_co2_settings(outer_lr: float, outer_momentum: float, staleness_penalty: float | str, clip: float | None) -> None:
-    """Raise ConfigError naming the first CO2 setting out of range."""
-    if not (isinstance(outer_lr, (int, float)) and outer_lr > 0):
-        raise ConfigError(f"outer_lr = {outer_lr!r} is not accepted; expected a number > 0")
-    if not (isinstance(outer_momentum, (int, float)) and 0 <= outer_momentum < 1):
-        raise ConfigError(f"outer_momentum = {outer_momentum!r} is not accepted; expected a number in [0, 1)")
-    if staleness_penalty != "adaptive" and not (
-        isinstance(staleness_penalty, (int, float)) and not isinstance(staleness_penalty, bool) and staleness_penalty >= 1
-    ):
-        raise ConfigError(f"staleness_penalty = {staleness_penalty!r} is not accepted; expected a number >= 1 or 'adaptive'")
-    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
-        raise ConfigError(f"clip = {clip!r} is not accepted; expected a number > 0 or none")

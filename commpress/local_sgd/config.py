@@ -11,64 +11,27 @@ through the config's top-level ``method`` (e.g. ``bf16``)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from commpress.config import Config, register_section
+from commpress.config import Config
+from commpress.config.tables import LocalSGDConfig
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
-from commpress.local_sgd.co2 import CO2, check_co2_settings
+from commpress.local_sgd.co2 import CO2
 from commpress.local_sgd.local_sgd import LocalSGD
 from commpress.local_sgd.periods import QSR, Constant, Period
-from commpress.schema import parse_dataclass
 
-__all__ = ["LocalSGDConfig", "from_config"]
-
-
-@dataclass(frozen=True)
-class LocalSGDConfig:
-    """Settings of the ``[local_sgd]`` table (CO2 keys apply to ``algorithm = "co2"``)."""
-
-    algorithm: Literal["local_sgd", "co2"] = "local_sgd"
-    period: int = 4
-    qsr_alpha: float | None = None
-    qsr_power: float = 2.0
-    warmup_steps: int = 0
-    average_buffers: bool = False
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    staleness_penalty: float | Literal["adaptive"] = 1.0
-    clip: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.period < 1:
-            raise ConfigError(f"local_sgd: period = {self.period!r} is not accepted; expected an integer >= 1")
-        if self.qsr_alpha is not None and not self.qsr_alpha > 0:
-            raise ConfigError(f"local_sgd: qsr_alpha = {self.qsr_alpha!r} is not accepted; expected a number > 0")
-        if not self.qsr_power > 0:
-            raise ConfigError(f"local_sgd: qsr_power = {self.qsr_power!r} is not accepted; expected a number > 0")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"local_sgd: warmup_steps = {self.warmup_steps!r} is not accepted; expected an integer >= 0")
-        try:
-            check_co2_settings(self.outer_lr, self.outer_momentum, self.staleness_penalty, self.clip)
-        except ConfigError as exc:
-            raise ConfigError(f"local_sgd: {exc}") from None
-
-    def period_policy(self) -> Period:
-        """Constant(period), or QSR with h_base = period when qsr_alpha is set."""
-        if self.qsr_alpha is None:
-            return Constant(self.period)
-        return QSR(self.qsr_alpha, self.period, self.qsr_power, self.warmup_steps)
+__all__ = ["LocalSGDConfig", "from_config", "period_policy"]
 
 
-def _parse(data: Mapping[str, Any]) -> LocalSGDConfig:
-    return parse_dataclass("local_sgd", LocalSGDConfig, data)
-
-
-register_section("local_sgd", _parse)
+def period_policy(section: LocalSGDConfig) -> Period:
+    """Constant(period), or QSR with h_base = period when qsr_alpha is set."""
+    if section.qsr_alpha is None:
+        return Constant(section.period)
+    return QSR(section.qsr_alpha, section.period, section.qsr_power, section.warmup_steps)
 
 
 def from_config(
@@ -92,11 +55,11 @@ def from_config(
     averager = ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend)
     common = {"averager": averager, "average_buffers": section.average_buffers, "total_steps": total_steps}
     if section.algorithm == "local_sgd":
-        return LocalSGD(model, optimizer, section.period_policy(), **common)
+        return LocalSGD(model, optimizer, period_policy(section), **common)
     return CO2(
         model,
         optimizer,
-        section.period_policy(),
+        period_policy(section),
         outer_lr=section.outer_lr,
         outer_momentum=section.outer_momentum,
         staleness_penalty=section.staleness_penalty,

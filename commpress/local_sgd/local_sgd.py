@@ -3,15 +3,19 @@ models when the period policy says so (a constant H, or QSR)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
+from commpress.comm.agreement import agree_on_digest
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.ddp import skip_gradient_allreduce
 from commpress.local_sgd.flat import FlatModel
@@ -70,6 +74,9 @@ class LocalSGD:
         if not isinstance(averager, ParameterAverager):
             averager = ParameterAverager(averager or "none", process_group=process_group)
         self.averager = averager
+        settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
+        settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
+        agree_on_digest(_digest(settings), self.name, "torch" if dist.is_initialized() else "mpi", process_group, settings)
         self.flat = FlatModel(model, buffers=average_buffers)
         #: the last average, identical on every rank; rounds average differences from it
         self.anchor = self.flat.read()
@@ -80,6 +87,10 @@ class LocalSGD:
             self.flat.write(self.anchor)
         self._delta = self.flat.empty()
         self.wait_seconds: list[float] = []
+
+    def _settings(self) -> dict[str, Any]:
+        """Settings every rank must share, beyond the period and the averaging method."""
+        return {}
 
     @property
     def period(self) -> int | None:
@@ -124,3 +135,8 @@ class LocalSGD:
         self.clock.load_state_dict(state["clock"])
         self.anchor.copy_(state["anchor"])
         self.averager.load_state_dict(state["averager"])
+
+
+def _digest(settings: dict[str, Any]) -> str:
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

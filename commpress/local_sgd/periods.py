@@ -5,6 +5,7 @@ rate decays (H grows like 1/lr^2), so late training communicates far less."""
 from __future__ import annotations
 
 import math
+import sys
 from abc import ABC, abstractmethod
 
 __all__ = ["QSR", "Constant", "Period", "qsr_period"]
@@ -18,7 +19,11 @@ def qsr_period(lr: float, alpha: float, h_base: int, power: float = 2) -> int:
         raise ValueError(f"alpha = {alpha!r} is not accepted; expected a number > 0")
     if h_base < 1:
         raise ValueError(f"h_base = {h_base!r} is not accepted; expected an integer >= 1")
-    return max(h_base, math.floor((alpha / lr) ** power))
+    try:
+        period = math.floor((alpha / lr) ** power)
+    except OverflowError:  # a tiny lr: the round would outlast any run
+        period = sys.maxsize
+    return max(h_base, min(period, sys.maxsize))
 
 
 class Period(ABC):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import commpress.fsdp
-from commpress.hooks.fsdp2 import FSDP2State
+from commpress.fsdp.fsdp2 import FSDP2State
 from commpress.workloads.charlm import CharMLP, CharTask
 from commpress.workloads.train import cosine_lr
 
@@ -41,16 +41,17 @@ def _units(model: CharMLP) -> list[torch.nn.Module]:
     return [model.embed, model.body[0], model.body[2], model.body[4]]
 
 
-def _shard_fsdp2(model: CharMLP, mesh_shape: tuple[int, ...] | None) -> None:
+def _shard_fsdp2(model: CharMLP, mesh_shape: tuple[int, ...] | None, mixed_precision: torch.dtype | None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     shape = mesh_shape or (dist.get_world_size(),)
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=mixed_precision)
     for unit in _units(model):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _shard_fsdp1(model: CharMLP, strategy: str) -> torch.nn.Module:
@@ -88,23 +89,29 @@ def train_fsdp(
     return_params: bool = False,
     hook: Callable[[torch.nn.Module], Any] | None = None,
     on_step: Callable[[int], None] | None = None,
+    mixed_precision: torch.dtype | None = None,
 ) -> FSDPTrainResult:
     """Train the demo model under FSDP2 (``version=2``; ``mesh_shape`` (r, s) for HSDP) or
     FSDP1 (``strategy`` a ``ShardingStrategy`` name) with ``commpress.fsdp.apply(model,
     config)`` (None: plain FSDP; ``hook(model)`` instead installs something else). ``hidden``
-    sizes the model's hidden layers. SGD with momentum, cosine schedule; the held-out loss
-    is measured with full-precision weights. ``restart_at`` (FSDP2): at that step, save
+    sizes the model's hidden layers. ``mixed_precision`` (FSDP2): FSDP2's own
+    ``MixedPrecisionPolicy`` with that ``param_dtype`` and ``reduce_dtype`` (e.g.
+    ``torch.bfloat16``: weights gathered and computed with, gradients reduced in bf16; the
+    master shards and the optimizer stay float32). SGD with momentum, cosine schedule; the
+    held-out loss is measured with full-precision weights. ``restart_at`` (FSDP2): at that step, save
     model, optimizer and commpress state, rebuild everything fresh and load them."""
     rank, world = dist.get_rank(), dist.get_world_size()
     task = task or CharTask(batch_size=64)
     if restart_at is not None and version != 2:
         raise ValueError("restart_at is supported with FSDP2 (version=2) only")
+    if mixed_precision is not None and version != 2:
+        raise ValueError("mixed_precision is supported with FSDP2 (version=2) only")
 
     def build() -> tuple[torch.nn.Module, Any, torch.optim.Optimizer]:
         torch.manual_seed(task.seed)
         model = CharMLP(task.context, hidden=hidden)
         if version == 2:
-            _shard_fsdp2(model, mesh_shape)
+            _shard_fsdp2(model, mesh_shape, mixed_precision)
         else:
             model = _shard_fsdp1(model, strategy)
         state = commpress.fsdp.apply(model, config) if config is not None else None

@@ -1,8 +1,8 @@
-"""The bandwidth-aware layer of a :class:`~commpress.hooks.state.CommState`.
+"""The bandwidth-aware layer of the DDP hook state.
 
 Turned on by ``[bandwidth] adaptive = true``. At start-up it measures the links
-(:func:`~commpress.comm.topology.measure_topology`, the same result on every rank), plans
-(:func:`~commpress.comm.planner.plan_hierarchy`, a pure function of that measurement),
+(:func:`~commpress.adaptive.topology.measure_topology`, the same result on every rank), plans
+(:func:`~commpress.adaptive.planner.plan_hierarchy`, a pure function of that measurement),
 checks that every rank holds the same plan, and reduces every bucket hierarchically:
 uncompressed inside fast domains, compressed across them with each method's parameter
 set from the planned ratio of this rank's cross-domain group. With ``remeasure_every``
@@ -11,7 +11,7 @@ bucket, when no reduction is in flight.
 
 Changing a method's parameter keeps its state: the new instance loads the old one's
 ``state_dict`` (error feedback, warm starts), converted where the parameter shapes it
-(:func:`commpress.comm.ratios.adapt_state`: a low-rank method keeps its error buffers
+(:func:`commpress.adaptive.ratios.adapt_state`: a low-rank method keeps its error buffers
 and restarts its warm start when the rank changes). A plan that switches a group to ``none``
 (its links are fast enough) parks the compressor with its state; a later plan that
 brings the method back resumes it. Parked compressors are part of ``state_dict``.
@@ -21,47 +21,50 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from commpress.comm.hierarchical import HierarchicalBackend, MakeReduction
-from commpress.comm.planner import BandwidthConfig, HierarchyPlan, plan_hierarchy
-from commpress.comm.ratios import adapt_state, method_for_ratio
-from commpress.comm.topology import Topology, measure_topology
-from commpress.compressors import Compressor, ParamSlot, build, compressor_class
+from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
+from commpress.adaptive.planner import HierarchyPlan, plan_hierarchy
+from commpress.adaptive.ratios import adapt_state, method_for_ratio
+from commpress.adaptive.topology import Topology, measure_topology
+from commpress.comm import Backend
+from commpress.comm.torch_backend import TorchBackend
+from commpress.compressors import Bucket, Compressor, build, compressor_class
+from commpress.config.groups import MethodGroups
+from commpress.config.tables import BandwidthConfig
 from commpress.errors import ConfigError
-
-if TYPE_CHECKING:
-    from commpress.hooks.state import CommState
 
 __all__ = ["AdaptiveLayer"]
 
 
 class AdaptiveLayer:
-    """Measure, plan, and run hierarchical reductions for one CommState."""
+    """Measure, plan, and run hierarchical reductions of ``groups``' buckets; bytes across
+    domains count in ``main``'s traffic (the backend of the hook state)."""
 
-    def __init__(self, state: CommState, settings: BandwidthConfig, model: torch.nn.Module | None, process_group: Any) -> None:
+    def __init__(
+        self, groups: MethodGroups, settings: BandwidthConfig, model: torch.nn.Module | None, process_group: Any, main: Backend
+    ) -> None:
         import torch.distributed as dist
 
-        if state.config.backend != "torch":
-            raise ConfigError(f"[bandwidth] adaptive = true needs backend = 'torch', got backend = {state.config.backend!r}")
+        if groups.config.backend != "torch":
+            raise ConfigError(f"[bandwidth] adaptive = true needs backend = 'torch', got backend = {groups.config.backend!r}")
         if model is None:
             raise ConfigError("[bandwidth] adaptive = true needs the model (pass model= to CommState) to size the plan")
         self.settings = settings
-        self._state = state
+        self._groups = groups
+        self._main = main
         self._group = process_group if process_group is not None else dist.group.WORLD
         self._measure_group = dist.new_group(dist.get_process_group_ranks(self._group))
         # what each method group was configured with, and the tensors it covers
-        self.configured: dict[str, tuple[str, dict[str, Any]]] = {"main": (state.config.method, dict(state.config.params))}
-        for i, ov in enumerate(state.config.overrides):
-            self.configured[f"override{i}"] = (ov.method, dict(ov.method_params))
+        self.configured = {key: (m, dict(p)) for key, (m, p) in groups.specs.items()}
         self.shapes: dict[str, list[tuple[int, ...]]] = {key: [] for key in self.configured}
         self.payload_bytes = 0
         for name, p in model.named_parameters():
             if p.requires_grad:
-                self.shapes[state._group_key(name)].append(tuple(p.shape))
+                self.shapes[groups.key_for(name)].append(tuple(p.shape))
                 self.payload_bytes += p.numel() * p.element_size()
         # a group switches between its configured method and none (1 round): the method's rounds suffice
         self.rounds = sum(compressor_class(m).rounds for m, _ in self.configured.values())
@@ -70,7 +73,8 @@ class AdaptiveLayer:
         self.parked_params: dict[tuple[str, str], dict[str, Any]] = {}
         self.topology: Topology | None = None
         self.plan: HierarchyPlan | None = None
-        self.backend: HierarchicalBackend | None = None
+        self.backend: TorchBackend | None = None
+        self.place: Place | None = None
         self.history: list[dict[str, Any]] = []  # (step, plan) of every plan, for logs and tests
         self.replan(self.measure(), step=0)
 
@@ -104,20 +108,22 @@ class AdaptiveLayer:
         if len(set(digests)) > 1:
             raise RuntimeError(f"ranks planned differently (plan digests {digests}); every rank must plan from the same topology")
         if self.plan is None or plan.domains != self.plan.domains:
-            self.backend = HierarchicalBackend(plan, self.rounds, self._group, traffic=self._state.backend.traffic)
-        else:
-            self.backend.plan = plan
+            world = dist.get_world_size(self._group)
+            if plan.links.world_size != world:
+                raise ValueError(f"plan is for {plan.links.world_size} ranks, the process group has {world}")
+            rounds = {"domain": 2, "cross": self.rounds}
+            self.backend = TorchBackend(self._group, rounds, scopes=hierarchy_scopes(plan, world))
+            self.backend.traffic = self._main.traffic
+        self.place = Place.of(plan, dist.get_rank(self._group))
         self.topology, self.plan = topology, plan
         self._apply(plan)
-        self.history.append(
-            {"step": step if step is not None else self._state.step, "plan": plan.to_dict(), "active": self._spec()}
-        )
+        self.history.append({"step": step, "plan": plan.to_dict(), "active": self._spec()})
         return plan
 
     def cross_ratio(self) -> float | None:
         """The planned ratio of this rank's cross-domain group (None: it has none)."""
-        b = self.backend
-        return None if b.cross_index is None or not self.plan.cross_groups else self.plan.cross_ratio[b.cross_index]
+        place = self.place
+        return None if place.cross_rank is None or not self.plan.cross_groups else self.plan.cross_ratio[place.local_rank]
 
     def _apply(self, plan: HierarchyPlan) -> None:
         ratio = self.cross_ratio()
@@ -130,25 +136,22 @@ class AdaptiveLayer:
         """Make ``key`` use ``method`` with ``params``, carrying the method's state over."""
         if self.active[key] == (method, params):
             return
-        compressors = self._state.compressors
         old_method, old_params = self.active[key]
-        self.parked[key, old_method], self.parked_params[key, old_method] = compressors[key], old_params
+        self.parked[key, old_method], self.parked_params[key, old_method] = self._groups.compressors[key], old_params
         new = build(method, params)
         previous = self.parked.pop((key, method), None)
         previous_params = self.parked_params.pop((key, method), None)
         if previous is not None:
             new.load_state_dict(adapt_state(method, previous.state_dict(), previous_params, params))
-        compressors[key] = new
+        self._groups.replace(key, new)
         self.active[key] = (method, params)
 
     def _spec(self) -> dict[str, list[Any]]:
         return {key: [m, dict(sorted(p.items()))] for key, (m, p) in self.active.items()}
 
-    def run(
-        self, index: int, buffer: torch.Tensor, slots: Sequence[ParamSlot], make: MakeReduction, step: int
-    ) -> torch.futures.Future:
-        """Reduce one bucket hierarchically (see :class:`HierarchicalBackend`)."""
-        return self.backend.run(index, buffer, slots, make, step)
+    def run(self, bucket: Bucket, step: int) -> torch.futures.Future:
+        """Reduce one bucket hierarchically (see :func:`hierarchical_reduction`)."""
+        return self.backend.run(hierarchical_reduction(bucket, step, self.place, self._groups.reduction), bucket.buffer)
 
     def state_dict(self) -> dict[str, Any]:
         """The topology the plan came from, the active methods, the parked states."""

@@ -2,8 +2,8 @@
 
 The planner speaks of one number per link, the fraction of uncompressed bytes the link
 may carry. A method that has a knob turns it into that knob here (Top-k's ``ratio``,
-PowerSGD's / ACP-SGD's ``rank``, a quantizer's ``bits``); a method without one (fp16,
-bf16, TernGrad) keeps its fixed parameters. A ratio of 1.0 means the link is fast
+PowerSGD's / ACP-SGD's ``rank``); a method without one (fp16, bf16, TernGrad) keeps
+its fixed parameters. A ratio of 1.0 means the link is fast
 enough to carry the gradient as it is: the method becomes ``none``.
 """
 
@@ -13,25 +13,22 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from commpress.compressors import compressor_class
-from commpress.schema import signature_fields
-
 __all__ = ["adapt_state", "method_for_ratio", "register_ratio_mapping"]
 
 Shapes = Sequence[tuple[int, ...]]
-Mapping_ = Callable[[float, Mapping[str, Any], Shapes], dict[str, Any]]
+RatioMapping = Callable[[float, Mapping[str, Any], Shapes], dict[str, Any]]
 #: ``fn(state, old_params, new_params) -> state``: a compressor's ``state_dict`` made
 #: loadable by an instance with other parameters.
 StateAdapter = Callable[[dict[str, Any], Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]
-_MAPPINGS: dict[str, Mapping_] = {}
+_MAPPINGS: dict[str, RatioMapping] = {}
 _ADAPTERS: dict[str, StateAdapter] = {}
 
 
-def register_ratio_mapping(method: str, adapt: StateAdapter | None = None) -> Callable[[Mapping_], Mapping_]:
+def register_ratio_mapping(method: str, adapt: StateAdapter | None = None) -> Callable[[RatioMapping], RatioMapping]:
     """Decorator: ``fn(ratio, params, shapes) -> params`` sets ``method``'s knob for a ratio.
     ``adapt`` converts the method's state when the knob changes (default: unchanged)."""
 
-    def deco(fn: Mapping_) -> Mapping_:
+    def deco(fn: RatioMapping) -> RatioMapping:
         _MAPPINGS[method] = fn
         if adapt is not None:
             _ADAPTERS[method] = adapt
@@ -52,8 +49,6 @@ def method_for_ratio(method: str, params: Mapping[str, Any], ratio: float, shape
     if ratio >= 1.0:
         return "none", {}
     fn = _MAPPINGS.get(method)
-    if fn is None and "bits" in signature_fields(compressor_class(method).__init__):
-        fn = _bits
     return method, fn(ratio, params, shapes) if fn is not None else dict(params)
 
 
@@ -62,7 +57,7 @@ def _matrices(shapes: Shapes) -> list[tuple[int, int]]:
     return [(s[0], math.prod(s[1:])) for s in shapes if len(s) >= 2]
 
 
-def _low_rank(per_step: float) -> Mapping_:
+def _low_rank(per_step: float) -> RatioMapping:
     """A rank-r factorization sends r*(n+m) of n*m numbers, ``per_step`` times that per step."""
 
     def fn(ratio: float, params: Mapping[str, Any], shapes: Shapes) -> dict[str, Any]:
@@ -91,12 +86,6 @@ register_ratio_mapping("acpsgd", _drop_factors)(_low_rank(0.5))  # P or Q, alter
 @register_ratio_mapping("topk")
 def _topk(ratio: float, params: Mapping[str, Any], shapes: Shapes) -> dict[str, Any]:
     """Each kept element costs its value (4 or 2 bytes) plus a 4-byte index."""
-    dtype = str(params.get("value_dtype", params.get("values", "float32")))
+    dtype = str(params.get("value_dtype", "float32"))
     value_bytes = 2 if "16" in dtype else 4
     return {**params, "ratio": min(1.0, ratio * 4 / (value_bytes + 4))}
-
-
-def _bits(ratio: float, params: Mapping[str, Any], shapes: Shapes) -> dict[str, Any]:
-    """A ``bits``-bit code per fp32 element: the largest of 1, 2, 4, 8 within the ratio."""
-    fitting = [b for b in (1, 2, 4, 8) if b / 32 <= ratio]
-    return {**params, "bits": max(fitting, default=1)}

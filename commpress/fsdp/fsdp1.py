@@ -21,10 +21,10 @@ from torch.distributed.algorithms._comm_hooks import default_hooks
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from commpress.comm.traffic import Traffic
+from commpress.config.tables import FULL_PRECISION, FSDPConfig
 from commpress.cuda import derive_seed
-from commpress.hooks.fsdp_collectives import quantized_all_reduce, quantized_reduce_scatter
-from commpress.hooks.fsdp_config import FULL_PRECISION, FSDPConfig
-from commpress.hooks.fsdp_wire import Segments, Wire
+from commpress.fsdp.collectives import quantized_all_reduce, quantized_reduce_scatter
+from commpress.fsdp.wire import Segments, Wire
 
 __all__ = ["LowPrecisionState", "QuantizedState", "low_precision_hook", "quantized_hook", "register_fsdp1"]
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from commpress.cli.table import format_table
+from commpress.terminal import format_table
 
 __all__ = ["Topology", "auto_threshold", "find_domains", "host_key", "measure_topology"]
 
@@ -152,10 +152,6 @@ class Topology:
             if group_by == "auto":
                 doms = _merge(doms, _host_domains(hosts_t), n)
         return cls(hosts_t, bw, lat, doms, threshold, group_by, **kwargs)
-
-    def link_bandwidth(self, i: int, j: int) -> float:
-        """A link's rate in bytes/s: the slower of its two directions."""
-        return min(self.bandwidth[i][j], self.bandwidth[j][i])
 
     def domain_of(self, rank: int) -> int:
         return next(d for d, members in enumerate(self.domains) if rank in members)

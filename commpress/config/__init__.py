@@ -13,8 +13,8 @@ Top-level keys choose the gradient compressor for hooks::
     params = ["*.bias", "*norm*"]
     method = "none"
 
-Other subsystems (local SGD, FSDP, the bandwidth layer, ...) own a table each, registered
-with :func:`register_section`.
+The other tables (``[local_sgd]``, ``[fsdp]``, ``[bandwidth]``) are listed in
+:mod:`commpress.config.tables`.
 """
 
 from __future__ import annotations
@@ -24,26 +24,21 @@ import fnmatch
 import hashlib
 import json
 import os
+import stat
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from commpress.compressors import build, check_params
 from commpress.compressors.base import Compressor
+from commpress.config.tables import TABLES
 from commpress.errors import ConfigError
+from commpress.schema import check_keys
 
-__all__ = ["BACKENDS", "Config", "ConfigError", "Override", "parse_method_spec", "register_section"]
+__all__ = ["BACKENDS", "Config", "ConfigError", "Override", "parse_method_spec"]
 
 BACKENDS = ("torch", "mpi")
-_SECTIONS: dict[str, Callable[[Mapping[str, Any]], Any]] = {}
-
-
-def register_section(name: str, parse: Callable[[Mapping[str, Any]], Any]) -> None:
-    """Let a subsystem own the table ``[name]``; ``parse`` validates it (raising ConfigError)
-    and returns a dataclass."""
-    _SECTIONS[name] = parse
 
 
 @dataclass(frozen=True)
@@ -53,6 +48,17 @@ class Override:
     params: tuple[str, ...]
     method: str
     method_params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        patterns = [self.params] if isinstance(self.params, str) else self.params
+        if not isinstance(patterns, (list, tuple)) or not patterns or not all(isinstance(p, str) for p in patterns):
+            raise ConfigError(f"params = {self.params!r} is not accepted; expected a list of parameter-name globs")
+        object.__setattr__(self, "params", tuple(patterns))
+        if not isinstance(self.method_params, Mapping):
+            raise ConfigError(f"method_params = {self.method_params!r} is not accepted; expected a table of parameters")
+        check_keys("method_params", self.method_params)
+        object.__setattr__(self, "method_params", check_params(self.method, self.method_params))
+        build(self.method, self.method_params)  # range checks happen in the compressor
 
     def matches(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.params)
@@ -70,14 +76,18 @@ class Config:
     sections: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.params, Mapping):
+            raise ConfigError(f"params = {self.params!r} is not accepted; expected a table of the method's parameters")
+        check_keys("params", self.params)
         object.__setattr__(self, "params", check_params(self.method, self.params))
         if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 0:
             raise ConfigError(f"start_iter = {self.start_iter!r} is not accepted; expected an integer >= 0")
-        if self.backend not in BACKENDS:
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ConfigError(f"backend = {self.backend!r} is not accepted; accepted: {', '.join(BACKENDS)}")
         build(self.method, self.params)  # range checks happen in the compressor
-        for ov in self.overrides:
-            build(ov.method, ov.method_params)
+        if not isinstance(self.overrides, (list, tuple)) or not all(isinstance(o, Override) for o in self.overrides):
+            raise ConfigError(f"overrides = {self.overrides!r} is not accepted; expected a list of Override")
+        object.__setattr__(self, "overrides", tuple(self.overrides))
 
     @classmethod
     def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
@@ -87,32 +97,24 @@ class Config:
         if isinstance(source, Config):
             return source
         if isinstance(source, (str, os.PathLike)):
-            path = Path(source)
-            try:
-                with path.open("rb") as fh:
-                    data = tomllib.load(fh)
-            except FileNotFoundError:
-                raise ConfigError(f"config file {str(path)!r} does not exist") from None
-            except tomllib.TOMLDecodeError as exc:
-                raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
-            return cls.from_dict(data)
+            return cls.from_dict(_read_toml(source))
         if isinstance(source, Mapping):
             return cls.from_dict(source)
         raise ConfigError(f"config must be a Config, a dict or a TOML path, got {type(source).__name__}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        """A Config from TOML-shaped data (what :meth:`to_dict` returns)."""
+        check_keys("config", data)
         data = dict(data)
         core = {k: data.pop(k) for k in ("method", "params", "start_iter", "backend") if k in data}
-        if "params" in core and not isinstance(core["params"], Mapping):
-            raise ConfigError(f"params = {core['params']!r} is not accepted; expected a table")
         overrides = tuple(_parse_override(i, o) for i, o in enumerate(_as_list(data.pop("overrides", []))))
         sections = {}
         for key, value in data.items():
-            if key not in _SECTIONS:
-                accepted = ", ".join(["method", "params", "start_iter", "backend", "overrides", *sorted(_SECTIONS)])
+            if key not in TABLES:
+                accepted = ", ".join(["method", "params", "start_iter", "backend", "overrides", *sorted(TABLES)])
                 raise ConfigError(f"unknown config key {key!r}; accepted keys: {accepted}")
-            sections[key] = _SECTIONS[key](value)
+            sections[key] = TABLES[key](value)
         return cls(overrides=overrides, sections=sections, **core)
 
     def section(self, name: str) -> Any | None:
@@ -140,6 +142,14 @@ class Config:
         text = json.dumps(self.to_dict(), sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def unmatched_overrides(self, names: Iterable[str]) -> list[str]:
+        """The ``overrides`` globs that match none of ``names`` (the model's parameter names),
+        in config order without repeats: a mistyped pattern would otherwise change nothing
+        without a word."""
+        names = list(names)
+        patterns = dict.fromkeys(p for ov in self.overrides for p in ov.params)
+        return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+
     def method_for(self, param_name: str) -> tuple[str, Mapping[str, Any]]:
         """(method, params) that apply to the parameter called ``param_name``."""
         for ov in self.overrides:
@@ -165,18 +175,47 @@ def _as_list(value: Any) -> list[Any]:
 def _parse_override(i: int, raw: Any) -> Override:
     where = f"overrides[{i}]"
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a table with keys params, method, method_params")
+        raise ConfigError(f"{where} = {raw!r} is not accepted; expected a table with keys params, method, method_params")
+    check_keys(where, raw)
     unknown = sorted(set(raw) - {"params", "method", "method_params"})
     if unknown:
         raise ConfigError(f"{where}: unknown key {unknown[0]!r}; accepted keys: method, method_params, params")
-    patterns = raw.get("params")
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    if not patterns or not all(isinstance(p, str) for p in patterns):
-        raise ConfigError(f"{where}: params = {patterns!r} is not accepted; expected a list of name globs")
-    method = raw.get("method", "none")
-    method_params = check_params(method, raw.get("method_params", {}))
-    return Override(tuple(patterns), method, method_params)
+    try:
+        return Override(raw.get("params"), raw.get("method", "none"), raw.get("method_params", {}))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _read_toml(source: str | os.PathLike[str]) -> dict[str, Any]:
+    """The table in the TOML file at ``source``; ConfigError (naming the path) when it cannot be read."""
+    path = os.fspath(source)
+    if not path:
+        raise ConfigError("config file '' is not accepted; expected the path of a TOML file")
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError) as exc:
+        raise _unreadable(path, exc) from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"config file {path!r} is a directory; expected a TOML file")
+    if not stat.S_ISREG(mode):  # a FIFO or a device could block or never end
+        raise ConfigError(f"config file {path!r} is not a regular file; expected a TOML file")
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
+    except OSError as exc:
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: str, exc: Exception) -> ConfigError:
+    if isinstance(exc, FileNotFoundError):
+        return ConfigError(f"config file {path!r} does not exist")
+    if isinstance(exc, OSError):  # permissions, symlink loops, names too long, ...
+        return ConfigError(f"config file {path!r} cannot be read: {exc.strerror or exc}")
+    return ConfigError(f"config file {path!r} is not accepted: {exc}")  # a NUL character
 
 
 def parse_method_spec(spec: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Throughput of the commpress.cuda ops next to a plain copy and to the same op in plain torch.
 
-    python -m commpress.cuda.bench [--device cpu|cuda] [--numel 25165824] [--repeat 7]
+    python -m commpress.bench.kernels [--device cpu|cuda] [--numel 25165824] [--repeat 7]
 
 Every op runs on one float32 buffer of ``numel`` elements; GB/s counts that buffer's bytes
 (4 * numel) per call, so every row compares with the ``copy`` row (``dst.copy_(src)``).
@@ -133,7 +133,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m commpress.bench.kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--numel", type=int, default=24 << 20, help="elements per buffer (multiple of 1024; default 24 Mi)")
     parser.add_argument("--repeat", type=int, default=7, help="timed rounds (median reported)")

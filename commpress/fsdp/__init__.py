@@ -14,22 +14,25 @@ table, or None (defaults: 8-bit weights and gradients).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from typing import Any
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from commpress.hooks.fsdp1 import (
+from commpress.comm.agreement import agree_on_digest
+from commpress.config.tables import FSDPConfig
+from commpress.fsdp.config import load_fsdp_config
+from commpress.fsdp.fsdp1 import (
     LowPrecisionState,
     QuantizedState,
     low_precision_hook,
     quantized_hook,
     register_fsdp1,
 )
-from commpress.hooks.fsdp2 import FSDP2State, apply_fsdp2
-from commpress.hooks.fsdp2_grads import QuantizedReduceScatter
-from commpress.hooks.fsdp2_weights import QuantizedAllGather
-from commpress.hooks.fsdp_config import FSDPConfig
+from commpress.fsdp.fsdp2 import FSDP2State, QuantizedAllGather, QuantizedReduceScatter, apply_fsdp2
 
 __all__ = [
     "FSDP2State",
@@ -39,6 +42,7 @@ __all__ = [
     "QuantizedReduceScatter",
     "QuantizedState",
     "apply",
+    "load_fsdp_config",
     "low_precision_hook",
     "quantized_hook",
 ]
@@ -58,7 +62,12 @@ def apply(
     ``recurse=False``); ``exclude`` globs match names relative to ``root`` (default
     ``model``). FSDP1: ``model`` must be the root ``FullyShardedDataParallel``.
     """
-    cfg = FSDPConfig.load(config)
+    cfg = load_fsdp_config(config)
+    # every rank must quantize the same tensors the same way: agree before any collective
+    # (names only: an FSDP1 flat parameter's local shard size differs across ranks)
+    settings = {"fsdp": dataclasses.asdict(cfg), "model": [n for n, _ in model.named_parameters()]}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    agree_on_digest(digest, "commpress.fsdp.apply", "torch", None, settings["fsdp"])
     if isinstance(model, FullyShardedDataParallel):
         return register_fsdp1(model, cfg)
     return apply_fsdp2(model, cfg, recurse=recurse, root=root)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.comm.traffic import Traffic
-from commpress.hooks.fsdp_wire import Wire
+from commpress.fsdp.wire import Wire
 
 __all__ = ["quantized_all_gather", "quantized_all_reduce", "quantized_reduce_scatter"]
 

@@ -7,7 +7,7 @@ hand-made topologies.
 
 A *ratio* is the fraction of the uncompressed bytes a link carries (1.0 = uncompressed,
 0.01 = 100x compression). Each method maps it to its own parameter (see
-:mod:`commpress.comm.ratios`).
+:mod:`commpress.adaptive.ratios`).
 """
 
 from __future__ import annotations
@@ -15,65 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from commpress.cli.table import format_table
-from commpress.config import register_section
-from commpress.errors import ConfigError
-from commpress.schema import parse_dataclass
+from commpress.config.tables import BandwidthConfig
+from commpress.terminal import format_table
 
 __all__ = ["BandwidthConfig", "HierarchyPlan", "LinkPlan", "plan_hierarchy", "plan_links"]
-
-
-@dataclass(frozen=True)
-class BandwidthConfig:
-    """The ``[bandwidth]`` config table.
-
-    ``budget_ms`` > 0: every link gets the largest ratio whose transfer of one step's
-    gradient fits the budget. ``budget_ms`` = 0: the fastest link sends at ``max_ratio``
-    and every other link gets the ratio that makes it at most ``slowdown`` (a fraction,
-    0.1 = 10 %) slower than that, so ratios come out proportional to bandwidth.
-    """
-
-    adaptive: bool = False
-    budget_ms: float = 0.0
-    slowdown: float = 0.0
-    min_ratio: float = 0.01
-    max_ratio: float = 1.0
-    #: re-measure the links and re-plan every this many steps (0: only at start-up)
-    remeasure_every: int = 0
-    #: links at least this fast join ranks into one domain; 0 = automatic (largest gap)
-    fast_gbps: float = 0.0
-    #: domains join ranks on one host (and network namespace) or linked by fast links
-    #: ("auto"), only the former ("host") or only the latter ("bandwidth")
-    group_by: Literal["auto", "bandwidth", "host"] = "auto"
-    #: declared domains (lists of ranks), used instead of the measured grouping
-    domains: tuple[tuple[int, ...], ...] = ()
-    #: how long one bandwidth probe should last (larger: more accurate, slower start-up)
-    probe_ms: float = 40.0
-
-    def __post_init__(self) -> None:
-        _check("budget_ms", self.budget_ms, self.budget_ms >= 0 and math.isfinite(self.budget_ms), "a number >= 0")
-        _check("slowdown", self.slowdown, self.slowdown >= 0 and math.isfinite(self.slowdown), "a number >= 0")
-        _check("min_ratio", self.min_ratio, 0 < self.min_ratio <= 1, "a number in (0, 1]")
-        _check("max_ratio", self.max_ratio, self.min_ratio <= self.max_ratio <= 1, f"a number in [min_ratio={self.min_ratio}, 1]")
-        _check("remeasure_every", self.remeasure_every, self.remeasure_every >= 0, "an integer >= 0")
-        _check("fast_gbps", self.fast_gbps, self.fast_gbps >= 0 and math.isfinite(self.fast_gbps), "a number >= 0")
-        _check("probe_ms", self.probe_ms, 0 < self.probe_ms <= 10_000, "a number in (0, 10000]")
-        ranks = [r for d in self.domains for r in d]
-        if self.domains and (sorted(ranks) != list(range(len(ranks))) or not all(self.domains)):
-            raise ConfigError(
-                f"[bandwidth] domains = {[list(d) for d in self.domains]!r} is not accepted; expected non-empty "
-                "lists of ranks that together hold every rank 0..n-1 exactly once"
-            )
-
-
-def _check(key: str, value: Any, ok: bool, accepted: str) -> None:
-    if not ok:
-        raise ConfigError(f"[bandwidth] {key} = {value!r} is not accepted; expected {accepted}")
-
-
-register_section("bandwidth", lambda data: parse_dataclass("[bandwidth]", BandwidthConfig, data))
 
 
 Matrix = tuple[tuple[float, ...], ...]

@@ -1,0 +1,137 @@
+"""Hierarchical reduction: uncompressed inside fast domains, compressed across them.
+
+One bucket goes through three stages:
+
+1. **reduce-scatter inside the domain** (uncompressed, as an all-to-all and a sum): the bucket is cut into shards at
+   parameter boundaries (one per cross-domain group; 1-D tensors may be cut anywhere),
+   and local rank j receives the domain's sum of shard j;
+2. **across domains**: local rank j of every domain forms cross group j and runs the
+   configured compressor on shard j, scaled by ``domains / world`` so that the
+   compressor's average over domains is the global mean;
+3. **all-gather inside the domain**: every rank gets every averaged shard back.
+
+Why shards rather than every local rank reducing the whole bucket across domains: the
+slow links then carry each byte once, split over the domain's ranks (which run their
+compressors in parallel), instead of once per local rank. Cutting at parameter boundaries
+keeps each tensor's shape, which the low-rank methods need. Domains of unequal size use
+as many shards as the smallest domain has ranks; the extra ranks only take part inside
+their domain.
+
+It is one generator, :func:`hierarchical_reduction`, run by any backend that knows the
+``"domain"`` and ``"cross"`` scopes (:func:`hierarchy_scopes` gives their partitions): the
+backend's ordered channels keep every communicator's sequence equal on every rank, as
+for any compressor (see ``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commpress.adaptive.planner import HierarchyPlan
+from commpress.compressors.base import Bucket, Context, ParamSlot
+from commpress.compressors.collectives import AllGather, ReduceScatter, Reduction, in_scope
+
+__all__ = ["Place", "hierarchical_reduction", "hierarchy_scopes", "shard_ranges", "shard_slots"]
+
+#: Builds the cross-domain reduction of one shard: (bucket of the shard, context) -> generator.
+MakeReduction = Callable[[Bucket, Context], Reduction]
+
+
+def shard_ranges(slots: Sequence[ParamSlot], total: int, shards: int) -> list[tuple[int, int]]:
+    """Cut ``[0, total)`` into ``shards`` contiguous ranges of about equal size, at
+    parameter boundaries (inside 1-D parameters anywhere). Some ranges may be empty."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    edges = sorted({0, total, *(s.offset for s in slots), *(s.offset + s.numel for s in slots)})
+    flat = [(s.offset, s.offset + s.numel) for s in slots if len(s.shape) <= 1]
+    cuts = [0]
+    for j in range(1, shards):
+        target = round(j * total / shards)
+        inside = next(((a, b) for a, b in flat if a < target < b), None)
+        cut = target if inside else min(edges, key=lambda e: (abs(e - target), e))
+        cuts.append(max(cut, cuts[-1]))
+    cuts.append(total)
+    return list(itertools.pairwise(cuts))
+
+
+def shard_slots(slots: Sequence[ParamSlot], start: int, stop: int) -> tuple[ParamSlot, ...]:
+    """The slots of ``[start, stop)``, offsets relative to ``start`` (1-D slots clipped)."""
+    out = []
+    for s in slots:
+        a, b = max(s.offset, start), min(s.offset + s.numel, stop)
+        if a >= b:
+            continue
+        shape = s.shape if (a, b) == (s.offset, s.offset + s.numel) else torch.Size([b - a])
+        out.append(ParamSlot(s.name, shape, a - start))
+    return tuple(out)
+
+
+def hierarchy_scopes(plan: HierarchyPlan, world_size: int) -> dict[str, list[list[int]]]:
+    """The ``"domain"`` and ``"cross"`` partitions of the ranks under ``plan`` (ranks in no
+    cross group, the extra ranks of larger domains, get a part of their own, never used)."""
+    spare = [[r] for r in range(world_size) if not any(r in g for g in plan.cross_groups)]
+    return {"domain": [list(d) for d in plan.domains], "cross": [list(g) for g in plan.cross_groups] + spare}
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank sits in a plan: its domain's size, the number of domains, its index in
+    the domain, the shards per bucket, its index in its cross group (None: it has none)."""
+
+    world_size: int
+    domain_size: int
+    domains: int
+    local_rank: int
+    shards: int
+    cross_rank: int | None
+
+    @classmethod
+    def of(cls, plan: HierarchyPlan, rank: int) -> Place:
+        domain = plan.domains[plan.domain_of(rank)]
+        local = domain.index(rank)
+        group = plan.cross_groups[local] if local < plan.shards and len(plan.domains) > 1 else None
+        return cls(
+            world_size=sum(len(d) for d in plan.domains),
+            domain_size=len(domain),
+            domains=len(plan.domains),
+            local_rank=local,
+            # a lone domain has no cross groups: shard over its ranks for balance
+            shards=plan.shards if len(plan.domains) > 1 else len(domain),
+            cross_rank=None if group is None else group.index(rank),
+        )
+
+
+def hierarchical_reduction(bucket: Bucket, step: int, place: Place, across: Callable[[Bucket, Context], Reduction]) -> Reduction:
+    """Average ``bucket`` over every rank: reduce-scatter in the domain, ``across`` (the
+    method groups' reduction) on this rank's shard over the cross group, all-gather in the
+    domain. Leaves the global mean in ``bucket.buffer``."""
+    buffer, k = bucket.buffer, place.domain_size
+    ranges = shard_ranges(bucket.slots, buffer.numel(), place.shards) + [(0, 0)] * (k - place.shards)
+    width = max(b - a for a, b in ranges)
+    start, stop = ranges[place.local_rank]
+    if k == 1:
+        shard = buffer[start:stop].clone()
+    else:
+        chunks = buffer.new_zeros(k * width)
+        for j, (a, b) in enumerate(ranges[: place.shards]):
+            chunks[j * width : j * width + b - a].copy_(buffer[a:b])
+        summed = yield ReduceScatter(chunks, scope="domain")
+        shard = summed[: stop - start].clone()
+    if place.domains == 1:
+        shard.div_(place.world_size)
+    elif place.cross_rank is not None and shard.numel():
+        shard.mul_(place.domains / place.world_size)  # the compressor's average is then the global mean
+        part = Bucket(bucket.index, shard, shard_slots(bucket.slots, start, stop))
+        ctx = Context(rank=place.cross_rank, world_size=place.domains, step=step)
+        yield from in_scope(across(part, ctx), "cross")
+    if k == 1:
+        buffer[start:stop].copy_(shard)
+        return
+    padded = torch.cat([shard, shard.new_zeros(width - shard.numel())])
+    gathered = yield AllGather(padded, scope="domain")
+    for j, (a, b) in enumerate(ranges[: place.shards]):
+        buffer[a:b].copy_(gathered[j][: b - a])

@@ -1,0 +1,55 @@
+"""Every rank agrees on the config before any collective whose shape depends on it.
+
+Ranks whose configs differ would otherwise create different numbers of communicators or
+issue collectives of different sizes, and hang or abort inside the transport. The check
+is one exchange of a fixed-size digest over the process group DDP already uses (bounded
+by that group's timeout: a rank that never gets here makes the others fail, not hang).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from commpress.comm.torch_backend import require_initialized
+from commpress.config import Config
+from commpress.errors import CollectiveError, ConfigError
+
+__all__ = ["agree_on_config", "agree_on_digest"]
+
+
+def agree_on_config(config: Config, entry: str, backend: str = "torch", process_group: Any = None) -> None:
+    """Raise :class:`ConfigError` on every rank if ``config`` differs across ranks."""
+    agree_on_digest(config.digest(), entry, backend, process_group, detail=config.to_dict())
+
+
+def agree_on_digest(digest: str, entry: str, backend: str = "torch", process_group: Any = None, detail: Any = None) -> None:
+    """Raise :class:`ConfigError` on every rank if ``digest`` differs across ranks, or
+    :class:`CollectiveError` if some rank never takes part within the group's timeout.
+
+    Uses torch.distributed when it is initialized (also with ``backend = "mpi"``: then
+    a rank on another backend is still found), else the MPI communicator."""
+    import torch.distributed as dist
+
+    if backend == "mpi" and not (dist.is_available() and dist.is_initialized()):
+        from mpi4py import MPI
+
+        comm = process_group if process_group is not None else MPI.COMM_WORLD
+        digests, rank = comm.allgather(digest), comm.Get_rank()
+    else:
+        require_initialized(entry)
+        group = process_group if process_group is not None and backend == "torch" else dist.group.WORLD
+        digests = [None] * dist.get_world_size(group)
+        try:
+            dist.all_gather_object(digests, digest, group=group)
+        except RuntimeError as exc:
+            raise CollectiveError(
+                f"{entry}: comparing the commpress config across ranks failed (a rank that never builds it, "
+                f"or a dead peer?): {exc}"
+            ) from exc
+        rank = dist.get_rank(group)
+    if len(set(digests)) > 1:
+        others = [r for r, d in enumerate(digests) if d != digest]
+        raise ConfigError(
+            f"{entry}: commpress config differs across ranks (rank {rank} has {digest}, ranks {others} differ): "
+            f"every rank must use the same config; this rank's is {detail if detail is not None else digest}"
+        )

@@ -1,0 +1,28 @@
+"""The deliberate transfers between a compressor's device and the host, in one place.
+
+Compressors keep their work on the gradient's device; the few values that must cross to
+the host go through these functions: flags a step branches on (a finiteness check, a
+clipping decision), checkpoint tensors saved on the CPU, and saved tensors restored onto
+the device at their first use. Tests that run compressors on fake devices patch them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["flags", "to_device", "to_host"]
+
+
+def flags(t: torch.Tensor) -> list[bool]:
+    """The values of the boolean tensor ``t`` (any shape, read flat) on the host: one sync."""
+    return [bool(v) for v in t.reshape(-1).tolist()]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (a checkpoint tensor meeting its gradient after a resume)."""
+    return t.to(device)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t``, detached (what a checkpoint stores)."""
+    return t.detach().to("cpu", copy=True)

@@ -1,0 +1,169 @@
+"""Error-feedback memory: a compressor's per-parameter state, keyed by parameter name,
+changed only in whole steps.
+
+State lives with the parameter, not with the bucket: DDP regroups parameters into new
+buckets after its first step (and again after a resume), and a bucket simply gathers its
+parameters' entries, wherever they were stored. Changes made during a step are staged and
+take effect at :meth:`ErrorMemory.commit`; :meth:`ErrorMemory.discard` drops them, so a
+step the optimizer skips leaves no trace.
+
+An entry is a view of the flat buffer it was staged from. When a bucket gathers entries
+that still lie at their offsets in one buffer (the one it staged the step before: the
+usual case), that buffer is returned as it is and nothing is copied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from commpress.compressors import host
+
+__all__ = ["ErrorMemory", "Piece"]
+
+#: Where a parameter's entry sits in a flat buffer: (name, offset, shape).
+Piece = tuple[str, int, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    base: torch.Tensor  # flat float32
+    offset: int
+    shape: tuple[int, ...]
+
+    def tensor(self) -> torch.Tensor:
+        return self.base.narrow(0, self.offset, math.prod(self.shape)).view(self.shape)
+
+
+class ErrorMemory:
+    """Float32 tensors of a few kinds ("error", "q", ...) and a step counter, per name.
+
+    Reads (:meth:`gather`, :meth:`count`, :meth:`tensors`) see the committed state only;
+    :meth:`stage` and :meth:`stage_count` prepare changes that :meth:`commit` applies.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._counts: dict[str, int] = {}
+        self._staged: dict[tuple[str, str], _Entry] = {}
+        self._staged_counts: dict[str, int] = {}
+        self._bases: set[int] = set()  # ids of the buffers entries view (committed or staged)
+
+    # ---- reads -------------------------------------------------------------------------
+
+    def gather(
+        self,
+        kind: str,
+        pieces: Sequence[Piece],
+        numel: int,
+        device: torch.device,
+        fill: Callable[[], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, list[str]]:
+        """A flat float32 buffer (at least ``numel`` elements, on ``device``) holding each
+        piece's committed ``kind`` entry at the piece's offset, and the names of the pieces
+        that have none of that shape (those hold ``fill()``'s values, zeros by default).
+
+        The buffer may be committed state itself (:meth:`holds` says so): read it, never
+        write it.
+        """
+        found = [self._entries.get((kind, name)) for name, _, _ in pieces]
+        first = found[0] if found else None
+        if (
+            first is not None
+            and first.base.device == device
+            and first.base.numel() >= numel
+            and all(
+                e is not None and e.base is first.base and e.offset == offset and e.shape == tuple(shape)
+                for e, (_, offset, shape) in zip(found, pieces)
+            )
+        ):
+            return first.base, []
+        out = fill() if fill is not None else torch.zeros(numel, dtype=torch.float32, device=device)
+        missing = []
+        for entry, (name, offset, shape) in zip(found, pieces):
+            if entry is None or entry.shape != tuple(shape):
+                missing.append(name)
+                continue
+            src = entry.tensor()
+            if src.device != device:
+                src = host.to_device(src, device)
+            out.narrow(0, offset, src.numel()).copy_(src.reshape(-1))
+        return out, missing
+
+    def holds(self, buffer: torch.Tensor) -> bool:
+        """Whether a committed or staged entry may view ``buffer``; if so it must not be
+        reused. Conservative: a buffer whose staged entries were replaced counts as held
+        until the step ends."""
+        return id(buffer) in self._bases
+
+    def count(self, name: str) -> int:
+        """The committed step counter of ``name`` (0 if it has none)."""
+        return self._counts.get(name, 0)
+
+    # ---- staged changes ------------------------------------------------------------------
+
+    def stage(self, kind: str, pieces: Sequence[Piece], flat: torch.Tensor) -> None:
+        """Make each piece of float32 ``flat`` the ``kind`` entry of its name, at the next commit."""
+        for name, offset, shape in pieces:
+            self._staged[kind, name] = _Entry(flat, offset, tuple(shape))
+        self._bases.add(id(flat))
+
+    def stage_count(self, name: str, value: int) -> None:
+        """Set the step counter of ``name`` at the next commit."""
+        self._staged_counts[name] = value
+
+    @property
+    def staged(self) -> bool:
+        """Whether changes wait for :meth:`commit` or :meth:`discard`."""
+        return bool(self._staged or self._staged_counts)
+
+    def commit(self) -> None:
+        """Apply the staged changes."""
+        self._entries.update(self._staged)
+        self._counts.update(self._staged_counts)
+        self.discard()
+
+    def end_step(self, commit: bool) -> None:
+        """:meth:`commit` or :meth:`discard` (a compressor's ``end_step``)."""
+        if commit:
+            self.commit()
+        else:
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop the staged changes."""
+        self._staged.clear()
+        self._staged_counts.clear()
+        self._bases = {id(e.base) for e in self._entries.values()}
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        """CPU copies of the committed ``kind`` entries, by name, shaped as staged."""
+        return {name: host.to_host(e.tensor()) for (k, name), e in self._entries.items() if k == kind}
+
+    def counts(self) -> dict[str, int]:
+        """The committed step counters, by name."""
+        return dict(self._counts)
+
+    def load(self, kind: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Add ``kind`` entries (copied as float32; moved to a gradient's device at first use)."""
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"saved {kind!r} state of {name!r} must be a tensor, got {type(t).__name__}")
+            flat = t.detach().to(torch.float32, copy=True).reshape(-1)
+            self._entries[kind, str(name)] = _Entry(flat, 0, tuple(t.shape))
+            self._bases.add(id(flat))
+
+    def load_counts(self, counts: Mapping[str, int]) -> None:
+        """Set committed step counters."""
+        self._counts.update({str(name): int(v) for name, v in counts.items()})
+
+    def clear(self) -> None:
+        """Forget everything, staged changes included."""
+        self._entries.clear()
+        self._counts.clear()
+        self.discard()

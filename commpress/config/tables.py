@@ -1,0 +1,175 @@
+"""The config tables beside the top-level keys, all listed here: ``[local_sgd]``,
+``[fsdp]`` and ``[bandwidth]``. Each is a frozen dataclass validated on construction
+(:class:`~commpress.errors.ConfigError` names the key, the value and what is accepted);
+the subsystem that applies a table imports its class from here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from commpress.errors import ConfigError
+from commpress.schema import check_fields, parse_dataclass
+
+__all__ = [
+    "APPLIED_BY",
+    "BITS",
+    "FULL_PRECISION",
+    "TABLES",
+    "BandwidthConfig",
+    "FSDPConfig",
+    "LocalSGDConfig",
+    "check_co2_settings",
+]
+
+
+@dataclass(frozen=True)
+class LocalSGDConfig:
+    """Settings of the ``[local_sgd]`` table (CO2 keys apply to ``algorithm = "co2"``)."""
+
+    algorithm: Literal["local_sgd", "co2"] = "local_sgd"
+    period: int = 4
+    qsr_alpha: float | None = None
+    qsr_power: float = 2.0
+    warmup_steps: int = 0
+    average_buffers: bool = False
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    staleness_penalty: float | Literal["adaptive"] = 1.0
+    clip: float | None = None
+
+    def __post_init__(self) -> None:
+        check_fields("local_sgd", self)  # types, and every number finite
+        if self.period < 1:
+            raise ConfigError(f"local_sgd: period = {self.period!r} is not accepted; expected an integer >= 1")
+        if self.qsr_alpha is not None and not self.qsr_alpha > 0:
+            raise ConfigError(f"local_sgd: qsr_alpha = {self.qsr_alpha!r} is not accepted; expected a number > 0")
+        if not self.qsr_power > 0:
+            raise ConfigError(f"local_sgd: qsr_power = {self.qsr_power!r} is not accepted; expected a number > 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"local_sgd: warmup_steps = {self.warmup_steps!r} is not accepted; expected an integer >= 0")
+        try:
+            check_co2_settings(self.outer_lr, self.outer_momentum, self.staleness_penalty, self.clip)
+        except ConfigError as exc:
+            raise ConfigError(f"local_sgd: {exc}") from None
+
+
+def check_co2_settings(outer_lr: float, outer_momentum: float, staleness_penalty: float | str, clip: float | None) -> None:
+    """Raise ConfigError naming the first CO2 setting out of range (or not finite)."""
+    if not (_real(outer_lr) and outer_lr > 0):
+        raise ConfigError(f"outer_lr = {outer_lr!r} is not accepted; expected a number > 0")
+    if not (_real(outer_momentum) and 0 <= outer_momentum < 1):
+        raise ConfigError(f"outer_momentum = {outer_momentum!r} is not accepted; expected a number in [0, 1)")
+    if staleness_penalty != "adaptive" and not (_real(staleness_penalty) and staleness_penalty >= 1):
+        raise ConfigError(f"staleness_penalty = {staleness_penalty!r} is not accepted; expected a number >= 1 or 'adaptive'")
+    if clip is not None and not (_real(clip) and clip > 0):
+        raise ConfigError(f"clip = {clip!r} is not accepted; expected a number > 0 or none")
+
+
+def _real(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: Bit widths of the stochastic quantizer.
+BITS = (2, 4, 8)
+#: The ``*_bits`` value that switches quantization off.
+FULL_PRECISION = 32
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """Settings of the FSDP hooks (the ``[fsdp]`` table). Defaults follow QSDP: 8-bit
+    weights and gradients, buckets of 1024 elements, norms/embeddings/biases and small
+    tensors in full precision."""
+
+    weight_bits: int = 8
+    grad_bits: int = 8
+    bucket_size: int = 1024
+    exclude: tuple[str, ...] = ("*norm*", "*embed*", "*.bias")
+    min_numel: int = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields("fsdp", self)  # types; exclude becomes a tuple
+        for key in ("weight_bits", "grad_bits"):
+            value = getattr(self, key)
+            if value not in (*BITS, FULL_PRECISION):
+                raise ConfigError(f"fsdp.{key} = {value!r} is not accepted; accepted: 2, 4, 8 (quantized) or 32 (full precision)")
+        if self.bucket_size < 8 or self.bucket_size % 8:
+            raise ConfigError(f"fsdp.bucket_size = {self.bucket_size!r} is not accepted; expected a multiple of 8, >= 8")
+        if self.min_numel < 0:
+            raise ConfigError(f"fsdp.min_numel = {self.min_numel!r} is not accepted; expected an integer >= 0")
+
+    def keeps_full_precision(self, name: str, numel: int) -> bool:
+        """Whether the parameter called ``name`` with ``numel`` elements is excluded."""
+        return numel < self.min_numel or any(fnmatch.fnmatchcase(name, p) for p in self.exclude)
+
+
+@dataclass(frozen=True)
+class BandwidthConfig:
+    """The ``[bandwidth]`` config table.
+
+    ``budget_ms`` > 0: every link gets the largest ratio whose transfer of one step's
+    gradient fits the budget. ``budget_ms`` = 0: the fastest link sends at ``max_ratio``
+    and every other link gets the ratio that makes it at most ``slowdown`` (a fraction,
+    0.1 = 10 %) slower than that, so ratios come out proportional to bandwidth.
+    """
+
+    adaptive: bool = False
+    budget_ms: float = 0.0
+    slowdown: float = 0.0
+    min_ratio: float = 0.01
+    max_ratio: float = 1.0
+    #: re-measure the links and re-plan every this many steps (0: only at start-up)
+    remeasure_every: int = 0
+    #: links at least this fast join ranks into one domain; 0 = automatic (largest gap)
+    fast_gbps: float = 0.0
+    #: domains join ranks on one host (and network namespace) or linked by fast links
+    #: ("auto"), only the former ("host") or only the latter ("bandwidth")
+    group_by: Literal["auto", "bandwidth", "host"] = "auto"
+    #: declared domains (lists of ranks), used instead of the measured grouping
+    domains: tuple[tuple[int, ...], ...] = ()
+    #: how long one bandwidth probe should last (larger: more accurate, slower start-up)
+    probe_ms: float = 40.0
+
+    def __post_init__(self) -> None:
+        check_fields("[bandwidth]", self)  # types, and every number finite
+        _check("budget_ms", self.budget_ms, self.budget_ms >= 0 and math.isfinite(self.budget_ms), "a number >= 0")
+        _check("slowdown", self.slowdown, self.slowdown >= 0 and math.isfinite(self.slowdown), "a number >= 0")
+        _check("min_ratio", self.min_ratio, 0 < self.min_ratio <= 1, "a number in (0, 1]")
+        _check("max_ratio", self.max_ratio, self.min_ratio <= self.max_ratio <= 1, f"a number in [min_ratio={self.min_ratio}, 1]")
+        _check("remeasure_every", self.remeasure_every, self.remeasure_every >= 0, "an integer >= 0")
+        _check("fast_gbps", self.fast_gbps, self.fast_gbps >= 0 and math.isfinite(self.fast_gbps), "a number >= 0")
+        _check("probe_ms", self.probe_ms, 0 < self.probe_ms <= 10_000, "a number in (0, 10000]")
+        ranks = [r for d in self.domains for r in d]
+        if self.domains and (sorted(ranks) != list(range(len(ranks))) or not all(self.domains)):
+            raise ConfigError(
+                f"[bandwidth] domains = {[list(d) for d in self.domains]!r} is not accepted; expected non-empty "
+                "lists of ranks that together hold every rank 0..n-1 exactly once"
+            )
+
+
+def _check(key: str, value: Any, ok: bool, accepted: str) -> None:
+    if not ok:
+        raise ConfigError(f"[bandwidth] {key} = {value!r} is not accepted; expected {accepted}")
+
+
+#: Every table a config may hold: its name -> its parser.
+TABLES: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+    "local_sgd": lambda data: parse_dataclass("local_sgd", LocalSGDConfig, data),
+    "fsdp": lambda data: parse_dataclass("fsdp", FSDPConfig, data),
+    "bandwidth": lambda data: parse_dataclass("[bandwidth]", BandwidthConfig, data),
+}
+
+#: The function that applies each table (and, for ``None``, the top-level ``method``), so an
+#: entry point handed a table it does not apply can say where it belongs.
+APPLIED_BY: dict[str, str] = {
+    "local_sgd": "commpress.local_sgd.from_config(model, optimizer, config)",
+    "fsdp": "commpress.fsdp.apply(model, config)",
+    "bandwidth": "commpress.register(ddp_model, config) (the DDP hook)",
+}

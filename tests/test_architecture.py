@@ -1,0 +1,104 @@
+"""The package's shape, read from its imports: layers only import downward, no circles.
+
+Layers, lowest first (docs/architecture.md draws them): shared basics, kernels, algorithms,
+the config, backends, the bandwidth layer, the framework adapters, what the commands
+run, the commands. Imports inside functions count too: a lazy import is still a
+dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "commpress"
+
+LAYERS = [
+    {"errors", "schema", "terminal"},
+    {"cuda"},
+    {"compressors"},
+    {"config"},
+    {"comm"},
+    {"adaptive"},
+    {"hooks", "fsdp", "local_sgd"},
+    {"workloads", "linkemu", "bench"},
+    {"cli", "__main__"},
+    {"__init__"},  # the package's front door re-exports the adapters
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+KNOWN: set[str] = set()
+
+
+def _imports(path: Path) -> set[str]:
+    """Every commpress module ``path`` imports (relative imports resolved)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("commpress")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if target.startswith("commpress"):
+                # `from package import submodule` depends on the submodule only
+                subs = {f"{target}.{a.name}" for a in node.names}
+                found |= subs & KNOWN if subs & KNOWN else {target}
+    return found
+
+
+MODULES = {_module_name(p): p for p in ROOT.rglob("*.py")}
+KNOWN |= set(MODULES)
+GRAPH = {name: {t for t in _imports(path) if t in MODULES} for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    for i, members in enumerate(LAYERS):
+        if top in members:
+            return i
+    raise AssertionError(f"module {module} is in no layer: add its package to LAYERS")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_only_go_down(module):
+    upward = sorted(t for t in GRAPH[module] if _layer(t) > _layer(module))
+    assert not upward, f"{module} (layer {_layer(module)}) imports higher layers: {upward}"
+
+
+def test_no_import_circles():
+    """Package ``__init__`` files re-export their submodules; a submodule that imports its
+    own package's ``__init__`` closes a circle, so it must import the submodule instead."""
+    circles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == "open":
+                circles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_library_never_imports_the_commands():
+    importers = sorted(m for m, targets in GRAPH.items() if any(t.startswith("commpress.cli") for t in targets))
+    assert all(m.startswith(("commpress.cli", "commpress.__main__")) for m in importers), importers
