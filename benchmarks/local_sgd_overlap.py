@@ -17,8 +17,8 @@ import statistics
 import time
 from typing import Any
 
-from commpress.terminal import format_table
 from commpress.comm.launch import run_local
+from commpress.terminal import format_table
 
 ROWS = {
     "ddp": {"method": "none"},

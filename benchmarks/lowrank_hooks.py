@@ -30,8 +30,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from commpress.terminal import format_table
 from commpress.comm.launch import run_local
+from commpress.terminal import format_table
 
 METHODS = ("ddp", "torch-powersgd", "powersgd", "acpsgd")
 
@@ -152,6 +152,8 @@ def profile(args: argparse.Namespace) -> None:
             for b, s in zip(buckets, saved):
                 b.buffer.copy_(s)
             sim.reduce(comps, buckets, step)
+            for c in comps:
+                c.end_step(True)
 
         for s in range(3):
             one_step(s)

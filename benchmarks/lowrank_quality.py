@@ -24,10 +24,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from commpress.terminal import format_table
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, build
 from commpress.compressors.lowrank_plan import LowRankPlan
+from commpress.terminal import format_table
 from commpress.workloads.charlm import CharTask
 from commpress.workloads.train import cosine_lr
 
@@ -59,6 +59,8 @@ def train(method: str, rank: int, steps: int, start_iter: int, window: int) -> t
         buckets = [Bucket.from_tensors(0, g, names) for g in grads]
         exact = sum(b.buffer for b in buckets) / WORLD
         sim.reduce(comps if step >= start_iter else plain, buckets, step)
+        for c in comps:
+            c.end_step(True)
         delivered = buckets[0].buffer
         if method != "none" and step >= start_iter:
             mask = _compressed_mask(buckets[0], rank)

@@ -71,12 +71,11 @@ def _low_rank(per_step: float) -> RatioMapping:
 
 
 def _drop_factors(state: dict[str, Any], old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """A new rank keeps every bucket's error buffer (error feedback) and restarts the
+    """A new rank keeps every parameter's error buffer (error feedback) and restarts the
     warm start: the saved factors have the old rank's width."""
     if old.get("rank") == new.get("rank"):
         return state
-    buckets = {i: {**b, "q": None, "p": None} for i, b in state.get("buckets", {}).items()}
-    return {**state, "buckets": buckets}
+    return {**state, "q": {}, "p": {}}
 
 
 register_ratio_mapping("powersgd", _drop_factors)(_low_rank(1.0))  # P and Q every step

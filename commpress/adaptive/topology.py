@@ -224,11 +224,18 @@ def _gbps(rate: float) -> str:
 # measurement (torch.distributed)
 
 
+def probe_device(group: Any) -> torch.device:
+    """Where probe tensors live: the current CUDA device for an NCCL group, else the CPU."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 def _send_probe(dist: Any, peer: int, group: Any, size: int, payload: torch.Tensor) -> float:
     """Send ``size`` float32 elements to ``peer`` and wait for its 1-element ack: seconds."""
-    ack = torch.zeros(1)
+    ack = payload.new_zeros(1)
     t0 = time.perf_counter()
-    dist.send(torch.tensor([size], dtype=torch.int64), peer, group=group)
+    dist.send(torch.tensor([size], dtype=torch.int64, device=payload.device), peer, group=group)
     if size:
         dist.send(payload[:size], peer, group=group)
     dist.recv(ack, peer, group=group)
@@ -237,7 +244,7 @@ def _send_probe(dist: Any, peer: int, group: Any, size: int, payload: torch.Tens
 
 def _measure_direction(dist: Any, peer: int, group: Any, probe_s: float, max_elems: int, repeats: int) -> tuple[float, float]:
     """(bytes/s, one-way latency s) from this rank to ``peer``; the peer runs :func:`_serve`."""
-    payload = torch.ones(max_elems)
+    payload = torch.ones(max_elems, device=probe_device(group))
     rtts = [_send_probe(dist, peer, group, 1, payload) for _ in range(5)]
     latency = min(rtts) / 2  # the least disturbed round trip
     size = min(max_elems, 64 * 1024)
@@ -249,22 +256,22 @@ def _measure_direction(dist: Any, peer: int, group: Any, probe_s: float, max_ele
     times = [elapsed] + [_send_probe(dist, peer, group, size, payload) for _ in range(repeats - 1)]
     elapsed = min(times)  # CPU load only ever slows a transfer down: keep the fastest
     transfer = max(elapsed - 2 * latency, elapsed / 2)  # a noisy latency must not inflate the rate
-    dist.send(torch.tensor([0], dtype=torch.int64), peer, group=group)  # done
+    dist.send(torch.tensor([0], dtype=torch.int64, device=payload.device), peer, group=group)  # done
     return 4 * size / transfer, latency
 
 
 def _serve(dist: Any, peer: int, group: Any, max_elems: int) -> None:
     """Receive probes from ``peer`` and acknowledge each, until it sends size 0."""
-    buf = torch.empty(max_elems)
-    header = torch.zeros(1, dtype=torch.int64)
+    buf = torch.empty(max_elems, device=probe_device(group))
+    header = torch.zeros(1, dtype=torch.int64, device=buf.device)
     while True:
         dist.recv(header, peer, group=group)
-        size = int(header.item())
+        size = int(header.item())  # a deliberate host read: the probe's size
         if size == 0:
             return
         if size:
             dist.recv(buf[:size], peer, group=group)
-        dist.send(torch.zeros(1), peer, group=group)
+        dist.send(buf.new_zeros(1), peer, group=group)
 
 
 def measure_topology(
@@ -309,7 +316,7 @@ def measure_topology(
     elems = int(min(max_elems, max(16 * 1024, slowest * probe_ms / 1000 / 4))) if n > 1 else 0
     seconds = math.nan
     if elems:
-        data = torch.ones(elems)
+        data = torch.ones(elems, device=probe_device(group))
         times = []
         for _ in range(repeats):
             dist.barrier(group=group)

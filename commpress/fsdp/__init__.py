@@ -63,11 +63,18 @@ def apply(
     ``model``). FSDP1: ``model`` must be the root ``FullyShardedDataParallel``.
     """
     cfg = load_fsdp_config(config)
-    # every rank must quantize the same tensors the same way: agree before any collective
-    # (names only: an FSDP1 flat parameter's local shard size differs across ranks)
+    if isinstance(model, FullyShardedDataParallel):
+        state = register_fsdp1(model, cfg)
+    else:
+        state = apply_fsdp2(model, cfg, recurse=recurse, root=root)
+        if not state.units:
+            raise TypeError(
+                f"commpress.fsdp.apply found no sharded module in {type(model).__name__}: call it after "
+                "fully_shard(...) (FSDP2) or on the FullyShardedDataParallel root (FSDP1)"
+            )
+    # every rank must quantize the same tensors the same way: agree before the first
+    # collective (the next forward); names only, an FSDP1 flat shard's size differs by rank
     settings = {"fsdp": dataclasses.asdict(cfg), "model": [n for n, _ in model.named_parameters()]}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     agree_on_digest(digest, "commpress.fsdp.apply", "torch", None, settings["fsdp"])
-    if isinstance(model, FullyShardedDataParallel):
-        return register_fsdp1(model, cfg)
-    return apply_fsdp2(model, cfg, recurse=recurse, root=root)
+    return state

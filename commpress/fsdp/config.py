@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from commpress.config import Config
-from commpress.config.tables import TABLES, FSDPConfig
+from commpress.config.tables import APPLIED_BY, TABLES, FSDPConfig
+from commpress.errors import ConfigError
 
 __all__ = ["load_fsdp_config"]
 
@@ -24,5 +25,14 @@ def load_fsdp_config(source: Any = None) -> FSDPConfig:
         return source
     if isinstance(source, Mapping) and not set(source) & _CONFIG_KEYS:
         return TABLES["fsdp"](source)  # the table's keys alone
-    section = Config.load(source).section("fsdp")
+    config = Config.load(source)
+    ignored = [f"[{t}]" for t in ("local_sgd", "bandwidth") if config.section(t) is not None]
+    if config.method != "none" or config.overrides or config.start_iter:
+        ignored.append(f"method = {config.method!r} (and its params/overrides/start_iter)")
+    if ignored:
+        raise ConfigError(
+            f"commpress.fsdp.apply applies only the [fsdp] table; this config also sets {', '.join(ignored)}: "
+            "those are for " + "; ".join(APPLIED_BY[t] for t in ("bandwidth", "local_sgd")) + "; give FSDP its own config"
+        )
+    section = config.section("fsdp")
     return section if section is not None else FSDPConfig()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from commpress.config import Config
-from commpress.config.tables import LocalSGDConfig
+from commpress.config.tables import APPLIED_BY, LocalSGDConfig
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.co2 import CO2
@@ -47,6 +47,9 @@ def from_config(
     section = cfg.section("local_sgd")
     if section is None:
         raise ConfigError("the config has no [local_sgd] table")
+    for table in ("fsdp", "bandwidth"):
+        if cfg.section(table) is not None:
+            raise ConfigError(f"the config's [{table}] table is not applied by Local SGD: apply it with {APPLIED_BY[table]}")
     if cfg.overrides:
         raise ConfigError("overrides are not accepted with [local_sgd]: the whole model is averaged with one method")
     if cfg.start_iter:
