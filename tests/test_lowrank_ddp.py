@@ -13,6 +13,14 @@ from commpress.comm.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 METHODS = ["powersgd", "acpsgd"]
+#: resume and non-finite recovery, for every stateful method and the warm start off
+RESUMED = {
+    "powersgd": {"method": "powersgd", "params": {"rank": 4}},
+    "powersgd-cold": {"method": "powersgd", "params": {"rank": 4, "warm_start": False}},
+    "acpsgd": {"method": "acpsgd", "params": {"rank": 4}},
+    "acpsgd-cold": {"method": "acpsgd", "params": {"rank": 4, "warm_start": False}},
+    "topk": {"method": "topk", "params": {"ratio": 0.05}},
+}
 # Largest gap to `none` each method may show on the demo (seed 0, 200 steps). PowerSGD
 # meets the 3% target (measured +2.76%). ACP-SGD does not (measured +5.33%): its one-step
 # stale subspace delivers gradients far less aligned with the true average (cosine about
@@ -44,8 +52,10 @@ def _loop(
     skip: int = -1,
 ):
     """Train the demo model from ``begin`` to ``end`` of a ``steps``-long schedule, from a
-    checkpoint if given. At step ``bad`` rank 0's loss is NaN; a step whose gradients are
-    not all finite is skipped, as GradScaler does. Step ``skip`` is left out entirely.
+    checkpoint if given, with small DDP buckets (several per step). At step ``bad`` one
+    element of rank 0's gradient of the last parameter is NaN (so one bucket is bad, the
+    others finite); a step whose gradients are not all finite is skipped, as GradScaler
+    does. Step ``skip`` is left out entirely.
     Returns (flat params, eval loss, checkpoint bytes, skipped steps)."""
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -58,7 +68,13 @@ def _loop(
     rank, world = dist.get_rank(), dist.get_world_size()
     task = CharTask(batch_size=64)
     model = task.model()
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)
+    poisoned = {"now": False}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad.flatten().index_fill(0, torch.tensor([0]), float("nan")).view_as(grad) if poisoned["now"] else grad
+
+    list(model.parameters())[-1].register_hook(poison)
     state = register(ddp, config)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
     if checkpoint is not None:
@@ -75,8 +91,7 @@ def _loop(
             group["lr"] = schedule(step)
         x, y = task.batch(step, rank, world)
         loss = F.cross_entropy(ddp(x), y)
-        if step == bad and rank == 0:
-            loss = loss * float("nan")
+        poisoned["now"] = step == bad and rank == 0
         opt.zero_grad(set_to_none=False)
         loss.backward()
         if all(torch.isfinite(p.grad).all() for p in model.parameters()):
@@ -95,8 +110,7 @@ def _loop(
 def _resume_and_recover(rank: int, world: int) -> dict:
     steps, cut, bad = 10, 4, 3
     out = {}
-    for method in METHODS:
-        config = {"method": method, "params": {"rank": 4}}
+    for method, config in RESUMED.items():
         straight = _loop(config, steps)
         first = _loop(config, steps, end=cut)
         out[method] = {
@@ -127,7 +141,7 @@ def test_demo_rank4_trains_close_to_none(quality, method):
     assert nbytes < quality[0]["none"][2] / 4  # and it does compress, warm-up steps included
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", RESUMED)
 def test_checkpoint_resume_is_bit_identical(resume, method):
     for rank_result in resume:
         straight, resumed = rank_result[method]["straight"], rank_result[method]["resumed"]
@@ -135,16 +149,14 @@ def test_checkpoint_resume_is_bit_identical(resume, method):
         assert straight[3] == resumed[3] == 0
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", RESUMED)
 def test_non_finite_step_is_skipped_and_training_recovers(resume, method):
     for rank_result in resume:
         bad, without = rank_result[method]["bad"], rank_result[method]["without"]
         assert bad[3] == 1  # both ranks saw non-finite gradients and skipped the step
         comm = torch.load(io.BytesIO(bad[2]), weights_only=False)["comm"]
-        saved = comm["compressors"]["main"]
-        assert saved["error"] and saved["q"]
-        for tensor in [*saved["error"].values(), *saved["q"].values()]:
-            assert torch.isfinite(tensor).all()
+        tensors = [t for table in comm["compressors"]["main"].values() if isinstance(table, dict) for t in table.values()]
+        assert tensors and all(torch.isfinite(t).all() for t in tensors if isinstance(t, torch.Tensor))
         # error and warm start were kept, so the run continues exactly as if the bad
         # step had never happened
         assert torch.equal(bad[0], without[0]) and torch.isfinite(bad[0]).all()

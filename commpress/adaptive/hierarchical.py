@@ -114,13 +114,13 @@ def hierarchical_reduction(bucket: Bucket, step: int, place: Place, across: Call
     width = max(b - a for a, b in ranges)
     start, stop = ranges[place.local_rank]
     if k == 1:
-        shard = buffer[start:stop].clone()
+        shard = buffer.narrow(0, start, stop - start).clone()
     else:
         chunks = buffer.new_zeros(k * width)
         for j, (a, b) in enumerate(ranges[: place.shards]):
-            chunks[j * width : j * width + b - a].copy_(buffer[a:b])
+            chunks.narrow(0, j * width, b - a).copy_(buffer.narrow(0, a, b - a))
         summed = yield ReduceScatter(chunks, scope="domain")
-        shard = summed[: stop - start].clone()
+        shard = summed.narrow(0, 0, stop - start).clone()
     if place.domains == 1:
         shard.div_(place.world_size)
     elif place.cross_rank is not None and shard.numel():
@@ -129,9 +129,9 @@ def hierarchical_reduction(bucket: Bucket, step: int, place: Place, across: Call
         ctx = Context(rank=place.cross_rank, world_size=place.domains, step=step)
         yield from in_scope(across(part, ctx), "cross")
     if k == 1:
-        buffer[start:stop].copy_(shard)
+        buffer.narrow(0, start, stop - start).copy_(shard)
         return
     padded = torch.cat([shard, shard.new_zeros(width - shard.numel())])
     gathered = yield AllGather(padded, scope="domain")
     for j, (a, b) in enumerate(ranges[: place.shards]):
-        buffer[a:b].copy_(gathered[j][: b - a])
+        buffer.narrow(0, a, b - a).copy_(gathered[j].narrow(0, 0, b - a))

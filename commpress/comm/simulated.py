@@ -133,7 +133,7 @@ def _collective(requests: list[Collective]) -> list[Any]:
         return [r.tensor for r in requests]
     if isinstance(first, ReduceScatter):
         chunks = torch.stack([r.tensor.reshape(len(requests), -1) for r in requests])  # rank, chunk, element
-        return [sum_rows(chunks[:, j]) for j in range(len(requests))]
+        return [sum_rows(chunks.select(1, j)) for j in range(len(requests))]
     assert isinstance(first, AllGather)
     gathered = [r.tensor.reshape(-1).clone() for r in requests]
     return [[g.clone() for g in gathered] for _ in requests]

@@ -110,8 +110,9 @@ class TorchBackend(Backend):
 
 def sum_rows(rows: torch.Tensor) -> torch.Tensor:
     """The sum of ``rows`` taken in row (rank) order, so every backend adds alike."""
-    total = rows[0].clone()
-    for row in rows[1:]:
+    first, *rest = rows.unbind(0)
+    total = first.clone()
+    for row in rest:
         total += row
     return total
 

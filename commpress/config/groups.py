@@ -77,7 +77,7 @@ class MethodGroups:
             if part.whole:
                 yield from compressor.reduce(Bucket(bucket.index, bucket.buffer, part.slots), ctx)
                 continue
-            views = [bucket.buffer[s.offset : s.offset + s.numel] for s in part.slots]
+            views = [bucket.buffer.narrow(0, s.offset, s.numel) for s in part.slots]
             local = Bucket.from_tensors(
                 bucket.index, [v.view(s.shape) for v, s in zip(views, part.slots)], [s.name for s in part.slots]
             )
@@ -100,4 +100,4 @@ class MethodGroups:
 
 def _flat_views(bucket: Bucket) -> Iterator:
     for s in bucket.slots:
-        yield bucket.buffer[s.offset : s.offset + s.numel]
+        yield bucket.buffer.narrow(0, s.offset, s.numel)

@@ -59,14 +59,14 @@ class Segments:
         ranges = self.quantized if which == "quantized" else self.raw
         if len(ranges) == 1 and ranges[0] == (0, self.n):
             return x
-        return torch.cat([x[..., o : o + n] for o, n in ranges], dim=-1)
+        return torch.cat([x.narrow(-1, o, n) for o, n in ranges], dim=-1)
 
     def put(self, out: torch.Tensor, values: torch.Tensor, which: str) -> None:
         """Write ``values`` (as from :meth:`take`) back into ``which`` ranges of ``out``."""
         ranges = self.quantized if which == "quantized" else self.raw
         pos = 0
         for o, n in ranges:
-            out[..., o : o + n].copy_(values[..., pos : pos + n])
+            out.narrow(-1, o, n).copy_(values.narrow(-1, pos, n))
             pos += n
 
 
@@ -91,10 +91,11 @@ class Wire:
     def _parts(self, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scales, mins, raw, packed) views of ``payload`` (``[..., nbytes]`` uint8)."""
         nb = self.buckets
-        scales = payload[..., : 4 * nb].view(torch.float32)
-        mins = payload[..., 4 * nb : 8 * nb].view(torch.float32)
-        raw = payload[..., self._raw_at : self._packed_at].view(self.dtype)
-        packed = payload[..., self._packed_at : self._packed_at + self.packed_bytes]
+        # narrow, not slicing: it also works on fake CUDA tensors (the device tests)
+        scales = payload.narrow(-1, 0, 4 * nb).view(torch.float32)
+        mins = payload.narrow(-1, 4 * nb, 4 * nb).view(torch.float32)
+        raw = payload.narrow(-1, self._raw_at, self.raw_bytes).view(self.dtype)
+        packed = payload.narrow(-1, self._packed_at, self.packed_bytes)
         return scales, mins, raw, packed
 
     def encode(self, x: torch.Tensor, seed: int, payload: torch.Tensor) -> None:
@@ -108,7 +109,8 @@ class Wire:
             scales.copy_(sc)
         if self.carry_raw and self.segments.nraw:
             raw_part.copy_(self.segments.take(x, "raw"))
-        payload[self._packed_at + self.packed_bytes :].zero_()
+        end = self._packed_at + self.packed_bytes
+        payload.narrow(-1, end, payload.shape[-1] - end).zero_()
 
     def decode(self, payload: torch.Tensor, out: torch.Tensor) -> None:
         """Write the dequantized and raw elements of one payload into flat ``out``."""

@@ -1,0 +1,42 @@
+"""What the DDP hooks cannot reduce is refused at registration, by name, not at the first
+backward: sparse gradients, parameter dtypes the method does not take, and overrides that
+match no parameter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commpress import CommState, ConfigError
+
+
+def test_a_float64_parameter_is_refused_with_its_name_and_a_way_out():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2).double())
+    with pytest.raises(ConfigError, match=r"parameter '1\.weight' has dtype float64, which method 'powersgd' does not take"):
+        CommState({"method": "powersgd"}, model=model)
+
+
+def test_a_complex_parameter_is_refused():
+    model = torch.nn.Linear(3, 3)
+    model.register_parameter("phase", torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64)))
+    with pytest.raises(ConfigError, match=r"parameter 'phase' has dtype complex64"):
+        CommState({"method": "none"}, model=model)
+
+
+def test_sparse_embeddings_are_refused():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"module '0' \(Embedding\) has sparse=True"):
+        CommState({"method": "fp16"}, model=model)
+
+
+def test_an_override_that_matches_nothing_is_named():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    config = {"method": "fp16", "overrides": [{"params": ["*.bias", "*norm*"], "method": "none"}]}
+    with pytest.raises(ConfigError, match=r"\['\*norm\*'\] match no parameter"):
+        CommState(config, model=model)
+
+
+def test_supported_models_register_unconnected():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    state = CommState({"method": "bf16", "overrides": [{"params": ["1.*"], "method": "none"}]}, model=model)
+    assert set(state.compressors) == {"main", "override0"}
