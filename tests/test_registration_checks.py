@@ -40,3 +40,14 @@ def test_supported_models_register_unconnected():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
     state = CommState({"method": "bf16", "overrides": [{"params": ["1.*"], "method": "none"}]}, model=model)
     assert set(state.compressors) == {"main", "override0"}
+
+
+def test_fsdp1_hook_states_are_lazy_too():
+    """Like CommState, PyTorch-style FSDP1 hook states can be built before
+    init_process_group; they take the group when the first hook runs."""
+    from commpress.fsdp import FSDPConfig, LowPrecisionState, QuantizedState
+
+    quantized, low = QuantizedState(FSDPConfig()), LowPrecisionState(torch.bfloat16)
+    assert quantized.state_dict() == {"steps": 0} and low.dtype == torch.bfloat16
+    with pytest.raises((ValueError, RuntimeError), match="process group has not been initialized"):
+        quantized.connect()

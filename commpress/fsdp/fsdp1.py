@@ -32,7 +32,24 @@ _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class QuantizedState(default_hooks.DefaultState):
+class _LazyState(default_hooks.DefaultState):
+    """PyTorch's FSDP hook state, built before or after ``init_process_group``: it takes
+    its process group (default: the world) when the first hook runs."""
+
+    __slots__ = ["_connected", "_group"]
+
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        self._group = process_group
+        self._connected = False
+
+    def connect(self) -> None:
+        """Resolve the process group (called by the hooks; idempotent)."""
+        if not self._connected:
+            default_hooks.DefaultState.__init__(self, self._group if self._group is not None else dist.group.WORLD)
+            self._connected = True
+
+
+class QuantizedState(_LazyState):
     """State of :func:`quantized_hook`: the config, the process group, a call counter that
     seeds stochastic rounding (hooks run in the same order on every rank), and the bytes
     this rank sent (``traffic``)."""
@@ -40,7 +57,7 @@ class QuantizedState(default_hooks.DefaultState):
     __slots__ = ["_wires", "config", "steps", "traffic"]
 
     def __init__(self, config: FSDPConfig, process_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(process_group if process_group is not None else dist.group.WORLD)
+        super().__init__(process_group)
         self.config = config
         self.traffic = Traffic()
         self.steps = 0
@@ -65,6 +82,7 @@ class QuantizedState(default_hooks.DefaultState):
 def quantized_hook(state: QuantizedState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
     """Average ``grad`` over ranks with b-bit quantization: into ``output`` (this rank's
     shard) for sharded strategies, in place for ``NO_SHARD``."""
+    state.connect()
     step, state.steps = state.steps, state.steps + 1
     group, world = state.process_group, state.world_size
     rank = dist.get_rank(group)
@@ -85,7 +103,7 @@ def quantized_hook(state: QuantizedState, grad: torch.Tensor, output: torch.Tens
     quantized_reduce_scatter(wire, grad.view(world, -1), output, group, seeds, dist.ReduceOp.AVG, state.traffic)
 
 
-class LowPrecisionState(default_hooks.DefaultState):
+class LowPrecisionState(_LazyState):
     """State of :func:`low_precision_hook`: the wire dtype (fp16 or bf16) and bytes sent."""
 
     __slots__ = ["dtype", "traffic"]
@@ -93,7 +111,7 @@ class LowPrecisionState(default_hooks.DefaultState):
     def __init__(self, dtype: torch.dtype = torch.float16, process_group: dist.ProcessGroup | None = None) -> None:
         if dtype not in _LOW_PRECISION:
             raise TypeError(f"dtype = {dtype} is not accepted; accepted: torch.float16, torch.bfloat16")
-        super().__init__(process_group if process_group is not None else dist.group.WORLD)
+        super().__init__(process_group)
         self.dtype = dtype
         self.traffic = Traffic()
 
@@ -101,6 +119,7 @@ class LowPrecisionState(default_hooks.DefaultState):
 def low_precision_hook(state: LowPrecisionState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
     """Average ``grad`` over ranks in ``state.dtype`` (pre- and post-divided like PyTorch's
     default hooks); the result is cast back into ``output`` (or ``grad`` for ``NO_SHARD``)."""
+    state.connect()
     low = grad.to(state.dtype)
     state.traffic.add(nbytes=low.numel() * low.element_size(), collectives=1)
     if output is None:
