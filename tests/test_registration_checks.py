@@ -49,5 +49,5 @@ def test_fsdp1_hook_states_are_lazy_too():
 
     quantized, low = QuantizedState(FSDPConfig()), LowPrecisionState(torch.bfloat16)
     assert quantized.state_dict() == {"steps": 0} and low.dtype == torch.bfloat16
-    with pytest.raises((ValueError, RuntimeError), match="process group has not been initialized"):
+    with pytest.raises(RuntimeError, match=r"QuantizedState\) needs torch.distributed initialized"):
         quantized.connect()

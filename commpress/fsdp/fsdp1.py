@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._comm_hooks import default_hooks
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+from commpress.comm.torch_backend import require_initialized
 from commpress.comm.traffic import Traffic
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
 from commpress.cuda import derive_seed
@@ -45,6 +46,7 @@ class _LazyState(default_hooks.DefaultState):
     def connect(self) -> None:
         """Resolve the process group (called by the hooks; idempotent)."""
         if not self._connected:
+            require_initialized(f"the FSDP1 hook state ({type(self).__name__})")
             default_hooks.DefaultState.__init__(self, self._group if self._group is not None else dist.group.WORLD)
             self._connected = True
 
