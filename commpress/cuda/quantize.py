@@ -159,7 +159,9 @@ def dequantize(
     if out is None:
         out = torch.empty(n, dtype=torch.float32, device=packed.device)
     _check_out(out, n)
-    return unpack_accumulate(packed.unsqueeze(0), mins.unsqueeze(0), scales.unsqueeze(0), bits, bucket_size, n, out, average=False)
+    return unpack_accumulate(
+        packed.unsqueeze(0), mins.unsqueeze(0), scales.unsqueeze(0), bits, bucket_size, n, out, average=False
+    )
 
 
 def unpack_accumulate(
