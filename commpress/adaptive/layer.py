@@ -31,11 +31,11 @@ from commpress.adaptive.planner import HierarchyPlan, plan_hierarchy
 from commpress.adaptive.ratios import adapt_state, method_for_ratio
 from commpress.adaptive.topology import Topology, measure_topology
 from commpress.comm import Backend
-from commpress.comm.torch_backend import TorchBackend
+from commpress.comm.torch_backend import TorchBackend, group_timeout
 from commpress.compressors import Bucket, Compressor, build, compressor_class
 from commpress.config.groups import MethodGroups
 from commpress.config.tables import BandwidthConfig
-from commpress.errors import ConfigError
+from commpress.errors import CollectiveError, ConfigError
 
 __all__ = ["AdaptiveLayer"]
 
@@ -57,7 +57,7 @@ class AdaptiveLayer:
         self._groups = groups
         self._main = main
         self._group = process_group if process_group is not None else dist.group.WORLD
-        self._measure_group = dist.new_group(dist.get_process_group_ranks(self._group))
+        self._measure_group = dist.new_group(dist.get_process_group_ranks(self._group), timeout=group_timeout(self._group))
         # what each method group was configured with, and the tensors it covers
         self.configured = {key: (m, dict(p)) for key, (m, p) in groups.specs.items()}
         self.shapes: dict[str, list[tuple[int, ...]]] = {key: [] for key in self.configured}
@@ -85,10 +85,16 @@ class AdaptiveLayer:
 
     def measure(self) -> Topology:
         """Measure the links now (all ranks together; nothing may be in flight)."""
+        import torch.distributed as dist
+
         s = self.settings
-        return measure_topology(
-            self._measure_group, probe_ms=s.probe_ms, fast_gbps=s.fast_gbps, group_by=s.group_by, domains=s.domains or None
-        )
+        try:
+            return measure_topology(
+                self._measure_group, probe_ms=s.probe_ms, fast_gbps=s.fast_gbps, group_by=s.group_by, domains=s.domains or None
+            )
+        except RuntimeError as exc:
+            ranks = dist.get_process_group_ranks(self._measure_group)
+            raise CollectiveError(f"measuring the links over ranks {ranks} failed on rank {dist.get_rank()}: {exc}") from exc
 
     def begin_step(self, step: int) -> None:
         """Called before the first bucket of ``step``: re-measure and re-plan if due."""

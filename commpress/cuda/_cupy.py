@@ -24,7 +24,7 @@ _INCLUDE = re.compile(r'^#include "([a-z_]+\.cuh)"$', re.MULTILINE)
 
 def _extra(cuda_version: str | None) -> str:
     major = (cuda_version or "12").split(".")[0]
-    return f"commpress[cuda{major}]" if major in ("12", "13") else "commpress[cuda12] or commpress[cuda13]"
+    return f"cupy-cuda{major}x" if major in ("12", "13") else "cupy-cuda12x or cupy-cuda13x"
 
 
 @functools.cache
@@ -35,14 +35,15 @@ def require_cupy() -> Any:
         import cupy
     except ImportError as exc:
         raise RuntimeError(
-            f"CUDA tensors in commpress.cuda need CuPy: pip install '{extra}' (torch here uses CUDA {torch.version.cuda})"
+            f"CUDA tensors in commpress.cuda need CuPy: pip install {extra} (commpress's cuda12/cuda13 extra; torch "
+            f"here uses CUDA {torch.version.cuda})"
         ) from exc
     cupy_major = cupy.cuda.runtime.runtimeGetVersion() // 1000
     torch_major = int((torch.version.cuda or "0").split(".")[0])
     if torch_major and cupy_major != torch_major:
         raise RuntimeError(
             f"CuPy is built for CUDA {cupy_major} but torch uses CUDA {torch.version.cuda}: "
-            f"uninstall cupy-cuda{cupy_major}x and pip install '{extra}'"
+            f"uninstall cupy-cuda{cupy_major}x and pip install {extra}"
         )
     return cupy
 

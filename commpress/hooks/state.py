@@ -150,7 +150,11 @@ class CommState:
         return fut.then(self._record_finite)
 
     def _record_finite(self, fut: torch.futures.Future) -> torch.Tensor:
-        buffer = fut.value()
+        try:
+            buffer = fut.value()
+        except BaseException:
+            self._finite.append(torch.tensor(False))  # a failed bucket discards the whole step
+            raise
         self._finite.append(torch.isfinite(buffer).all())
         return buffer
 

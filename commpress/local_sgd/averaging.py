@@ -73,14 +73,19 @@ class ParameterAverager:
         Keep the buffer untouched until then. Call in the same order on every rank."""
         ctx = Context(rank=self.rank, world_size=self.world_size, step=self.calls)
         self.calls += 1
-        return self.backend.run(self.groups.reduction(bucket, ctx), bucket.buffer).then(self._commit)
+        done: torch.futures.Future = torch.futures.Future()
 
-    def _commit(self, fut: torch.futures.Future) -> torch.Tensor:
-        """Commit the compressor's state of a finished average (its caller checks the
-        result is finite and stops training otherwise)."""
-        buffer = fut.value()
-        self.groups.end_step(commit=True)
-        return buffer
+        def commit(fut: torch.futures.Future) -> None:
+            try:
+                buffer = fut.value()
+                self.groups.end_step(commit=True)
+            except BaseException as exc:  # the CollectiveError itself, not a RuntimeError around it
+                done.set_exception(exc)
+                return
+            done.set_result(buffer)
+
+        self.backend.run(self.groups.reduction(bucket, ctx), bucket.buffer).add_done_callback(commit)
+        return done
 
     def average(self, bucket: Bucket) -> torch.Tensor:
         """Average ``bucket.buffer`` in place and wait for it."""

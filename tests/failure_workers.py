@@ -1,0 +1,498 @@
+"""Rank processes for tests/test_failures.py: real gloo (or MPI) ranks where one peer dies,
+stalls or disagrees on purpose, and every rank writes what it saw to ``rank<r>.json``.
+
+Run as ``python failure_workers.py SCENARIO OUTDIR [PORT WORLD RANK]`` (gloo: the parent
+holds the TCPStore at PORT) or under ``mpirun`` (``mpi-*`` scenarios: rank and world from
+the launcher). A survivor records, per case: whether the failing call raised, the
+exception's type, message and ``__cause__``, the seconds it took, whether a second call
+failed at once, and whether the committed state stayed as it was before the failed step.
+
+Ranks meet at phase boundaries through files in OUTDIR (never through the process group
+that is about to break), so the peer that stalls stays silent on the network until every
+survivor has finished the phase.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import commpress
+import commpress.fsdp
+from commpress.comm.torch_backend import group_timeout
+from commpress.compressors import available
+from commpress.errors import CollectiveError
+from commpress.local_sgd import CO2, LocalSGD, from_config
+
+#: the process group timeout of every launch (init_process_group and the groups made here)
+TIMEOUT_S = 5.0
+#: how long a survivor's failing call may take before the case is recorded as a hang: the
+#: timeout plus the tests' margin plus a little, so a hang is told apart from a late error
+HANG_S = TIMEOUT_S + 25.0
+#: how long a rank waits at a file barrier for the others
+BARRIER_S = 240.0
+#: method parameters that make every method compress the small test layers
+PARAMS: dict[str, dict[str, Any]] = {
+    "powersgd": {"rank": 2, "min_compression_rate": 0.0},
+    "acpsgd": {"rank": 2, "min_compression_rate": 0.0},
+    "topk": {"ratio": 0.3},
+}
+HIERARCHICAL = {"adaptive": True, "domains": [[0, 1], [2, 3]], "probe_ms": 2.0}
+FSDP = {"weight_bits": 8, "grad_bits": 8, "min_numel": 0, "exclude": []}
+FIRST_FAILING_STEP = 2
+
+
+# ---- models and cases ---------------------------------------------------------------------
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two (nested) states differ: ``path: a -> b`` for plain values, the path for tensors."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+        return [] if same else [path or "/"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path}/ keys {sorted(map(str, a))} -> {sorted(map(str, b))}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}/{i}")]
+    return [] if a == b else [f"{path or '/'}: {a!r} -> {b!r}"]
+
+
+class Case:
+    """One training setup on every rank; ``step`` runs one training step."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def step(self, i: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """End of training (CO2 waits for its last background average here)."""
+
+    def snapshot(self) -> Any:
+        """The committed state a checkpoint taken now would hold (None: not checked)."""
+        return None
+
+    def failure(self) -> CollectiveError | None:
+        """The first collective failure of the case's backend, where it has one."""
+        return None
+
+    def channel_timeouts(self) -> list[float]:
+        """The timeouts (s) of the communicators the case's backend opened."""
+        return []
+
+
+def _timeouts(groups: Any) -> list[float]:
+    return [group_timeout(g).total_seconds() for g in groups]
+
+
+class DDPCase(Case):
+    """DDP with the commpress hook of ``config`` over ``group`` (None: the default group)."""
+
+    def __init__(self, rank: int, config: dict[str, Any], group: Any = None) -> None:
+        super().__init__(rank)
+        self.ddp = DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.002)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=0.05)
+        self.state = commpress.register(self.ddp, config)
+
+    def step(self, i: int) -> None:
+        x, y = _batch(i, self.rank)
+        self.opt.zero_grad()
+        F.mse_loss(self.ddp(x), y).backward()
+        self.opt.step()
+
+    def snapshot(self) -> Any:
+        return copy.deepcopy(self.state.state_dict())
+
+    def _backend(self) -> Any:
+        return self.state.adaptive.backend if self.state.adaptive is not None else self.state.backend
+
+    def failure(self) -> CollectiveError | None:
+        return self._backend().failure
+
+    def channel_timeouts(self) -> list[float]:
+        out = _timeouts(self.state.backend._comms.values())
+        if self.state.adaptive is not None:
+            out += _timeouts(self.state.adaptive.backend._comms.values())
+            out += _timeouts([self.state.adaptive._measure_group])
+        return out
+
+
+class LocalCase(Case):
+    """Local SGD (period 1: an average every step) or CO2 on a plain module."""
+
+    def __init__(self, rank: int, make: Callable[[nn.Module, torch.optim.Optimizer], LocalSGD]) -> None:
+        super().__init__(rank)
+        self.model = _mlp()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.trainer = make(self.model, self.opt)
+
+    def step(self, i: int) -> None:
+        x, y = _batch(i, self.rank)
+        self.opt.zero_grad()
+        F.mse_loss(self.model(x), y).backward()
+        self.trainer.step()
+
+    def finish(self) -> None:
+        self.trainer.finish()
+
+    def snapshot(self) -> Any:
+        out = {"anchor": self.trainer.anchor.clone(), "rounds": self.trainer.clock.rounds}
+        out["compressor"] = copy.deepcopy(self.trainer.averager.compressor.state_dict())
+        if isinstance(self.trainer, CO2):
+            out["momentum"] = self.trainer.momentum.clone()
+        return out
+
+    def failure(self) -> CollectiveError | None:
+        return self.trainer.averager.backend.failure
+
+    def channel_timeouts(self) -> list[float]:
+        return _timeouts(self.trainer.averager.backend._comms.values())
+
+
+class FSDPCase(Case):
+    """FSDP2 (fully_shard) with commpress's quantized collectives, on ``mesh``."""
+
+    def __init__(self, rank: int, mesh: DeviceMesh, config: dict[str, Any] = FSDP) -> None:
+        super().__init__(rank)
+        self.model = _mlp()
+        fully_shard(self.model, mesh=mesh)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.state = commpress.fsdp.apply(self.model, config)
+
+    def step(self, i: int) -> None:
+        x, y = _batch(i, self.rank)
+        self.opt.zero_grad()
+        F.mse_loss(self.model(x), y).backward()
+        self.opt.step()
+
+
+# ---- recording ----------------------------------------------------------------------------
+
+
+def describe(exc: BaseException | None) -> dict[str, Any] | None:
+    """What a test needs to know about an exception (JSON)."""
+    if exc is None:
+        return None
+    cause = exc.__cause__
+    return {
+        "type": type(exc).__name__,
+        "collective_error": isinstance(exc, CollectiveError),
+        "message": str(exc)[:4000],
+        "cause": None if cause is None else type(cause).__name__,
+        "cause_message": None if cause is None else str(cause)[:1000],
+    }
+
+
+def _timed(fn: Callable[[], None]) -> tuple[BaseException | None, float]:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except BaseException as exc:  # recorded for the test
+        return exc, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def fail(case: Case, first: int = FIRST_FAILING_STEP) -> dict[str, Any]:
+    """Train from step ``first`` until something raises (at most 3 steps, then finish);
+    then try one more step and finish, which must fail at once."""
+    snapshot: Any = None
+
+    def until_error() -> None:
+        nonlocal snapshot
+        for i in range(first, first + 3):
+            snapshot = case.snapshot()  # what a checkpoint before the failing step holds
+            case.step(i)
+        snapshot = case.snapshot()
+        case.finish()
+
+    exc, elapsed = _timed(until_error)
+    record: dict[str, Any] = {"raised": exc is not None, "elapsed": elapsed, "error": describe(exc)}
+    if exc is None:
+        return record
+    after = case.snapshot()
+    record["state_changes"] = None if after is None else differences(snapshot, after)
+    failure = case.failure()
+    record["failure"] = describe(failure)
+
+    def again() -> None:
+        case.step(first + 3)
+        case.finish()
+
+    exc2, elapsed2 = _timed(again)
+    record["again"] = {"raised": exc2 is not None, "elapsed": elapsed2, "error": describe(exc2)}
+    return record
+
+
+def fail_concurrently(cases: dict[str, Any], run: Callable[[Any], dict[str, Any]] = fail) -> dict[str, Any]:
+    """``run`` every case in its own thread (each has its own communicators), so the
+    timeouts of a stalled peer overlap; a case still running after HANG_S is a hang."""
+    records: dict[str, Any] = {}
+
+    def one(name: str, case: Any) -> None:
+        try:
+            records[name] = run(case)
+        except BaseException as exc:  # a failure of the harness itself
+            records[name] = {"raised": True, "elapsed": -1.0, "error": describe(exc), "harness": True}
+
+    t0 = time.monotonic()
+    threads = {n: threading.Thread(target=one, args=(n, c), daemon=True) for n, c in cases.items()}
+    for t in threads.values():
+        t.start()
+    for name, t in threads.items():
+        t.join(max(0.0, HANG_S - (time.monotonic() - t0)))
+        if t.is_alive():
+            records[name] = {"raised": False, "hung": True, "elapsed": time.monotonic() - t0, "error": None}
+    return dict(records)
+
+
+class Recorder:
+    """This rank's results, rewritten after every phase (a later crash keeps them)."""
+
+    def __init__(self, out: Path, rank: int) -> None:
+        self.path = out / f"rank{rank}.json"
+        self.data: dict[str, Any] = {"rank": rank, "cases": {}, "info": {}}
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.path)
+
+
+def barrier(out: Path, name: str, rank: int, ranks: list[int]) -> None:
+    """Wait (polling files) until every rank in ``ranks`` has reached ``name``."""
+    (out / f"{name}.{rank}").touch()
+    deadline = time.monotonic() + BARRIER_S
+    while not all((out / f"{name}.{r}").exists() for r in ranks):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks did not reach {name} within {BARRIER_S} s")
+        time.sleep(0.05)
+
+
+def _groups(n: int) -> list[Any]:
+    """``n`` fresh groups over every rank, each with the launch's timeout."""
+    return [dist.new_group(timeout=datetime.timedelta(seconds=TIMEOUT_S)) for _ in range(n)]
+
+
+# ---- scenarios ----------------------------------------------------------------------------
+
+
+def _peer_cases(rank: int) -> dict[str, Case]:
+    """Every method under DDP, Local SGD, CO2 (from a config) and FSDP2, each over its own group."""
+    methods = available()
+    groups = iter(_groups(len(methods) + 3))
+    cases: dict[str, Case] = {
+        f"ddp/{m}": DDPCase(rank, {"method": m, "params": PARAMS.get(m, {})}, next(groups)) for m in methods
+    }
+    g = next(groups)
+    cases["local_sgd"] = LocalCase(rank, lambda model, opt: LocalSGD(model, opt, period=1, process_group=g))
+    co2 = {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 1, "outer_momentum": 0.5}}
+    g2 = next(groups)
+    cases["co2"] = LocalCase(rank, lambda model, opt: from_config(model, opt, co2, process_group=g2))
+    cases["fsdp2"] = FSDPCase(rank, DeviceMesh.from_group(next(groups), "cpu"))
+    return cases
+
+
+def lost_peer(rank: int, world: int, out: Path, make_cases: Callable[[int], dict[str, dict[str, Case]]]) -> None:
+    """The last rank stalls (phase "stalled"), then dies (phase "dead") at step 2 of every
+    case; the others record what they see."""
+    rec = Recorder(out, rank)
+    phases = make_cases(rank)
+    for i in range(FIRST_FAILING_STEP):
+        for cases in phases.values():
+            for case in cases.values():
+                case.step(i)
+    rec.data["info"]["methods"] = available()
+    rec.data["info"]["channel_timeouts"] = {
+        f"{p}/{n}": c.channel_timeouts() for p, cases in phases.items() for n, c in cases.items()
+    }
+    rec.save()
+    lost, survivors = world - 1, list(range(world - 1))
+    if rank == lost:
+        barrier(out, "stalled", rank, survivors)  # silent on the network until they are done
+        os._exit(1)  # dead: no clean-up, sockets close
+    rec.data["cases"]["stalled"] = fail_concurrently(phases["stalled"])
+    rec.save()
+    barrier(out, "stalled", rank, [*survivors, lost])  # the lost rank's marker comes first
+    rec.data["cases"]["dead"] = fail_concurrently(phases["dead"])
+    rec.save()
+
+
+def peers(rank: int, world: int, out: Path) -> None:
+    lost_peer(rank, world, out, lambda r: {"stalled": _peer_cases(r), "dead": _peer_cases(r)})
+
+
+def hierarchical(rank: int, world: int, out: Path) -> None:
+    """4 ranks, domains [[0, 1], [2, 3]]: the hierarchical path (also while re-measuring
+    the links) and plain DDP over the default group."""
+
+    def cases(r: int) -> dict[str, dict[str, Case]]:
+        topk = {"method": "topk", "params": PARAMS["topk"], "bandwidth": HIERARCHICAL}
+        remeasure = {**topk, "bandwidth": {**HIERARCHICAL, "remeasure_every": FIRST_FAILING_STEP}}
+        lowrank = {"method": "powersgd", "params": PARAMS["powersgd"], "bandwidth": HIERARCHICAL}
+        return {
+            "stalled": {
+                "hierarchical/topk": DDPCase(r, topk),
+                "hierarchical-remeasure/topk": DDPCase(r, remeasure),
+                "ddp/fp16": DDPCase(r, {"method": "fp16"}),
+            },
+            "dead": {"hierarchical/powersgd": DDPCase(r, lowrank), "ddp/fp16": DDPCase(r, {"method": "fp16"})},
+        }
+
+    lost_peer(rank, world, out, cases)
+
+
+def _agreement_cases(rank: int) -> dict[str, Callable[[], Any]]:
+    """Entry points given a config that differs on rank 1 (each over the default group)."""
+    other = rank == 1
+
+    def ddp(config: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: commpress.register(DistributedDataParallel(_mlp()), config)
+
+    def local(make: Callable[[nn.Module, torch.optim.Optimizer], Any]) -> Callable[[], Any]:
+        def build() -> Any:
+            model = _mlp()
+            return make(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+        return build
+
+    override = [{"params": ["0.weight"], "method": "none"}]
+    period = 3 if other else 2
+    return {
+        "register/method": ddp({"method": "topk", "params": PARAMS["topk"]} if other else {"method": "powersgd"}),
+        "register/override": ddp({"method": "fp16", "overrides": override} if other else {"method": "fp16"}),
+        "register/backend": ddp({"method": "fp16", "backend": "mpi" if other else "torch"}),
+        "CommState/params": lambda: commpress.CommState(
+            {"method": "topk", "params": {"ratio": 0.2 if other else 0.1}}, model=_mlp()
+        ),
+        "from_config/period": local(lambda m, o: from_config(m, o, {"local_sgd": {"period": period}})),
+        "LocalSGD/period": local(lambda m, o: LocalSGD(m, o, period=period)),
+        "CO2/outer_lr": local(lambda m, o: CO2(m, o, period=2, outer_lr=0.5 if other else 1.0)),
+        "fsdp.apply/weight_bits": lambda: FSDPCase(
+            rank, init_device_mesh("cpu", (dist.get_world_size(),)), {**FSDP, "weight_bits": 4 if other else 8}
+        ),
+    }
+
+
+def agreement(rank: int, world: int, out: Path) -> None:
+    """Every entry point with a config that differs across ranks; then check the default
+    group still works (the error came from the check, not from a broken transport)."""
+    rec = Recorder(out, rank)
+    for name, build in _agreement_cases(rank).items():
+        exc, elapsed = _timed(build)
+        rec.data["cases"][name] = {"raised": exc is not None, "elapsed": elapsed, "error": describe(exc)}
+        rec.save()
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    rec.data["info"]["group_still_works"] = ones.item() == world
+    rec.save()
+
+
+def absent(rank: int, world: int, out: Path) -> None:
+    """Rank 1 wraps its models but never calls any commpress entry point; rank 0 calls
+    each (concurrently, each over its own group; ``fsdp.apply`` over the default group)."""
+    rec = Recorder(out, rank)
+    groups = _groups(5)
+    ddp = DistributedDataParallel(_mlp(), process_group=groups[0])  # both ranks wrap: DDP's own collectives
+    fsdp_model = _mlp()
+    fully_shard(fsdp_model, mesh=init_device_mesh("cpu", (world,)))
+    if rank == 1:
+        barrier(out, "done", rank, [0, 1])
+        return
+    config = {"method": "fp16"}
+
+    def local(make: Callable[[nn.Module, torch.optim.Optimizer], Any]) -> Callable[[], Any]:
+        model = _mlp()
+        return lambda: make(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    calls: dict[str, Callable[[], Any]] = {
+        "register": lambda: commpress.register(ddp, config),
+        "CommState": lambda: commpress.CommState(config, model=_mlp(), process_group=groups[1]),
+        "from_config": local(lambda m, o: from_config(m, o, {"local_sgd": {"period": 2}}, process_group=groups[2])),
+        "LocalSGD": local(lambda m, o: LocalSGD(m, o, period=2, process_group=groups[3])),
+        "CO2": local(lambda m, o: CO2(m, o, period=2, process_group=groups[4])),
+        "fsdp.apply": lambda: commpress.fsdp.apply(fsdp_model, FSDP),
+    }
+
+    def run(call: Callable[[], Any]) -> dict[str, Any]:
+        exc, elapsed = _timed(call)
+        return {"raised": exc is not None, "elapsed": elapsed, "error": describe(exc)}
+
+    rec.data["cases"] = fail_concurrently(calls, run)
+    rec.save()
+    barrier(out, "done", rank, [0, 1])
+
+
+def mpi_lost_peer(how: str, out: Path) -> None:
+    """Under mpirun: DDP with ``backend = "mpi"``; rank 1 stalls or dies at step 2."""
+    from commpress.comm.from_env import init_from_env
+
+    launch = init_from_env("gloo", timeout=TIMEOUT_S)  # the MPI backend takes this timeout too
+    rank = launch.rank
+    rec = Recorder(out, rank)
+    case = DDPCase(rank, {"method": "fp16", "backend": "mpi"})
+    for i in range(FIRST_FAILING_STEP):
+        case.step(i)
+    rec.data["info"]["mpi_timeout"] = case.state.backend.timeout
+    rec.save()
+    if rank == 1:
+        if how == "dead":
+            os._exit(0)  # a clean exit code: mpirun would otherwise end the job itself
+        time.sleep(3600)  # mpirun ends it once rank 0 has exited
+    rec.data["cases"][how] = {"ddp/fp16": fail(case)}
+    rec.save()
+
+
+SCENARIOS = {"peers": peers, "hierarchical": hierarchical, "agreement": agreement, "absent": absent}
+
+
+def main(argv: list[str]) -> None:
+    scenario, out = argv[0], Path(argv[1])
+    torch.set_num_threads(1)
+    if scenario.startswith("mpi-"):
+        mpi_lost_peer(scenario.removeprefix("mpi-"), out)
+        os._exit(0)  # a failed group cannot be destroyed cleanly; the results are written
+    port, world, rank = (int(a) for a in argv[2:5])
+    store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        SCENARIOS[scenario](rank, world, out)
+    except BaseException:
+        (out / f"rank{rank}.crash").write_text(traceback.format_exc())
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
