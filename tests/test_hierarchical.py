@@ -37,7 +37,7 @@ LAYOUTS = {
 }
 METHODS = [
     ("fp16", {}),
-    ("topk", {"ratio": 0.3}),
+    ("topk", {"ratio": 0.3, "min_numel": 0}),
     ("terngrad", {}),
     ("powersgd", {"rank": 2, "min_compression_rate": 0.0}),
     ("acpsgd", {"rank": 2, "min_compression_rate": 0.0}),
@@ -278,7 +278,7 @@ def _adaptive_runs(rank: int, world: int) -> dict:
         "domain": state.adaptive.plan.domain_of(rank),
     }
     # the real Top-k: a new ratio, the same residuals
-    topk = CommState({**ADAPTIVE, "method": "topk", "params": {"ratio": 0.5}}, model=_model())
+    topk = CommState({**ADAPTIVE, "method": "topk", "params": {"ratio": 0.5, "min_numel": 0}}, model=_model())
     topk.adaptive.replan(_topology(0.5))
     _steps(topk, _model(), rank, 0, 2, [])
     before = topk.compressors["main"].state_dict()

@@ -54,7 +54,7 @@ def test_missing_cupy_names_the_extra(monkeypatch):
     _cupy.require_cupy.cache_clear()
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    with pytest.raises(RuntimeError, match=r"pip install 'commpress\[cuda13\]'"):
+    with pytest.raises(RuntimeError, match=r"pip install cupy-cuda13x \(commpress's cuda12/cuda13 extra"):
         _cupy.require_cupy()
     _cupy.require_cupy.cache_clear()
 
@@ -71,6 +71,8 @@ def test_cupy_for_another_cuda_major_names_the_right_extra(monkeypatch):
     _cupy.require_cupy.cache_clear()
     monkeypatch.setitem(sys.modules, "cupy", FakeCupy)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    with pytest.raises(RuntimeError, match=r"CuPy is built for CUDA 12 but torch uses CUDA 13.0.*commpress\[cuda13\]"):
+    with pytest.raises(
+        RuntimeError, match=r"CUDA 12 but torch uses CUDA 13.0: uninstall cupy-cuda12x and pip install cupy-cuda13x"
+    ):
         _cupy.require_cupy()
     _cupy.require_cupy.cache_clear()

@@ -40,6 +40,22 @@ def test_ternary_codes_follow_the_definition(dtype):
     assert int(codes.max()) <= 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_ternary_bound_clamps_before_quantizing(dtype):
+    n = CHUNK + 1003
+    x = (3 * torch.randn(n, generator=torch.Generator().manual_seed(12))).to(dtype)
+    x[7] = float("nan")
+    scale = x.float().nan_to_num(0.0).abs().max() * 0.8
+    bound = torch.tensor(0.7)
+    seed = derive_seed(4, 2)
+    packed = ternary_quantize_pack(x, scale, seed, bound)
+    clamped = x.float().clamp(-0.7, 0.7)  # in float32: the bound is not rounded to x's dtype
+    assert torch.equal(unpack_bits(packed, 2, n), ref_ternary_codes(clamped, scale.item(), seed))
+    assert torch.equal(packed, ternary_quantize_pack(clamped, scale, seed))
+    assert not torch.equal(packed, ternary_quantize_pack(x, scale, seed))  # the bound changed the draws' outcome
+    assert torch.equal(ternary_quantize_pack(x, scale, seed, torch.tensor(float("inf"))), ternary_quantize_pack(x, scale, seed))
+
+
 def test_ternary_special_scales_and_nan():
     x = torch.tensor([1.0, -2.0, float("nan"), 0.5])
     assert ternary_quantize_pack(x, torch.tensor(0.0), 1).tolist() == [0]

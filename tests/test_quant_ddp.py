@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from commpress.comm.launch import run_local
-from commpress.compressors.topk import topk_count
+from commpress.compressors.topk import DEFAULT_MIN_NUMEL, topk_count
 
 pytestmark = pytest.mark.multiproc
 STEPS = 200  # the demo's step count
@@ -91,8 +91,10 @@ def test_bytes_per_step_match_the_formulas(runs):
 
     sizes = [p.numel() for p in CharTask().model().parameters()]
     assert runs[0]["none"].bytes_per_step == 4 * sum(sizes)
-    # Top-k: k = ceil(0.01 n) per tensor, an int32 index and a float32 value each
-    assert runs[0]["topk"].bytes_per_step == sum(topk_count(0.01, n) for n in sizes) * (4 + 4)
+    # Top-k: k = ceil(0.01 n) per tensor, an int32 index and a float32 value each; tensors
+    # under min_numel elements travel whole (4 bytes an element)
+    expected = sum(8 * topk_count(0.01, n) if n >= DEFAULT_MIN_NUMEL else 4 * n for n in sizes)
+    assert runs[0]["topk"].bytes_per_step == expected
     # TernGrad: 2-bit codes, 4 per byte, plus one float32 scale per tensor (max all-reduce)
     assert runs[0]["terngrad"].bytes_per_step == sum(math.ceil(n / 4) + 4 for n in sizes)
 

@@ -1,5 +1,5 @@
 """Top-k with error feedback on the simulated world: mass conservation, counts, bytes,
-warm-up, state, edge cases."""
+warm-up, small tensors sent whole, state, edge cases (DGC: tests/test_dgc.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import torch
 from commpress import ConfigError
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, Context, build
-from commpress.compressors.topk import topk_count
+from commpress.compressors.topk import DEFAULT_MIN_NUMEL, topk_count
 
 SIZES = (300, 40, 7, 1)
 NAMES = ("w", "b", "c", "d")
+ALL = {"min_numel": 0}  # every tensor sparsified, however small (the small-tensor rule has its own tests below)
 
 
 def _grads(seed: int, sizes=SIZES) -> list[torch.Tensor]:
@@ -46,7 +47,7 @@ def test_mass_is_conserved_exactly(value_dtype, selection):
     # grad + old residual bit for bit; a narrower wire dtype leaves its rounding error in
     # the residual (acc - round(acc) is exact in float32, Sterbenz), so it holds there too
     sim = SimulatedWorld(1)
-    (comp,) = sim.compressors(lambda: build("topk", {"ratio": 0.05, "value_dtype": value_dtype, "selection": selection}))
+    (comp,) = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.05, "value_dtype": value_dtype, "selection": selection}))
     old = torch.zeros(sum(SIZES))
     for step in range(6):
         grad = torch.cat(_grads(step)) * (100.0 if step == 3 else 1.0)
@@ -63,7 +64,7 @@ def test_mass_is_conserved_exactly(value_dtype, selection):
 
 def test_float16_wire_clamps_and_keeps_the_excess():
     sim = SimulatedWorld(1)
-    (comp,) = sim.compressors(lambda: build("topk", {"ratio": 0.01, "value_dtype": "float16"}))
+    (comp,) = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.01, "value_dtype": "float16"}))
     grad = torch.zeros(100)
     grad[17] = 1e6  # beyond float16's range
     bucket = Bucket.from_tensors(0, [grad.clone()], ["w"])
@@ -78,7 +79,7 @@ def test_float16_wire_clamps_and_keeps_the_excess():
 
 def test_sends_the_largest_entries_of_each_tensor():
     sim = SimulatedWorld(1)
-    (comp,) = sim.compressors(lambda: build("topk", {"ratio": 0.1, "selection": "exact"}))
+    (comp,) = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.1, "selection": "exact"}))
     grads = _grads(0)
     bucket = _bucket(grads)
     _step(sim, [comp], [bucket])
@@ -93,7 +94,7 @@ def test_sends_the_largest_entries_of_each_tensor():
 def test_average_over_ranks_of_what_each_sent():
     world = 3
     sim = SimulatedWorld(world)
-    comps = sim.compressors(lambda: build("topk", {"ratio": 0.02}))
+    comps = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.02}))
     olds = [torch.zeros(sum(SIZES)) for _ in range(world)]
     for step in range(4):
         grads = [torch.cat(_grads(10 * step + r)) for r in range(world)]
@@ -112,7 +113,7 @@ def test_average_over_ranks_of_what_each_sent():
 @pytest.mark.parametrize(("value_dtype", "value_bytes"), [("float32", 4), ("float16", 2), ("bfloat16", 2)])
 def test_bytes_on_the_wire(value_dtype, value_bytes):
     sim = SimulatedWorld(2)
-    comps = sim.compressors(lambda: build("topk", {"ratio": 0.01, "value_dtype": value_dtype}))
+    comps = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.01, "value_dtype": value_dtype}))
     _step(sim, comps, [_bucket(_grads(r)) for r in range(2)])
     k = sum(topk_count(0.01, n) for n in SIZES)
     assert k == 3 + 1 + 1 + 1
@@ -123,7 +124,7 @@ def test_bytes_on_the_wire(value_dtype, value_bytes):
 def test_ratio_one_is_exact_averaging():
     # k = n for every tensor (the largest k a tensor allows): nothing is left behind
     sim = SimulatedWorld(2)
-    comps = sim.compressors(lambda: build("topk", {"ratio": 1.0}))
+    comps = sim.compressors(lambda: build("topk", {**ALL, "ratio": 1.0}))
     buckets = [_bucket(_grads(r)) for r in range(2)]
     expected = (buckets[0].buffer + buckets[1].buffer) / 2
     _step(sim, comps, buckets)
@@ -132,7 +133,7 @@ def test_ratio_one_is_exact_averaging():
 
 
 def test_warmup_schedule():
-    comp = build("topk", {"ratio": 0.01, "warmup_steps": 4, "warmup_ratio": 0.25})
+    comp = build("topk", {**ALL, "ratio": 0.01, "warmup_steps": 4, "warmup_ratio": 0.25})
     ratios = [comp.ratio_at(s) for s in range(6)]
     assert ratios[0] == 0.25 and ratios[4] == ratios[5] == 0.01
     # geometric: a constant factor (0.01 / 0.25) ** (1/4) per step, like DGC's stages
@@ -145,7 +146,7 @@ def test_warmup_schedule():
 
 def test_all_zero_gradients():
     sim = SimulatedWorld(2)
-    comps = sim.compressors(lambda: build("topk", {"ratio": 0.1}))
+    comps = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.1}))
     buckets = [_bucket([torch.zeros(n) for n in SIZES]) for _ in range(2)]
     _step(sim, comps, buckets)
     assert torch.equal(buckets[0].buffer, torch.zeros(sum(SIZES)))
@@ -154,7 +155,7 @@ def test_all_zero_gradients():
 
 def test_empty_bucket_and_empty_tensor():
     sim = SimulatedWorld(2)
-    comps = sim.compressors(lambda: build("topk"))
+    comps = sim.compressors(lambda: build("topk", ALL))
     _step(sim, comps, [Bucket(0, torch.zeros(0)) for _ in range(2)])
     assert sim.traffic[0].bytes_sent == 0 and sim.traffic[0].collectives == 0
     buckets = [_bucket([torch.ones(3), torch.zeros(0), torch.ones(1)], names=["x", "e", "y"]) for _ in range(2)]
@@ -167,8 +168,8 @@ def test_empty_bucket_and_empty_tensor():
 def test_half_precision_gradients(dtype):
     # the residual is float32; the decode is rounded once into the gradient's dtype
     sim = SimulatedWorld(1)
-    (comp,) = sim.compressors(lambda: build("topk", {"ratio": 0.1}))
-    (ref,) = sim.compressors(lambda: build("topk", {"ratio": 0.1}))
+    (comp,) = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.1}))
+    (ref,) = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.1}))
     for step in range(3):
         grads = [g.to(dtype) for g in _grads(step)]
         half = _bucket(grads, dtype=dtype)
@@ -182,8 +183,8 @@ def test_half_precision_gradients(dtype):
 
 def test_strided_buffer_gives_the_same_result():
     sim = SimulatedWorld(1)
-    (a,) = sim.compressors(lambda: build("topk", {"ratio": 0.1}))
-    (b,) = sim.compressors(lambda: build("topk", {"ratio": 0.1}))
+    (a,) = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.1}))
+    (b,) = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.1}))
     for step in range(2):
         dense = _bucket(_grads(step))
         big = torch.zeros(2 * dense.buffer.numel())
@@ -203,7 +204,7 @@ def test_non_finite_step_is_passed_through_and_keeps_residuals(bad):
     # skips the step everywhere) and no rank updates its residual from that step
     world = 2
     sim = SimulatedWorld(world)
-    comps = sim.compressors(lambda: build("topk", {"ratio": 0.05}))
+    comps = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.05}))
     _step(sim, comps, [_bucket(_grads(r)) for r in range(world)], step=0)
     before = [_residual(c) for c in comps]
     grads = [_grads(10 + r) for r in range(world)]
@@ -225,7 +226,7 @@ def test_non_finite_step_is_passed_through_and_keeps_residuals(bad):
 def test_state_dict_resume_is_exact():
     def run(steps, comp=None):
         sim = SimulatedWorld(1)
-        comp = comp or build("topk", {"ratio": 0.05, "value_dtype": "float16"})
+        comp = comp or build("topk", {**ALL, "ratio": 0.05, "value_dtype": "float16"})
         outs = []
         for step in steps:
             b = _bucket(_grads(step))
@@ -235,20 +236,20 @@ def test_state_dict_resume_is_exact():
 
     _, straight = run(range(6))
     first, _ = run(range(3))
-    fresh = build("topk", {"ratio": 0.05, "value_dtype": "float16"})
+    fresh = build("topk", {**ALL, "ratio": 0.05, "value_dtype": "float16"})
     fresh.load_state_dict(first.state_dict())
     _, resumed = run(range(3, 6), fresh)
     for a, b in zip(straight[3:], resumed):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="expects state with key 'residuals'"):
+    with pytest.raises(ValueError, match=r"expects state with keys \['residuals'\]"):
         fresh.load_state_dict({"error": {}})
 
 
 def test_residuals_follow_parameters_into_new_buckets():
     # DDP rebuilds its buckets after the first step: parameters move, their residuals too
     grads = _grads(0)
-    ref = build("topk", {"ratio": 0.05})
-    moved = build("topk", {"ratio": 0.05})
+    ref = build("topk", {**ALL, "ratio": 0.05})
+    moved = build("topk", {**ALL, "ratio": 0.05})
     sim = SimulatedWorld(1)
     _step(sim, [ref], [_bucket(grads)], step=0)
     _step(sim, [moved], [_bucket(grads)], step=0)  # one bucket holding w, b, c, d
@@ -269,12 +270,41 @@ def test_residuals_follow_parameters_into_new_buckets():
 def test_flat_buckets_keep_separate_residuals():
     # buckets without parameter names are told apart by their index
     sim = SimulatedWorld(1)
-    (comp,) = sim.compressors(lambda: build("topk", {"ratio": 0.1}))
+    (comp,) = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.1}))
     _step(sim, [comp], [Bucket(0, torch.arange(10.0))])
     _step(sim, [comp], [Bucket(1, -torch.arange(10.0))])
     res = comp.state_dict()["residuals"]
     assert torch.equal(res["flat0"], torch.arange(10.0).where(torch.arange(10) < 9, 0.0))
     assert torch.equal(res["flat1"], -res["flat0"])
+
+
+def test_small_tensors_are_sent_whole_and_averaged_exactly():
+    # default min_numel: "w" (5000 elements) is sparsified, "b" (30) and "c" (1023) are sent whole
+    assert DEFAULT_MIN_NUMEL == 1024
+    sim = SimulatedWorld(2)
+    comps = sim.compressors(lambda: build("topk", {"ratio": 0.01}))
+    sizes, names = (5000, 30, 1023), ["w", "b", "c"]
+    for step in range(3):
+        grads = [_grads(10 * step + r, sizes) for r in range(2)]
+        buckets = [_bucket(g, names=names) for g in grads]
+        _step(sim, comps, buckets, step=step)
+        w, b, c = buckets[0].views()
+        assert torch.equal(b, (grads[0][1] + grads[1][1]) / 2) and torch.equal(c, (grads[0][2] + grads[1][2]) / 2)
+        assert 0 < int((w != 0).sum()) <= 2 * topk_count(0.01, 5000)
+    assert sorted(comps[0].state_dict()["residuals"]) == ["w"]  # nothing kept for what was sent whole
+    k = topk_count(0.01, 5000)
+    assert sim.traffic[0].bytes_sent == 3 * (8 * k + 4 * (30 + 1023)) and sim.traffic[0].collectives == 3
+
+
+def test_a_bucket_of_small_tensors_only():
+    sim = SimulatedWorld(2)
+    comps = sim.compressors(lambda: build("topk", {"ratio": 0.01, "min_numel": 100}))
+    grads = [_grads(r, (7, 40)) for r in range(2)]
+    buckets = [_bucket(g, names=["a", "b"], dtype=torch.bfloat16) for g in grads]
+    _step(sim, comps, buckets)
+    expected = (torch.cat(grads[0]).to(torch.bfloat16).float() + torch.cat(grads[1]).to(torch.bfloat16).float()) / 2
+    assert buckets[0].buffer.dtype == torch.bfloat16 and torch.equal(buckets[0].buffer, expected.to(torch.bfloat16))
+    assert sim.traffic[0].bytes_sent == 4 * 47 and comps[0].state_dict() == {"residuals": {}}
 
 
 def test_config_errors():
@@ -292,11 +322,11 @@ def test_config_errors():
             build("topk", params)
     with pytest.raises(TypeError, match="does not support gradient dtype float64"):
         sim = SimulatedWorld(1)
-        _step(sim, [build("topk")], [Bucket(0, torch.ones(4, dtype=torch.float64))])
+        _step(sim, [build("topk", ALL)], [Bucket(0, torch.ones(4, dtype=torch.float64))])
 
 
 def test_context_step_drives_the_schedule_not_call_counts():
-    comp = build("topk", {"ratio": 0.01, "warmup_steps": 10})
+    comp = build("topk", {**ALL, "ratio": 0.01, "warmup_steps": 10})
     gen = comp.reduce(_bucket(_grads(0)), Context(rank=0, world_size=1, step=10))
     request = next(gen)
     assert request.nbytes == 8 * sum(topk_count(0.01, n) for n in SIZES)
@@ -306,8 +336,8 @@ def test_context_step_drives_the_schedule_not_call_counts():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_gives_the_same_bits_as_cpu():
     sim = SimulatedWorld(2)
-    cpu = sim.compressors(lambda: build("topk", {"ratio": 0.05, "value_dtype": "float16", "selection": "sampled"}))
-    gpu = sim.compressors(lambda: build("topk", {"ratio": 0.05, "value_dtype": "float16", "selection": "sampled"}))
+    cpu = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.05, "value_dtype": "float16", "selection": "sampled"}))
+    gpu = sim.compressors(lambda: build("topk", {**ALL, "ratio": 0.05, "value_dtype": "float16", "selection": "sampled"}))
     for step in range(3):
         a = [_bucket(_grads(10 * step + r)) for r in range(2)]
         b = [Bucket(x.index, x.buffer.cuda(), x.slots) for x in (_bucket(_grads(10 * step + r)) for r in range(2))]
@@ -315,17 +345,3 @@ def test_cuda_gives_the_same_bits_as_cpu():
         _step(sim, gpu, b, step=step)
         assert torch.equal(b[0].buffer.cpu(), a[0].buffer)
     assert torch.equal(_residual(gpu[1]).cpu(), _residual(cpu[1]))
-
-
-def test_throughput_script_runs():
-    # the tooling behind docs/quantization.md's throughput table, on a tiny buffer
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "compress_throughput.py"
-    spec = importlib.util.spec_from_file_location("compress_throughput", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    rows = module.measure(numel=1000, tensors=3, world=2, repeat=1, specs=["terngrad", "topk:ratio=0.1"])
-    assert [r[0] for r in rows] == ["copy", "terngrad", "topk:ratio=0.1"]
-    assert all(float(cell.rstrip("x")) > 0 for r in rows for cell in r[1:])

@@ -25,6 +25,7 @@ COMMANDS = {
     "bench-fsdp": "commpress.cli.bench_fsdp",
     "linkemu": "commpress.cli.linkemu",
     "bandwidth": "commpress.cli.bandwidth",
+    "quality": "commpress.cli.quality",
 }
 
 

@@ -21,7 +21,7 @@ from commpress.compressors.base import AllGather, AllReduce, Bucket, Compressor,
 from commpress.compressors.framing import unframe
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_key, tensor_seed
-from commpress.cuda import ternary_quantize_pack, ternary_unpack_accumulate
+from commpress.cuda import ternary_quantize_pack_many, ternary_unpack_accumulate_many
 from commpress.errors import ConfigError
 
 __all__ = ["TernGradCompressor"]
@@ -69,25 +69,17 @@ class TernGradCompressor(Compressor):
         bounds, peaks, scales = self._local_scales(views)
         shared = yield AllReduce(scales, op="max")
         # Elements above the shared scale are always kept (probability >= 1): the quantizer
-        # clips at s by itself. Clamp explicitly only where this rank's bound is lower.
-        # Both decisions reach the host in one read.
-        read = host.flags(torch.cat([torch.isfinite(shared), bounds < torch.minimum(peaks, shared)]))
-        finite, clip = read[: len(slots)], read[len(slots) :]
-        bound, scale = bounds.unbind(), shared.unbind()
-        pieces = []
-        for t, (slot, view) in enumerate(zip(slots, views)):
-            if not finite[t]:
-                pieces.append(torch.zeros(_packed_len(slot.numel), dtype=torch.uint8, device=view.device))
-                continue
-            x = torch.clamp(view, -bound[t], bound[t]) if clip[t] else view
-            seed = tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, slot))
-            pieces.append(ternary_quantize_pack(x, scale[t], seed))
-        gathered = yield AllGather(torch.cat(pieces))
-        rows = unframe(gathered, [(torch.uint8, _packed_len(s.numel)) for s in slots])
-        for t, (slot, view) in enumerate(zip(slots, views)):
-            if finite[t]:
-                ternary_unpack_accumulate(rows[t], scale[t].repeat(ctx.world_size), slot.numel, view)
-            else:
+        # clips at s by itself. Clip (inside the quantizer's pass) only where this rank's
+        # bound is lower. A tensor whose shared scale is +Inf (Inf/NaN on some rank) gets
+        # zero codes, and NaN after the decode.
+        clip = torch.where(bounds < torch.minimum(peaks, shared), bounds, math.inf)
+        spans = [(s.offset, s.numel) for s in slots]
+        seeds = [tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, s)) for s in slots]
+        gathered = yield AllGather(ternary_quantize_pack_many(bucket.buffer, spans, shared, seeds, clip))
+        (packed,) = unframe(gathered, [(torch.uint8, sum(_packed_len(s.numel) for s in slots))])
+        ternary_unpack_accumulate_many(packed, shared.expand(ctx.world_size, -1), spans, bucket.buffer)
+        for view, finite in zip(views, host.flags(torch.isfinite(shared))):
+            if not finite:
                 view.fill_(math.nan)
 
     def _local_scales(self, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

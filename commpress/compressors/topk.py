@@ -1,16 +1,25 @@
-"""Top-k sparsification with error feedback (Stich et al., 2018; Lin et al., DGC 2018).
+"""Top-k sparsification with error feedback (Stich et al., 2018) or DGC's momentum
+correction (Lin et al., 2018).
 
 acc = grad + residual; from every tensor send its k = ceil(ratio·n) entries of largest
 |acc| as (int32 index, value) pairs; the residual becomes acc with the sent values
 removed, so nothing is lost, only delayed. All (index, value) pairs of a bucket travel
 in ONE all-gather; every rank adds up all ranks' pairs and divides by the world.
 
+With ``dgc = true`` the sparsified quantity is DGC's velocity instead (momentum correction
+and factor masking, :mod:`commpress.compressors.dgc`): the compressor applies the momentum,
+and the optimizer's is handed over to it at registration.
+
 Selection is per tensor (layer-wise, like DGC), not per bucket: every layer sends its
 share each step, so layers with small gradients are not starved by layers with large
 ones, and the result does not depend on how DDP groups parameters into buckets (its
 rebuild after the first step, ``bucket_cap_mb``, a resumed run's fresh buckets).
 
-Wire bytes per rank and bucket: k·(value bytes + 4), k the sum of the tensors' k.
+Tensors of fewer than ``min_numel`` elements (biases, norms) are sent whole in float32,
+in the same all-gather, and averaged exactly.
+
+Wire bytes per rank and bucket: k·(value bytes + 4) + 4·d, k the sum of the compressed
+tensors' k, d the elements of the tensors sent whole.
 """
 
 from __future__ import annotations
@@ -22,25 +31,29 @@ import torch
 
 from commpress.compressors import host
 from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, on_dense_copy
+from commpress.compressors.dgc import clip_local, correct, dense_momentum, mask
 from commpress.compressors.framing import frame, unframe
-from commpress.compressors.memory import ErrorMemory
+from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_key, tensor_seed
 from commpress.cuda import add_error, scatter_add_decode, topk_select
 from commpress.errors import ConfigError
 
-__all__ = ["TopKCompressor", "topk_count"]
+__all__ = ["DEFAULT_MIN_NUMEL", "TopKCompressor", "topk_count"]
 
 _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: With ``selection = "auto"``, tensors up to this many elements use the exact k-th value
 #: (cheap at that size); larger ones the sampled threshold.
 EXACT_MAX_NUMEL = 1 << 16
+#: Tensors smaller than this are sent whole by default (see docs/quantization.md for the measurement).
+DEFAULT_MIN_NUMEL = 1024
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    """No Inf/NaN in ``t``: one float64 sum (Inf/NaN propagate, float32 values cannot overflow it)."""
-    return host.flags(torch.isfinite(t.sum(dtype=torch.float64)))[0]
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """No Inf/NaN in ``tensors``: float64 sums (Inf/NaN propagate, float32 values cannot overflow them), one host read."""
+    total = sum((t.sum(dtype=torch.float64) for t in tensors), torch.zeros((), dtype=torch.float64, device=tensors[0].device))
+    return host.flags(torch.isfinite(total))[0]
 
 
 def topk_count(ratio: float, numel: int) -> int:
@@ -50,7 +63,8 @@ def topk_count(ratio: float, numel: int) -> int:
 
 @register_compressor
 class TopKCompressor(Compressor):
-    """Send each tensor's largest-magnitude entries; keep the rest as a residual.
+    """Send each tensor's largest-magnitude entries; keep the rest as a residual (or, with
+    ``dgc``, as DGC's velocity).
 
     Args:
         ratio: fraction of every tensor's entries sent per step, in (0, 1].
@@ -63,15 +77,28 @@ class TopKCompressor(Compressor):
             falls geometrically from ``warmup_ratio`` to ``ratio`` (0: no warm-up).
         warmup_ratio: the ratio at step 0 of the warm-up, in [ratio, 1] (used when
             ``warmup_steps`` > 0).
+        min_numel: tensors of fewer elements are sent whole (float32) and averaged exactly;
+            0 compresses every tensor.
+        dgc: Deep Gradient Compression: momentum correction and factor masking replace
+            plain error feedback; the optimizer must run without momentum
+            (``commpress.register(..., optimizer=opt)`` hands it over).
+        momentum: DGC's momentum (with ``dgc`` only); left out, it is taken from the
+            optimizer at registration.
+        momentum_masking: DGC's momentum factor masking (with ``dgc`` only): clear the
+            local momentum where values were sent. Off by default: it drops the momentum
+            still due to sent entries, so at ratio 1 DGC becomes SGD without momentum,
+            and it trained worse in the measurements of docs/quantization.md.
+        clip_norm: local gradient clipping: each tensor's gradient is scaled down to L2
+            norm at most ``clip_norm / sqrt(world)`` before it is accumulated (0: off).
         seed: key material of the sampled selection's random numbers (with rank, step and
             parameter name).
 
-    Residuals are kept per parameter name (float32, shaped like the parameter) and staged
-    until :meth:`end_step`.
+    State is kept per parameter name (float32, shaped like the parameter) and staged until
+    :meth:`end_step`: the residuals, or with ``dgc`` the momentum and velocity.
 
     Non-finite gradients: a rank whose acc holds Inf/NaN sends NaN values, so every rank
     decodes a non-finite gradient and ``torch.amp.GradScaler`` skips the step everywhere;
-    no rank stages a residual from such a step.
+    no rank stages state from such a step.
     """
 
     name: ClassVar[str] = "topk"
@@ -84,6 +111,11 @@ class TopKCompressor(Compressor):
         selection: Literal["auto", "exact", "sampled"] = "auto",
         warmup_steps: int = 0,
         warmup_ratio: float = 0.25,
+        min_numel: int = DEFAULT_MIN_NUMEL,
+        dgc: bool = False,
+        momentum: float | None = None,
+        momentum_masking: bool = False,
+        clip_norm: float = 0.0,
         seed: int = 0,
     ) -> None:
         where = "method 'topk'"
@@ -95,14 +127,33 @@ class TopKCompressor(Compressor):
             raise ConfigError(
                 f"{where}: warmup_ratio = {warmup_ratio!r} is not accepted; expected a number in [ratio, 1] = [{ratio}, 1]"
             )
+        if min_numel < 0:
+            raise ConfigError(f"{where}: min_numel = {min_numel!r} is not accepted; expected an integer >= 0")
+        if momentum is not None and not dgc:
+            raise ConfigError(f"{where}: momentum = {momentum!r} is not accepted without dgc = true (only DGC applies momentum)")
+        if momentum_masking and not dgc:
+            raise ConfigError(f"{where}: momentum_masking = true is not accepted without dgc = true")
+        if momentum is not None and not (math.isfinite(momentum) and 0 <= momentum < 1):
+            raise ConfigError(f"{where}: momentum = {momentum!r} is not accepted; expected a number in [0, 1)")
+        if not (math.isfinite(clip_norm) and clip_norm >= 0):
+            raise ConfigError(f"{where}: clip_norm = {clip_norm!r} is not accepted; expected a number >= 0 (0: off)")
         check_seed(where, seed)
         self.ratio = ratio
         self.value_dtype = _VALUE_DTYPES[value_dtype]
         self.selection = selection
         self.warmup_steps = warmup_steps
         self.warmup_ratio = warmup_ratio
+        self.min_numel = min_numel
+        self.dgc = dgc
+        #: DGC's momentum; set by :func:`commpress.compressors.dgc.hand_over_momentum` when not configured
+        self.momentum = momentum
+        self.momentum_masking = momentum_masking
+        self.clip_norm = clip_norm
         self.seed = seed
         self._memory = ErrorMemory()
+        # per bucket layout, the buffers acc alternates between: reusing one that no state
+        # views any more saves a fresh allocation (and its page faults) every step
+        self._spares: dict[tuple, list[torch.Tensor]] = {}
 
     def ratio_at(self, step: int) -> float:
         """The ratio used at ``step`` (the hook's step counter, the one ``start_iter`` counts)."""
@@ -121,29 +172,101 @@ class TopKCompressor(Compressor):
             return
         if n >= 2**31:
             raise ValueError(f"compressor 'topk' sends int32 indices: a bucket holds at most 2**31 - 1 elements, got {n}")
-        pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in slots]
-        residual, _ = self._memory.gather("residual", pieces, n, bucket.buffer.device)
-        acc = add_error(bucket.buffer, residual.narrow(0, 0, n))
-        ratio = self.ratio_at(ctx.step)
-        counts = [topk_count(ratio, s.numel) for s in slots]
+        if self.dgc and self.momentum is None:
+            raise ConfigError(
+                "method 'topk' with dgc = true has no momentum: pass optimizer= to commpress.register (it hands the "
+                "optimizer's momentum over), or set params.momentum and run the optimizer without momentum"
+            )
+        sparse = [s for s in slots if s.numel >= self.min_numel]
+        whole = [s for s in slots if s.numel < self.min_numel]
+        pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in sparse]
+        grad = clip_local(bucket.buffer, slots, self.clip_norm, ctx.world_size) if self.clip_norm else bucket.buffer
+        counts = [topk_count(self.ratio_at(ctx.step), s.numel) for s in sparse]
         k = sum(counts)
-        indices, values = self._select(acc, bucket, slots, counts, ctx)
+        acc, u = self._accumulate(grad, pieces)
+        indices, values = self._select(acc, bucket, sparse, counts, ctx)
+        if u is not None and self.momentum_masking:
+            mask(u, indices)
         # Inf/NaN rank first in every tensor's selection, so a non-finite acc always sends
         # a non-finite value: every rank's decode is then non-finite (no extra pass needed)
         finite = _all_finite(values)
         wire = self._to_wire(acc, indices, values) if finite else values.to(self.value_dtype)
-        gathered = yield AllGather(frame([indices, wire]))
-        all_indices, all_values = unframe(gathered, [(torch.int32, k), (self.value_dtype, k)])
+        dense, dense_pieces = self._whole(grad, bucket, whole)
+        gathered = yield AllGather(frame([indices, wire, dense]))
+        all_indices, all_values, all_dense = unframe(
+            gathered, [(torch.int32, k), (self.value_dtype, k), (torch.float32, dense.numel())]
+        )
         scatter_add_decode(all_values, all_indices, n, bucket.buffer, average=True)
-        if finite and _all_finite(all_values):
-            self._memory.stage("residual", pieces, acc)  # not from a non-finite step: the old residual stays
+        average = self._decode_whole(all_dense, dense_pieces)
+        for slot, (_, offset, _) in zip(whole, dense_pieces):
+            bucket.buffer.narrow(0, slot.offset, slot.numel).copy_(average.narrow(0, offset, slot.numel))
+        if finite and _all_finite(all_values, all_dense):  # not from a non-finite step: the old state stays
+            self._stage(pieces, acc, u, dense_pieces, average)
+
+    def _accumulate(self, grad: torch.Tensor, pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What is sparsified (fresh, float32, the bucket's layout) and DGC's momentum ``u``
+        (None without DGC): grad + residual, or DGC's corrected velocity."""
+        if not pieces:
+            return torch.empty(0, dtype=torch.float32, device=grad.device), None
+        if self.dgc:
+            u, v = correct(self._memory, pieces, grad, self.momentum)
+            return v, u
+        residual, _ = self._memory.gather("residual", pieces, grad.numel(), grad.device)
+        out = self._spare((tuple(pieces), grad.numel(), grad.device), grad.numel(), grad.device)
+        add_error(grad, residual.narrow(0, 0, grad.numel()), out=out)
+        return out, None  # the spare itself (not a view of it): the memory tracks buffers by identity
+
+    def _spare(self, key: tuple, numel: int, device: torch.device) -> torch.Tensor:
+        """A float32 buffer of ``numel`` elements that no committed or staged state views."""
+        buffers = self._spares.setdefault(key, [])
+        free = next((b for b in buffers if not self._memory.holds(b)), None)
+        if free is None:
+            free = torch.empty(numel, dtype=torch.float32, device=device)
+            if len(buffers) < 2:  # committed + staged: two suffice in steady state
+                buffers.append(free)
+        return free
+
+    @staticmethod
+    def _whole(grad: torch.Tensor, bucket: Bucket, whole: list[ParamSlot]) -> tuple[torch.Tensor, list[Piece]]:
+        """The tensors sent whole, end to end in float32, and their pieces in that layout."""
+        pieces, offset = [], 0
+        for s in whole:
+            pieces.append((tensor_key(bucket, s), offset, tuple(s.shape)))
+            offset += s.numel
+        if not whole:
+            return grad.new_empty(0, dtype=torch.float32), pieces
+        return torch.cat([grad.narrow(0, s.offset, s.numel) for s in whole]).to(torch.float32), pieces
+
+    def _decode_whole(self, gathered: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
+        """The average of the tensors sent whole (summed in rank order); with DGC, their
+        momentum ``U = m·U + average``."""
+        world = gathered.shape[0]
+        total = gathered.select(0, 0).clone()
+        for r in range(1, world):
+            total.add_(gathered.select(0, r))
+        average = total.div_(world)
+        return dense_momentum(self._memory, pieces, average, self.momentum) if self.dgc and pieces else average
+
+    def _stage(
+        self, pieces: list[Piece], acc: torch.Tensor, u: torch.Tensor | None, dense_pieces: list[Piece], average: torch.Tensor
+    ) -> None:
+        """Stage the step's state: the residuals, or DGC's velocity and momentum (and the
+        momentum ``U`` of the tensors sent whole)."""
+        if pieces and not self.dgc:
+            self._memory.stage("residual", pieces, acc)
+        if pieces and self.dgc:
+            self._memory.stage("velocity", pieces, acc)
+            self._memory.stage("momentum", pieces, u)
+        if dense_pieces and self.dgc:
+            self._memory.stage("momentum", dense_pieces, average)
 
     def _select(
         self, acc: torch.Tensor, bucket: Bucket, slots: list[ParamSlot], counts: list[int], ctx: Context
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every tensor's top entries of ``acc`` as (bucket-wide int32 indices, float32
         values); the selected entries of ``acc`` are zeroed."""
-        indices, values = [], []
+        indices = [torch.empty(0, dtype=torch.int32, device=acc.device)]
+        values = [torch.empty(0, dtype=torch.float32, device=acc.device)]
         for slot, k in zip(slots, counts):
             exact = self.selection == "exact" or (self.selection == "auto" and slot.numel <= EXACT_MAX_NUMEL)
             seed = tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, slot))
@@ -163,17 +286,25 @@ class TopKCompressor(Compressor):
         return wire
 
     def end_step(self, commit: bool) -> None:
-        """Apply (``commit``) or drop the residuals the step staged."""
+        """Apply (``commit``) or drop the state the step staged."""
         self._memory.end_step(commit)
 
+    def _kinds(self) -> dict[str, str]:
+        """state_dict key -> memory kind."""
+        return {"momentum": "momentum", "velocity": "velocity"} if self.dgc else {"residuals": "residual"}
+
     def state_dict(self) -> dict[str, Any]:
-        """The committed residual of every parameter, by name (CPU copies, float32)."""
-        return {"residuals": self._memory.tensors("residual")}
+        """The committed state of every parameter, by name (CPU copies, float32):
+        ``{"residuals": ...}``, or with DGC ``{"momentum": ..., "velocity": ...}`` (tensors
+        sent whole have a momentum only)."""
+        return {key: self._memory.tensors(kind) for key, kind in self._kinds().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; buckets pick their residuals up by parameter name
+        """Restore :meth:`state_dict`; buckets pick their state up by parameter name
         (moved to the gradients' device at first use)."""
-        if set(state) != {"residuals"}:
-            raise ValueError(f"compressor 'topk' expects state with key 'residuals', got keys {sorted(state)}")
+        kinds = self._kinds()
+        if set(state) != set(kinds):
+            raise ValueError(f"compressor 'topk' expects state with keys {sorted(kinds)}, got keys {sorted(state)}")
         self._memory.clear()
-        self._memory.load("residual", state["residuals"])
+        for key, kind in kinds.items():
+            self._memory.load(kind, state[key])

@@ -1,21 +1,25 @@
 """Hot-path kernels of the compressors, with a CPU path that is their exact oracle.
 
-Every function takes torch tensors and dispatches on their device: CPU tensors run
-vectorized numpy/torch code in cache-sized blocks, CUDA tensors run CuPy kernels (compiled
-from the ``.cu`` sources in ``kernels/``) on torch's current stream. Both produce the same
+Every function takes torch tensors and dispatches on their device: CPU tensors run compiled
+numba loops (one fused pass per span; vectorized numpy code in cache-sized blocks where numba
+is missing, see :func:`cpu_backend`), CUDA tensors run CuPy kernels (compiled from the ``.cu``
+sources in ``kernels/``) on torch's current stream. Both produce the same
 bits for the same inputs and seed, so a CPU rank and a GPU rank can exchange payloads.
 Only this package imports CuPy, and only when a CUDA tensor arrives.
 """
 
+from ._backend import cpu_backend
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .feedback import add_error, update_error
 from .quantize import dequantize, quantize_pack, unpack_accumulate
 from .rng import derive_seed, uniform
 from .ternary import ternary_quantize_pack, ternary_unpack_accumulate
+from .ternary_many import ternary_quantize_pack_many, ternary_unpack_accumulate_many
 from .topk import scatter_add_decode, topk_select
 
 __all__ = [
     "add_error",
+    "cpu_backend",
     "dequantize",
     "derive_seed",
     "pack_bits",
@@ -23,7 +27,9 @@ __all__ = [
     "quantize_pack",
     "scatter_add_decode",
     "ternary_quantize_pack",
+    "ternary_quantize_pack_many",
     "ternary_unpack_accumulate",
+    "ternary_unpack_accumulate_many",
     "topk_select",
     "uniform",
     "unpack_accumulate",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -66,18 +66,71 @@ def _executor() -> ThreadPoolExecutor | None:
     return _pool[2]
 
 
-def map_blocks(body: Callable[[int, int], object], blocks: list[tuple[int, int]]) -> list:
-    """``[body(start, stop) for each block]``, spread over torch's intra-op thread count.
+def map_blocks(body: Callable[..., object], blocks: Sequence[tuple]) -> list:
+    """``[body(*block) for each block]`` (usually ``(start, stop)``), spread over torch's
+    intra-op thread count.
 
-    numpy releases the GIL inside each ufunc, so blocks run in parallel; the bodies write
-    disjoint slices of their outputs.
+    numpy's ufuncs and the compiled kernels release the GIL, so blocks run in parallel; the
+    bodies write disjoint slices of their outputs.
     """
     pool = _executor() if len(blocks) > 1 else None
     if pool is None:
-        return [body(start, stop) for start, stop in blocks]
+        return [body(*block) for block in blocks]
     return list(pool.map(lambda block: body(*block), blocks))
 
 
 def run(n: int, body: Callable[[int, int], None], chunk: int = CHUNK) -> None:
     """Call ``body(start, stop)`` for every block of ``range(n)`` (in parallel, see map_blocks)."""
     map_blocks(body, list(spans(n, chunk)))
+
+
+# Parts per worker thread: a few, so that a thread slowed by other load does not hold up the call.
+_PARTS_PER_THREAD = 4
+
+
+def parts(n: int, align: int, minimum: int = CHUNK) -> list[tuple[int, int]]:
+    """``range(n)`` as a few large spans for the compiled kernels, each start a multiple of ``align``.
+
+    One span per call on one thread (no splitting cost); otherwise about four per thread, none
+    shorter than ``minimum`` elements (rounded up to ``align``), so each worker makes few calls.
+    """
+    workers = torch.get_num_threads()
+    count = 1 if workers <= 1 else max(1, min(workers * _PARTS_PER_THREAD, n // max(minimum, 1)))
+    step = -(-n // count)
+    step = max(align, -(-step // align) * align)
+    return list(spans(n, step)) if n else []
+
+
+def float32_pieces(x: torch.Tensor, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
+    """``(offset, float32 array)`` pieces of ``x[start:stop]``: one view for float32, else
+    converted blocks of ``CHUNK`` elements (so a half-precision input needs no full-size copy)."""
+    if x.dtype == torch.float32:
+        yield start, as_numpy(x[start:stop])
+        return
+    for s, e in spans(stop - start):
+        yield start + s, float32_block(x, start + s, start + e)
+
+
+def segment_items(lengths: np.ndarray, align: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Work for a compiled kernel over several segments (tensors) of ``lengths`` elements:
+    ``(segment, start, stop)`` arrays of items, grouped for the threads as :func:`parts` does.
+
+    Segments are cut into items of at most about ``total / (4 * threads)`` elements (at least
+    ``CHUNK``), each start a multiple of ``align``; consecutive items form groups of about
+    equal work, one call each. Many small segments make few calls, not one per segment.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    total = int(lengths.sum())
+    workers = torch.get_num_threads()
+    groups = 1 if workers <= 1 else max(1, min(workers * _PARTS_PER_THREAD, total // CHUNK))
+    step = max(CHUNK, -(-total // groups))
+    step = -(-step // align) * align
+    counts = -(-lengths // step)
+    segment = np.repeat(np.arange(lengths.size, dtype=np.int64), counts)
+    within = np.arange(segment.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    start = within * step
+    stop = np.minimum(start + step, lengths[segment])
+    if groups == 1 or segment.size <= 1:
+        return [(segment, start, stop)] if segment.size else []
+    cuts = np.searchsorted(np.cumsum(stop - start), total * np.arange(1, groups) // groups, side="right")
+    return [g for g in zip(*(np.split(a, cuts) for a in (segment, start, stop))) if g[0].size]

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _checks, _chunks
+from . import _backend, _checks, _chunks
+from ._constants import packed_size
 
 __all__ = ["pack_bits", "packed_size", "unpack_bits"]
 
@@ -30,11 +31,6 @@ def _lanes(width: int, lane: int) -> np.uint64:
 # For b bits: (shift, mask) of the three gather steps; spreading runs them backwards.
 _STEPS = {b: [(8 - b, _lanes(2 * b, 16)), (16 - 2 * b, _lanes(4 * b, 32)), (32 - 4 * b, _lanes(8 * b, 64))] for b in (1, 2, 4)}
 _LOW = {b: _lanes(b, 8) for b in (1, 2, 4, 8)}
-
-
-def packed_size(n: int, bits: int) -> int:
-    """Bytes that ``n`` codes of ``bits`` bits occupy."""
-    return (n * bits + 7) // 8
 
 
 def pack_np(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
@@ -98,6 +94,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
         return _launch.pack_bits(codes, bits)
     codes = codes.contiguous()
+    kernels = _backend.compiled()
+    if kernels is not None:
+        return kernels.pack_bits(codes, bits)
     n = codes.numel()
     out = torch.empty(packed_size(n, bits), dtype=torch.uint8)
     src, dst = _chunks.as_numpy(codes), _chunks.as_numpy(out)
@@ -119,6 +118,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
         return _launch.unpack_bits(packed, bits, n)
     packed = packed.contiguous()
+    kernels = _backend.compiled()
+    if kernels is not None:
+        return kernels.unpack_bits(packed, bits, n)
     out = torch.empty(n, dtype=torch.uint8)
     src, dst = _chunks.as_numpy(packed), _chunks.as_numpy(out)
     _chunks.run(n, lambda s, e: unpack_np(src[s * bits // 8 : packed_size(e, bits)], bits, dst[s:e]))

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-from . import _checks, _chunks, bitpack, rng
+from . import _backend, _checks, _chunks, bitpack, rng
 
 __all__ = ["dequantize", "quantize_pack", "unpack_accumulate"]
 
@@ -91,6 +91,10 @@ def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tu
     packed = torch.empty(bitpack.packed_size(n, bits), dtype=torch.uint8)
     mins = torch.empty(nb, dtype=torch.float32)
     scales = torch.empty(nb, dtype=torch.float32)
+    kernels = _backend.compiled()
+    if kernels is not None:
+        kernels.quantize_pack(x, bits, bucket_size, seed, packed, mins, scales)
+        return packed, mins, scales
     dst, mins_np, scales_np = _chunks.as_numpy(packed), _chunks.as_numpy(mins), _chunks.as_numpy(scales)
     levels = (1 << bits) - 1
 
@@ -112,6 +116,7 @@ _CODE_TABLES = {
 }
 
 
+@np.errstate(invalid="ignore")  # 0 * inf in a bucket of infinities is NaN, as on the GPU
 def _decode_group(
     packed: np.ndarray, mins: np.ndarray, scales: np.ndarray, bits: int, bucket_size: int, count: int
 ) -> np.ndarray:
@@ -193,8 +198,13 @@ def unpack_accumulate(
         return _launch.unpack_accumulate(
             packed.contiguous(), mins.contiguous(), scales.contiguous(), bits, bucket_size, n, out, average
         )
-    src = _chunks.as_numpy(packed.contiguous())
-    mins_np, scales_np = _chunks.as_numpy(mins.contiguous()), _chunks.as_numpy(scales.contiguous())
+    packed, mins, scales = packed.contiguous(), mins.contiguous(), scales.contiguous()
+    kernels = _backend.compiled()
+    if kernels is not None:
+        kernels.unpack_accumulate(packed, mins, scales, bits, bucket_size, n, out, average)
+        return out
+    src = _chunks.as_numpy(packed)
+    mins_np, scales_np = _chunks.as_numpy(mins), _chunks.as_numpy(scales)
     flat = out.view(-1)
     divisor = np.float32(world)
 

@@ -23,14 +23,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _chunks
+from . import _backend, _chunks
+from ._constants import GAMMA, MASK64, MIX1, MIX2
 
 __all__ = ["derive_seed", "uniform"]
 
-MASK64 = (1 << 64) - 1
-GAMMA = 0x9E3779B97F4A7C15
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
 _SEED_BASIS = 0x6A09E667F3BCC908  # arbitrary odd constant (sqrt(2) fraction bits)
 
 _U64 = np.uint64
@@ -121,6 +118,10 @@ def uniform(seed: int, n: int, offset: int = 0, device: torch.device | str | Non
     if device.type != "cpu":
         raise ValueError(f"device={device} is not supported; accepted: cpu, cuda")
     out = torch.empty(n, dtype=torch.float32)
+    kernels = _backend.compiled()
+    if kernels is not None:
+        kernels.fill_uniform_tensor(out, seed, offset)
+        return out
     out_np = _chunks.as_numpy(out)
     _chunks.run(n, lambda s, e: fill_uniform(out_np[s:e], seed, offset + s))
     return out

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from . import _checks, _chunks, rng
+from . import _backend, _checks, _chunks, rng
 
 __all__ = ["scatter_add_decode", "topk_select"]
 
@@ -34,24 +34,30 @@ def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
 def _sample_threshold(flat: torch.Tensor, k: int, sample: int, seed: int, widen: int) -> float:
     """A magnitude that about ``k * _SLACK * 4**widen`` of the entries reach, estimated from a sample."""
     n = flat.numel()
-    if flat.is_cuda:
-        from . import _launch
-
-        idx = _launch.sample_indices(seed, sample, n, flat.device)
-    else:  # index j = floor(draw_j * n / 2**32), as the CUDA kernel computes it
-        idx = torch.from_numpy(((rng.bits32(seed, sample).astype(np.uint64) * np.uint64(n)) >> np.uint64(32)).astype(np.int64))
-    values = _magnitudes(flat[idx])
     expect = k / n * sample * _SLACK * 4**widen
     rank = math.ceil(expect + 4 * math.sqrt(expect) + 1)
     if rank >= sample:
         return -math.inf
-    return torch.kthvalue(values, sample - rank + 1).values.item()
+    kernels = _backend.compiled()
+    if flat.is_cuda:
+        from . import _launch
+
+        idx = _launch.sample_indices(seed, sample, n, flat.device)
+    elif kernels is not None and flat.dtype == torch.float32:
+        return kernels.sample_threshold(flat, seed, sample, rank)
+    else:  # index j = floor(draw_j * n / 2**32), as the CUDA kernel computes it
+        idx = torch.from_numpy(((rng.bits32(seed, sample).astype(np.uint64) * np.uint64(n)) >> np.uint64(32)).astype(np.int64))
+    return torch.kthvalue(_magnitudes(flat[idx]), sample - rank + 1).values.item()
 
 
-def _candidates(flat: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Increasing indices of the entries whose magnitude is not below ``threshold`` (NaN included)."""
+def _candidates(flat: torch.Tensor, threshold: float, expect: int) -> torch.Tensor:
+    """Increasing indices of the entries whose magnitude is not below ``threshold`` (NaN
+    included); ``expect``, about how many there are, sizes the CPU kernel's buffers."""
     if flat.is_cuda:
         return torch.nonzero(~(_magnitudes(flat) < threshold)).view(-1)
+    kernels = _backend.compiled()
+    if kernels is not None:
+        return kernels.select_candidates(flat, threshold, expect)
     limit = np.float32(threshold)
 
     def body(start: int, stop: int) -> np.ndarray:
@@ -100,17 +106,24 @@ def topk_select(
         raise ValueError(f"acc has {n} elements; int32 indices allow at most {2**31 - 1}")
     if k == 0:
         return flat.new_empty(0), torch.empty(0, dtype=torch.int32, device=acc.device)
+    kernels = _backend.compiled()
+    compiled = kernels is not None and flat.dtype == torch.float32 and not flat.is_cuda
     if exact or sample >= n or k == n:
-        threshold = torch.kthvalue(_magnitudes(flat), n - k + 1).values.item()
-        candidates = _candidates(flat, threshold)
+        if compiled:  # noqa: SIM108  (as one line it is too long)
+            threshold = kernels.exact_threshold(flat, k)
+        else:
+            threshold = torch.kthvalue(_magnitudes(flat), n - k + 1).values.item()
+        candidates = _candidates(flat, threshold, k)
     else:
         widen = 0
         while True:
             threshold = _sample_threshold(flat, k, sample, rng.derive_seed(seed, widen), widen)
-            candidates = _candidates(flat, threshold)
+            candidates = _candidates(flat, threshold, math.ceil(k * _SLACK * 4**widen))
             if candidates.numel() >= k:
                 break
             widen += 1
+    if compiled:
+        return kernels.take_top(flat, candidates, k)
     chosen = _exact_k(flat, candidates, k)
     if flat.is_cuda:
         from . import _launch
@@ -149,6 +162,10 @@ def scatter_add_decode(
         from . import _launch
 
         return _launch.scatter_add_decode(values.contiguous(), indices.contiguous(), n, out, average)
+    kernels = _backend.compiled()
+    if kernels is not None:
+        kernels.scatter_add_decode(values, indices, n, out, average)
+        return out
     flat = out.view(-1)
     acc = torch.zeros(n, dtype=torch.float32) if flat.dtype != torch.float32 else flat.zero_()
     for r in range(world):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from commpress.compressors.dgc import hand_over_momentum
 from commpress.config import Config
 from commpress.hooks.state import CommState
 
@@ -28,15 +29,23 @@ def register(
     model: DistributedDataParallel,
     config: Config | Mapping[str, Any] | str | None = None,
     process_group: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> CommState:
     """Build a :class:`CommState` for ``model`` from ``config`` and register :func:`ddp_hook`.
 
     Call it on every rank, after wrapping the model in DDP and before the first backward.
+    ``optimizer``: needed by methods that apply momentum themselves (Top-k with
+    ``dgc = true``): the momentum of the ``torch.optim.SGD`` param groups holding their
+    parameters is handed over to them and those groups' momentum set to 0
+    (:func:`commpress.compressors.dgc.hand_over_momentum`); ignored otherwise.
     """
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"register() expects a DistributedDataParallel model, got {type(model).__name__}")
     cfg = Config.load(config)
     group = process_group if process_group is not None or cfg.backend != "torch" else model.process_group
     state = CommState(cfg, model=model.module, process_group=group)
+    groups = state.groups
+    compressor_of = lambda name: groups.compressors[groups.key_for(name)]  # noqa: E731
+    hand_over_momentum(optimizer, model.module.named_parameters(), compressor_of, cfg.start_iter)
     model.register_comm_hook(state, ddp_hook)
     return state

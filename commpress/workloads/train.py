@@ -111,7 +111,7 @@ def train_ddp(
 
     task = task or CharTask(batch_size=64)
     model, ddp, opt = _setup(task, lr, bucket_cap_mb)
-    state = register(ddp, config) if config is not None else None
+    state = register(ddp, config, optimizer=opt) if config is not None else None
     if hook is not None:
         hook(ddp)
     losses, times = _run_steps(ddp, opt, opt.step, task, steps, lr, on_step)

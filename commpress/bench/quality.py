@@ -1,0 +1,344 @@
+"""Training quality of every method on small tasks, in one process.
+
+Each run trains one task with one optimizer and one method on ranks simulated by
+:class:`commpress.comm.SimulatedWorld`: every rank holds its own model and optimizer,
+computes the gradient of its own batch, and the real compressors (the method groups a
+``CommState`` would build, ``start_iter`` included) average them, with every compressor's
+``end_step(True)`` after each step; Local SGD rows average the ranks' models through the
+real :class:`~commpress.local_sgd.ParameterAverager` at the rounds its period policy sets.
+The result is the held-out loss at the end, compared with ``none`` on the same task,
+optimizer and seed.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from commpress.comm import SimulatedWorld
+from commpress.compressors import Bucket, Context, build
+from commpress.compressors.dgc import hand_over_momentum
+from commpress.config import Config, parse_method_spec
+from commpress.config.groups import MethodGroups
+from commpress.errors import ConfigError
+from commpress.local_sgd import ParameterAverager
+from commpress.local_sgd.config import period_policy
+from commpress.local_sgd.flat import FlatModel
+from commpress.local_sgd.rounds import RoundClock
+from commpress.terminal import format_table
+from commpress.workloads.charlm import CharTask
+from commpress.workloads.synthetic import CharTransformerTask, ShapesTask
+from commpress.workloads.train import cosine_lr
+
+__all__ = ["METHODS", "OPTIMIZERS", "TASKS", "QualityRun", "Summary", "method_config", "render", "run_suite", "summarize"]
+
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A task: ``make(seed)`` gives an object with ``model()``, ``batch(step, rank, world)``
+    and ``eval_batch()``; ``loss(output, target)``; base learning rates by optimizer."""
+
+    make: Callable[[int], Any]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    lr: dict[str, float]
+
+
+TASKS: dict[str, TaskSpec] = {
+    # the demo: character MLP, batch 64 per rank, SGD lr 0.2; the other base learning rates
+    # are the better of two tried for ``none`` at 200 steps (a factor 3 apart)
+    "charlm": TaskSpec(lambda seed: CharTask(batch_size=64, seed=seed), F.cross_entropy, {"sgd": 0.2, "adamw": 6e-3}),
+    "shapes": TaskSpec(lambda seed: ShapesTask(seed=seed), ShapesTask.loss, {"sgd": 0.05, "adamw": 2e-3}),
+    "transformer": TaskSpec(lambda seed: CharTransformerTask(seed=seed), CharTransformerTask.loss, {"sgd": 0.3, "adamw": 1e-2}),
+}
+#: Optimizers by name: SGD with momentum 0.9 and AdamW (weight decay 0.01), each under a
+#: cosine schedule from the task's base learning rate.
+OPTIMIZERS = ("sgd", "adamw")
+#: Method rows by label, in table order.
+METHODS = ("none", "fp16", "bf16", "powersgd", "acpsgd", "terngrad", "topk", "topk-dgc", "local-sgd+qsr")
+
+
+def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
+    """The commpress config of row ``label`` for a run of ``steps`` from base learning
+    rate ``lr``; a label that is no row is read as a method spec (``"topk:ratio=0.03"``).
+
+    As in the demo, the low-rank rows start after 10% plain steps; QSR's alpha is the
+    base learning rate (H = max(4, (lr0 / lr)^2): 4 steps at first, longer as lr decays).
+    """
+    rows: dict[str, dict[str, Any]] = {
+        "none": {"method": "none"},
+        "fp16": {"method": "fp16"},
+        "bf16": {"method": "bf16"},
+        "powersgd": {"method": "powersgd", "start_iter": steps // 10, "params": {"rank": 4}},
+        "acpsgd": {"method": "acpsgd", "start_iter": steps // 10, "params": {"rank": 4}},
+        "terngrad": {"method": "terngrad"},
+        "topk": {"method": "topk", "params": {"ratio": 0.01}},
+        "topk-dgc": {"method": "topk", "params": {"ratio": 0.01, "dgc": True}},
+        "local-sgd+qsr": {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": lr}},
+    }
+    if label in rows:
+        return rows[label]
+    try:
+        spec = parse_method_spec(label)
+        Config.load(spec)
+    except ConfigError as exc:
+        raise ConfigError(f"method {label!r} is neither a row ({', '.join(METHODS)}) nor a valid method spec: {exc}") from None
+    return spec
+
+
+@dataclass(frozen=True)
+class QualityRun:
+    """One training run's outcome; ``error`` (a ConfigError's message) when the method
+    cannot run with this optimizer, then ``eval_loss`` is NaN."""
+
+    task: str
+    optimizer: str
+    method: str
+    seed: int
+    eval_loss: float
+    bytes_per_step: float
+    error: str | None = None
+
+
+def _optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def train(task_name: str, optimizer: str, method: str, seed: int, steps: int) -> QualityRun:
+    """Train ``task_name`` for ``steps`` on 2 simulated ranks; the held-out loss at the end."""
+    if task_name not in TASKS:
+        raise ConfigError(f"task = {task_name!r} is not accepted; accepted: {', '.join(TASKS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"optimizer = {optimizer!r} is not accepted; accepted: {', '.join(OPTIMIZERS)}")
+    spec = TASKS[task_name]
+    task, base_lr = spec.make(seed), spec.lr[optimizer]
+    cfg = Config.load(method_config(method, base_lr, steps))
+    models = [task.model() for _ in range(WORLD)]
+    opts = [_optimizer(optimizer, m.parameters(), base_lr) for m in models]
+    sim = SimulatedWorld(WORLD)
+    local = cfg.section("local_sgd")
+    try:
+        step_fn = _LocalSGD(cfg, models, opts, sim, steps) if local is not None else _data_parallel(cfg, models, opts, sim)
+    except ConfigError as exc:
+        return QualityRun(task_name, optimizer, method, seed, math.nan, math.nan, str(exc))
+    schedule = cosine_lr(base_lr, steps)
+    for step in range(steps):
+        grads = []
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            for group in opt.param_groups:
+                group["lr"] = schedule(step)
+            x, y = task.batch(step, r, WORLD)
+            grads.append(torch.autograd.grad(spec.loss(model(x), y), list(model.parameters())))
+        step_fn(step, grads)
+    finish = getattr(step_fn, "finish", None)
+    if finish is not None:
+        finish()
+    flats = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+    if not all(torch.equal(flats[0], f) for f in flats[1:]) and not flats[0].isnan().any():
+        raise RuntimeError(f"{method}: the simulated ranks ended with different models")
+    x, y = task.eval_batch()
+    with torch.no_grad():
+        eval_loss = spec.loss(models[0](x), y).item()
+    return QualityRun(task_name, optimizer, method, seed, eval_loss, sim.traffic[0].bytes_sent / steps)
+
+
+def _apply(model: torch.nn.Module, opt: torch.optim.Optimizer, grads: Sequence[torch.Tensor]) -> None:
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.detach().clone().view_as(p)
+    opt.step()
+
+
+def _data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) -> Callable[[int, list], None]:
+    """A step of data-parallel training: the ranks' gradients averaged by the config's
+    method groups (plain averaging before ``start_iter``), as the DDP hook does."""
+    names = [n for n, _ in models[0].named_parameters()]
+    groups = [MethodGroups(cfg) for _ in models]
+    for g, model, opt in zip(groups, models, opts):
+        hand_over_momentum(opt, model.named_parameters(), lambda n, g=g: g.compressors[g.key_for(n)], cfg.start_iter)
+    warmup = build("none")
+
+    def step_fn(step: int, grads: list) -> None:
+        buckets = [Bucket.from_tensors(0, list(g), names) for g in grads]
+        ctxs = [Context(rank=r, world_size=WORLD, step=step) for r in range(WORLD)]
+        if step < cfg.start_iter:
+            sim.run([warmup.reduce(b, c) for b, c in zip(buckets, ctxs)])
+        else:
+            sim.run([g.reduction(b, c) for g, b, c in zip(groups, buckets, ctxs)])
+        for g in groups:
+            g.end_step(True)
+        for model, opt, b in zip(models, opts, buckets):
+            _apply(model, opt, b.views())
+
+    return step_fn
+
+
+class _LocalSGD:
+    """Local SGD on the simulated ranks: local steps, then the models averaged through a
+    :class:`ParameterAverager` per rank at the end of every round (the sync of
+    :class:`commpress.local_sgd.LocalSGD`, whose constructor needs a process group)."""
+
+    def __init__(self, cfg: Config, models: list, opts: list, sim: SimulatedWorld, steps: int) -> None:
+        section = cfg.section("local_sgd")
+        self.models, self.opts = models, opts
+        self.flats = [FlatModel(m) for m in models]
+        self.anchors = [f.read() for f in self.flats]
+        self.averagers = [ParameterAverager(cfg.method, cfg.params, backend=b) for b in sim.backends]
+        self.clocks = [RoundClock(period_policy(section), steps) for _ in models]
+
+    def __call__(self, step: int, grads: list) -> None:
+        for model, opt, g, clock in zip(self.models, self.opts, grads, self.clocks):
+            clock.begin_step(float(opt.param_groups[0]["lr"]))
+            _apply(model, opt, g)
+        if all([c.end_step() for c in self.clocks]):
+            self.sync()
+
+    def sync(self) -> None:
+        deltas = [f.read().sub_(a) for f, a in zip(self.flats, self.anchors)]
+        futures = [avg.start(f.bucket(d)) for avg, f, d in zip(self.averagers, self.flats, deltas)]
+        for fut, flat, anchor, delta, clock in zip(futures, self.flats, self.anchors, deltas, self.clocks):
+            fut.wait()
+            anchor.add_(delta)
+            flat.write(anchor)
+            clock.round_done()
+
+    def finish(self) -> None:
+        if self.clocks[0].in_round:
+            self.sync()
+
+
+def run_suite(
+    tasks: Sequence[str],
+    optimizers: Sequence[str],
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    steps: int,
+    on_run: Callable[[QualityRun], None] | None = None,
+) -> list[QualityRun]:
+    """Every (task, optimizer, method, seed); ``none`` is always run (the reference)."""
+    for name in tasks:
+        if name not in TASKS:
+            raise ConfigError(f"--tasks: {name!r} is not accepted; accepted: {', '.join(TASKS)}")
+    for name in optimizers:
+        if name not in OPTIMIZERS:
+            raise ConfigError(f"--optimizers: {name!r} is not accepted; accepted: {', '.join(OPTIMIZERS)}")
+    for name in methods:
+        method_config(name, 0.1, steps)  # a bad spec fails before any training
+    methods = ["none", *(m for m in methods if m != "none")]
+    runs = []
+    for task in tasks:
+        for optimizer in optimizers:
+            for method in methods:
+                for seed in seeds:
+                    run = train(task, optimizer, method, seed, steps)
+                    runs.append(run)
+                    if on_run is not None:
+                        on_run(run)
+    return runs
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One table row: a method's final held-out loss and its gap to ``none`` (relative,
+    per seed, then mean / min / max over seeds); NaN where it could not run."""
+
+    task: str
+    optimizer: str
+    method: str
+    bytes_per_step: float
+    loss: float
+    gap_mean: float
+    gap_min: float
+    gap_max: float
+    error: str | None
+
+
+def summarize(runs: Sequence[QualityRun]) -> list[Summary]:
+    """Rows in run order: per (task, optimizer, method) over seeds."""
+    ref = {(r.task, r.optimizer, r.seed): r.eval_loss for r in runs if r.method == "none"}
+    keyed: dict[tuple[str, str, str], list[QualityRun]] = {}
+    for r in runs:
+        keyed.setdefault((r.task, r.optimizer, r.method), []).append(r)
+    rows = []
+    for (task, optimizer, method), group in keyed.items():
+        gaps = [(r.eval_loss - ref[task, optimizer, r.seed]) / ref[task, optimizer, r.seed] for r in group]
+        error = next((r.error for r in group if r.error), None)
+        rows.append(
+            Summary(
+                task,
+                optimizer,
+                method,
+                statistics.fmean(r.bytes_per_step for r in group),
+                statistics.fmean(r.eval_loss for r in group),
+                statistics.fmean(gaps),
+                min(gaps),
+                max(gaps),
+                error,
+            )
+        )
+    return rows
+
+
+def render(rows: Sequence[Summary], seeds: int) -> str:
+    """The table, and under it why each n/a row could not run (rows with the same reason together)."""
+    table, reasons = [], {}
+    for s in rows:
+        if s.error:
+            reasons.setdefault(s.error, []).append(f"{s.task}/{s.optimizer}/{s.method}")
+            table.append([s.task, s.optimizer, s.method, "n/a", "n/a", "n/a", "n/a"])
+            continue
+        spread = f"{100 * s.gap_min:+.2f}% .. {100 * s.gap_max:+.2f}%"
+        table.append(
+            [s.task, s.optimizer, s.method, f"{s.bytes_per_step:,.0f}", f"{s.loss:.4f}", f"{100 * s.gap_mean:+.2f}%", spread]
+        )
+    headers = [
+        "task",
+        "optimizer",
+        "method",
+        "bytes/step/rank",
+        "final loss",
+        "gap vs none",
+        f"min .. max ({seeds} seed{'s' if seeds != 1 else ''})",
+    ]
+    notes = [f"n/a ({', '.join(where)}): {error}" for error, where in reasons.items()]
+    return "\n".join([format_table(headers, table), *notes])
+
+
+def write_plot(rows: Sequence[Summary], path: str) -> None:
+    """One panel per (task, optimizer): the mean gap to ``none`` per method, with the
+    seeds' min .. max as error bars (needs matplotlib: ``pip install 'commpress[bench]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'commpress[bench]'") from None
+    panels: dict[tuple[str, str], list[Summary]] = {}
+    for s in rows:
+        panels.setdefault((s.task, s.optimizer), []).append(s)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), squeeze=False)
+    for ax, ((task, optimizer), group) in zip(axes[:, 0], panels.items()):
+        x = range(len(group))
+        means = [math.nan if s.error else 100 * s.gap_mean for s in group]
+        low = [0.0 if s.error else 100 * (s.gap_mean - s.gap_min) for s in group]
+        high = [0.0 if s.error else 100 * (s.gap_max - s.gap_mean) for s in group]
+        ax.bar(x, means, yerr=[low, high], capsize=3, color="tab:blue")
+        for i, s in enumerate(group):
+            if s.error:
+                ax.text(i, 0, "n/a", ha="center", va="bottom")
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xticks(list(x), [s.method for s in group], rotation=30)
+        ax.set_title(f"{task}, {optimizer}")
+        ax.set_ylabel("gap vs none (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,109 @@
+"""TernGrad over all tensors of a bucket in one call: the per-tensor ops of :mod:`.ternary`, batched.
+
+A bucket holds many tensors, most of them small (biases, norms): one call per tensor costs
+more in Python and dispatch than the work inside it. These functions take the bucket and
+the tensors' ``(offset, numel)`` spans and are defined as the per-tensor functions applied
+to each span, so the bits are the same: on the CPU one compiled pass covers every span (the
+numpy path and CUDA loop over the per-tensor functions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import _backend, _checks, bitpack, rng
+from .ternary import ternary_quantize_pack, ternary_unpack_accumulate
+
+__all__ = ["ternary_quantize_pack_many", "ternary_unpack_accumulate_many"]
+
+
+def _spans(spans: Sequence[tuple[int, int]], numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths (int64) of ``spans``, each checked to lie in ``range(numel)``."""
+    for offset, length in spans:
+        _checks.check_count("span offset", offset)
+        _checks.check_count("span length", length)
+        if offset + length > numel:
+            raise ValueError(f"span ({offset}, {length}) exceeds the {numel} elements of the buffer")
+    array = np.array(spans, dtype=np.int64).reshape(-1, 2)
+    return array[:, 0].copy(), array[:, 1].copy()
+
+
+def ternary_quantize_pack_many(
+    x: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    scales: torch.Tensor,
+    seeds: Sequence[int],
+    bounds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``torch.cat([ternary_quantize_pack(x[o:o+n], scales[t], seeds[t], bounds[t]) for t, (o, n) ...])``.
+
+    ``x`` is a flat contiguous buffer, ``spans`` the tensors' ``(offset, numel)`` in it,
+    ``scales`` float32[T], ``bounds`` float32[T] (>= 0; +inf: no clipping) or None.
+    """
+    _checks.check_float("x", x)
+    if x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"x must be a flat contiguous buffer, got shape {tuple(x.shape)}")
+    offsets, lengths = _spans(spans, x.numel())
+    count = len(offsets)
+    _checks.check_dtype("scales", scales, torch.float32)
+    _checks.check_shape("scales", scales, (count,))
+    if len(seeds) != count:
+        raise ValueError(f"seeds has {len(seeds)} entries for {count} spans")
+    seeds = [rng._check_seed(s) for s in seeds]
+    if bounds is not None:
+        _checks.check_dtype("bounds", bounds, torch.float32)
+        _checks.check_shape("bounds", bounds, (count,))
+        _checks.check_same_device(x=x, scales=scales, bounds=bounds)
+    _checks.check_same_device(x=x, scales=scales)
+    kernels = _backend.compiled()
+    if x.is_cuda or kernels is None:
+        scale, bound = scales.unbind(), [None] * count if bounds is None else bounds.unbind()
+        pieces = [
+            ternary_quantize_pack(x.narrow(0, o, n), scale[t], seeds[t], bound[t])
+            for t, (o, n) in enumerate(zip(offsets.tolist(), lengths.tolist()))
+        ]
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=x.device)
+    bound = np.full(count, np.inf, np.float32) if bounds is None else bounds.contiguous().numpy()
+    if not (bound >= 0).all():
+        raise ValueError(f"bounds must be numbers >= 0 (inf: no clipping), got {bound[~(bound >= 0)].tolist()}")
+    scale = scales.contiguous().numpy()
+    return kernels.ternary_quantize_pack_many(x, offsets, lengths, scale, bound, np.array(seeds, dtype=np.uint64))
+
+
+def ternary_unpack_accumulate_many(
+    packed: torch.Tensor, scales: torch.Tensor, spans: Sequence[tuple[int, int]], out: torch.Tensor
+) -> torch.Tensor:
+    """For every span ``t = (o, n)``: ``ternary_unpack_accumulate(packed[:, b_t : b_t + ceil(n/4)],
+    scales[:, t], n, out[o:o+n])`` with ``b_t`` the bytes of the spans before it; returns ``out``.
+
+    ``packed`` is uint8[world, total bytes] (every rank's payloads of all spans, end to end),
+    ``scales`` float32[world, T]; ``out`` a flat contiguous buffer, written inside the spans only.
+    """
+    _checks.check_dtype("packed", packed, torch.uint8)
+    _checks.check_dtype("scales", scales, torch.float32)
+    _checks.check_float("out", out)
+    if out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"out must be a flat contiguous buffer, got shape {tuple(out.shape)}")
+    offsets, lengths = _spans(spans, out.numel())
+    if packed.dim() != 2 or packed.shape[0] < 1:
+        raise ValueError(f"packed must be 2-D [world >= 1, bytes], got shape {tuple(packed.shape)}")
+    world = packed.shape[0]
+    nbytes = [bitpack.packed_size(int(n), 2) for n in lengths]
+    _checks.check_shape("packed", packed, (world, sum(nbytes)))
+    _checks.check_shape("scales", scales, (world, len(offsets)))
+    _checks.check_same_device(packed=packed, scales=scales, out=out)
+    kernels = _backend.compiled()
+    if out.is_cuda or kernels is None:
+        # per tensor: its rows of every rank and its scale of every rank, stacked (dense, as the kernel reads them)
+        rows = [row.split(nbytes) for row in packed.unbind(0)]
+        per_rank_scales = [row.unbind() for row in scales.unbind(0)]
+        for t, (o, n) in enumerate(zip(offsets.tolist(), lengths.tolist())):
+            payloads = torch.stack([pieces[t] for pieces in rows])
+            scale = torch.stack([row[t] for row in per_rank_scales])
+            ternary_unpack_accumulate(payloads, scale, n, out.narrow(0, o, n))
+        return out
+    kernels.ternary_unpack_accumulate_many(packed.contiguous(), scales, offsets, lengths, out)
+    return out

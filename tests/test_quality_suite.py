@@ -1,0 +1,91 @@
+"""The quality suite (``commpress quality``) on a tiny configuration: every requested row is
+there, ``none`` is its own reference, rows that cannot run say why, the command line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from commpress.bench.quality import METHODS, QualityRun, render, run_suite, summarize, train
+from commpress.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    runs = run_suite(["charlm", "shapes", "transformer"], ["sgd", "adamw"], ["topk-dgc", "local-sgd+qsr"], [0, 1], steps=3)
+    return runs, summarize(runs)
+
+
+def test_every_requested_row_and_none_is_exactly_its_own_reference(tiny):
+    runs, rows = tiny
+    keys = [(r.task, r.optimizer, r.method) for r in rows]
+    assert keys == [
+        (t, o, m)
+        for t in ("charlm", "shapes", "transformer")
+        for o in ("sgd", "adamw")
+        for m in ("none", "topk-dgc", "local-sgd+qsr")
+    ]
+    assert len(runs) == 3 * 2 * 3 * 2  # two seeds of each
+    for row in rows:
+        if row.method == "none":
+            assert row.gap_mean == row.gap_min == row.gap_max == 0.0 and row.error is None
+        elif row.error is None:
+            assert math.isfinite(row.loss) and math.isfinite(row.gap_mean) and row.gap_min <= row.gap_mean <= row.gap_max
+            assert row.bytes_per_step > 0
+    text = render(rows, seeds=2)
+    assert text.count("\n") >= len(rows) + 1 and "min .. max (2 seeds)" in text
+
+
+def test_dgc_with_adamw_is_not_available_and_says_why(tiny):
+    _, rows = tiny
+    for row in (r for r in rows if r.method == "topk-dgc"):
+        if row.optimizer == "adamw":
+            assert math.isnan(row.loss) and "optimizer AdamW is not accepted" in row.error
+        else:
+            assert row.error is None and math.isfinite(row.loss)
+    text = render(rows, seeds=2)
+    assert "n/a (charlm/adamw/topk-dgc, shapes/adamw/topk-dgc, transformer/adamw/topk-dgc): optimizer AdamW" in text
+
+
+def test_runs_are_deterministic_and_seeds_differ():
+    a = train("shapes", "sgd", "topk", 0, 3)
+    assert a == train("shapes", "sgd", "topk", 0, 3)
+    assert a.eval_loss != train("shapes", "sgd", "topk", 1, 3).eval_loss
+
+
+def test_every_row_runs_and_counts_its_bytes():
+    torch.set_num_threads(1)
+    runs = {m: train("shapes", "sgd", m, 0, 2) for m in METHODS}
+    assert all(isinstance(r, QualityRun) and r.error is None and math.isfinite(r.eval_loss) for r in runs.values())
+    full = runs["none"].bytes_per_step
+    assert runs["fp16"].bytes_per_step == runs["bf16"].bytes_per_step == full / 2
+    assert runs["topk"].bytes_per_step == runs["topk-dgc"].bytes_per_step < full / 10
+    # the low-rank rows average plainly before start_iter = steps // 10 = 0 here: compressed from the start
+    assert runs["powersgd"].bytes_per_step < full / 4
+
+
+def test_command_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "q.png"
+    argv = ["quality", "--tasks", "shapes", "--optimizers", "sgd", "--methods", "bf16;topk:ratio=0.05"]
+    assert main([*argv, "--seeds", "1", "--steps", "2", "--quiet", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[2] for line in out.splitlines()[2:]] == ["none", "bf16", "topk:ratio=0.05"]
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tasks", "mnist"], "--tasks: 'mnist' is not accepted; accepted: charlm, shapes, transformer"),
+        (["--optimizers", "lion"], "--optimizers: 'lion' is not accepted; accepted: sgd, adamw"),
+        (["--methods", "topk:ratio=2"], "method 'topk:ratio=2' is neither a row"),
+        (["--methods", " ; "], "--methods = ' ; ' names nothing"),
+        (["--seeds", "0"], "argument --seeds: '0' is not accepted; expected an integer >= 1"),
+    ],
+)
+def test_command_line_errors(args, message, capsys):
+    assert main(["quality", "--steps", "1", *args]) == 2
+    assert message in capsys.readouterr().err
