@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_kernels_backends import same_bits
 
 import commpress.cuda as cc
 from commpress.cuda import _backend
@@ -22,15 +23,6 @@ def backend(request, monkeypatch):
     yield name
     torch.set_num_threads(before)
     _backend.reset()
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_floating_point():
-        as_int = torch.int16 if a.element_size() == 2 else torch.int32
-        a, b = a.view(as_int), b.view(as_int)
-    return torch.equal(a, b)
 
 
 def buffer(seed: int, dtype=torch.float32) -> torch.Tensor:

@@ -19,8 +19,6 @@ brings the method back resumes it. Parked compressors are part of ``state_dict``
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +31,7 @@ from commpress.adaptive.topology import Topology, measure_topology
 from commpress.comm import Backend
 from commpress.comm.torch_backend import TorchBackend, group_timeout
 from commpress.compressors import Bucket, Compressor, build, compressor_class
+from commpress.config import digest_of
 from commpress.config.groups import MethodGroups
 from commpress.config.tables import BandwidthConfig
 from commpress.errors import CollectiveError, ConfigError
@@ -106,7 +105,7 @@ class AdaptiveLayer:
         """Plan from ``topology`` and switch to it. Every rank must call it with the same
         topology (measured ones are); raises RuntimeError if the plans differ."""
         plan = plan_hierarchy(topology.domains, topology.bandwidth, self.payload_bytes, topology.latency, self.settings)
-        digest = _digest(plan.to_dict())
+        digest = digest_of(plan.to_dict())
         import torch.distributed as dist
 
         digests: list[Any] = [None] * dist.get_world_size(self._measure_group)
@@ -180,8 +179,3 @@ class AdaptiveLayer:
             c = build(method, params)
             c.load_state_dict(sd)
             self.parked[key, method], self.parked_params[key, method] = c, dict(params)
-
-
-def _digest(data: Any) -> str:
-    text = json.dumps(data, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]

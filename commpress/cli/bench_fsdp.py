@@ -78,8 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_rows(text: str) -> list[Row]:
     """``"fsdp;q8:weight_bits=8,grad_bits=8"`` -> rows (ConfigError on bad keys/values)."""
-    import tomllib
-
+    from commpress.config import parse_settings
     from commpress.config.tables import TABLES
 
     rows = []
@@ -89,14 +88,7 @@ def parse_rows(text: str) -> list[Row]:
             raise ConfigError(f"--rows: {spec!r} has no label; expected 'label' or 'label:key=value,...'")
         config, mixed = _BARE.get(label, ({}, None)) if not rest else ({}, None)
         config = dict(config)
-        for item in filter(None, (s.strip() for s in rest.split(","))):
-            key, eq, raw = (part.strip() for part in item.partition("="))
-            if not eq:
-                raise ConfigError(f"--rows: {item!r} in {spec!r} is not key=value")
-            try:
-                value = tomllib.loads(f"v = {raw}")["v"]
-            except tomllib.TOMLDecodeError:
-                value = raw
+        for key, value in parse_settings(rest, f"--rows {spec!r}"):
             if key == "mixed_precision":
                 if not isinstance(value, str) or value not in MIXED_PRECISION:
                     raise ConfigError(

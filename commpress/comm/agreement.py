@@ -11,15 +11,21 @@ from __future__ import annotations
 from typing import Any
 
 from commpress.comm.torch_backend import require_initialized
-from commpress.config import Config
+from commpress.config import Config, digest_of
 from commpress.errors import CollectiveError, ConfigError
 
-__all__ = ["agree_on_config", "agree_on_digest"]
+__all__ = ["agree_on_config", "agree_on_digest", "agree_on_settings"]
 
 
 def agree_on_config(config: Config, entry: str, backend: str = "torch", process_group: Any = None) -> None:
     """Raise :class:`ConfigError` on every rank if ``config`` differs across ranks."""
     agree_on_digest(config.digest(), entry, backend, process_group, detail=config.to_dict())
+
+
+def agree_on_settings(settings: Any, entry: str, backend: str = "torch", process_group: Any = None, detail: Any = None) -> None:
+    """Raise on every rank if the plain-data ``settings`` differ across ranks (as
+    :func:`agree_on_digest`); ``detail`` (default: ``settings``) goes into the message."""
+    agree_on_digest(digest_of(settings), entry, backend, process_group, settings if detail is None else detail)
 
 
 def agree_on_digest(digest: str, entry: str, backend: str = "torch", process_group: Any = None, detail: Any = None) -> None:

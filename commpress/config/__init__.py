@@ -36,7 +36,7 @@ from commpress.config.tables import TABLES
 from commpress.errors import ConfigError
 from commpress.schema import check_keys
 
-__all__ = ["BACKENDS", "Config", "ConfigError", "Override", "parse_method_spec"]
+__all__ = ["BACKENDS", "Config", "ConfigError", "Override", "digest_of", "parse_method_spec", "parse_settings"]
 
 BACKENDS = ("torch", "mpi")
 
@@ -139,8 +139,7 @@ class Config:
 
     def digest(self) -> str:
         """A hash of the resolved config; ranks compare it at registration."""
-        text = json.dumps(self.to_dict(), sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return digest_of(self.to_dict())
 
     def unmatched_overrides(self, names: Iterable[str]) -> list[str]:
         """The ``overrides`` globs that match none of ``names`` (the model's parameter names),
@@ -218,6 +217,30 @@ def _unreadable(path: str, exc: Exception) -> ConfigError:
     return ConfigError(f"config file {path!r} is not accepted: {exc}")  # a NUL character
 
 
+def digest_of(data: Any) -> str:
+    """A short hash of plain data (key order does not matter): what ranks compare to agree
+    on settings without sending them."""
+    text = json.dumps(data, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def parse_settings(text: str, where: str) -> list[tuple[str, Any]]:
+    """``"rank=4,warm_start=false"`` -> ``[("rank", 4), ("warm_start", False)]``: values read
+    as TOML values (numbers, booleans, quoted strings) or else as bare strings. ``where``
+    names the setting in the error for an item that is not key=value."""
+    pairs = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, raw = (part.strip() for part in item.partition("="))
+        if not eq:
+            raise ConfigError(f"{where}: {item!r} is not key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        pairs.append((key, value))
+    return pairs
+
+
 def parse_method_spec(spec: str) -> dict[str, Any]:
     """``"powersgd:rank=4,start_iter=2"`` -> ``{"method": "powersgd", "params": {"rank": 4}, ...}``.
 
@@ -226,15 +249,7 @@ def parse_method_spec(spec: str) -> dict[str, Any]:
     """
     method, _, rest = spec.partition(":")
     out: dict[str, Any] = {"method": method.strip(), "params": {}}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, raw = item.partition("=")
-        if not eq:
-            raise ConfigError(f"method spec {spec!r}: {item!r} is not key=value")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        key = key.strip()
+    for key, value in parse_settings(rest, f"method spec {spec!r}"):
         if key in ("start_iter", "backend"):
             out[key] = value
         else:

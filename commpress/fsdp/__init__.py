@@ -15,14 +15,12 @@ table, or None (defaults: 8-bit weights and gradients).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from typing import Any
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from commpress.comm.agreement import agree_on_digest
+from commpress.comm.agreement import agree_on_settings
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.config import load_fsdp_config
 from commpress.fsdp.fsdp1 import (
@@ -75,6 +73,5 @@ def apply(
     # every rank must quantize the same tensors the same way: agree before the first
     # collective (the next forward); names only, an FSDP1 flat shard's size differs by rank
     settings = {"fsdp": dataclasses.asdict(cfg), "model": [n for n, _ in model.named_parameters()]}
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    agree_on_digest(digest, "commpress.fsdp.apply", "torch", None, settings["fsdp"])
+    agree_on_settings(settings, "commpress.fsdp.apply", "torch", None, detail=settings["fsdp"])
     return state

@@ -3,8 +3,6 @@ models when the period policy says so (a constant H, or QSR)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
-from commpress.comm.agreement import agree_on_digest
+from commpress.comm.agreement import agree_on_settings
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.ddp import skip_gradient_allreduce
 from commpress.local_sgd.flat import FlatModel
@@ -76,7 +74,7 @@ class LocalSGD:
         self.averager = averager
         settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
         settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
-        agree_on_digest(_digest(settings), self.name, "torch" if dist.is_initialized() else "mpi", process_group, settings)
+        agree_on_settings(settings, self.name, "torch" if dist.is_initialized() else "mpi", process_group)
         self.flat = FlatModel(model, buffers=average_buffers)
         #: the last average, identical on every rank; rounds average differences from it
         self.anchor = self.flat.read()
@@ -135,8 +133,3 @@ class LocalSGD:
         self.clock.load_state_dict(state["clock"])
         self.anchor.copy_(state["anchor"])
         self.averager.load_state_dict(state["averager"])
-
-
-def _digest(settings: dict[str, Any]) -> str:
-    text = json.dumps(settings, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
