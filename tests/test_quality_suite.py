@@ -8,13 +8,18 @@ import math
 import pytest
 import torch
 
+from commpress.bench import quality
 from commpress.bench.quality import METHODS, QualityRun, render, run_suite, summarize, train
 from commpress.cli import main
+from commpress.comm import SimulatedWorld
+from commpress.config import Config
+from commpress.config.groups import last_layer_names
+from commpress.workloads.synthetic import ShapesTask
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    runs = run_suite(["charlm", "shapes", "transformer"], ["sgd", "adamw"], ["topk-dgc", "local-sgd+qsr"], [0, 1], steps=3)
+    runs = run_suite(["charlm", "shapes", "transformer"], ["sgd", "adamw"], ["topk-dgc", "local-sgd+qsr", "co2"], [0, 1], steps=3)
     return runs, summarize(runs)
 
 
@@ -25,9 +30,9 @@ def test_every_requested_row_and_none_is_exactly_its_own_reference(tiny):
         (t, o, m)
         for t in ("charlm", "shapes", "transformer")
         for o in ("sgd", "adamw")
-        for m in ("none", "topk-dgc", "local-sgd+qsr")
+        for m in ("none", "topk-dgc", "local-sgd+qsr", "co2")
     ]
-    assert len(runs) == 3 * 2 * 3 * 2  # two seeds of each
+    assert len(runs) == 3 * 2 * 4 * 2  # two seeds of each
     for row in rows:
         if row.method == "none":
             assert row.gap_mean == row.gap_min == row.gap_max == 0.0 and row.error is None
@@ -64,6 +69,44 @@ def test_every_row_runs_and_counts_its_bytes():
     assert runs["topk"].bytes_per_step == runs["topk-dgc"].bytes_per_step < full / 10
     # the low-rank rows average plainly before start_iter = steps // 10 = 0 here: compressed from the start
     assert runs["powersgd"].bytes_per_step < full / 4
+    # terngrad-last: the last layer's tensors go in float32 (4 bytes per element) instead of
+    # ceil(n/4) + 4 bytes each; its loss differs from terngrad's
+    model = ShapesTask(seed=0).model()
+    last = [p.numel() for n, p in model.named_parameters() if n in last_layer_names(model)]
+    assert last_layer_names(model) == ["head.2.weight", "head.2.bias"]
+    moved = sum(4 * n - ((n + 3) // 4 + 4) for n in last)
+    assert runs["terngrad-last"].bytes_per_step == runs["terngrad"].bytes_per_step + moved
+    assert runs["terngrad-last"].eval_loss != runs["terngrad"].eval_loss
+    # co2 in 2 steps: one round (capped at the last step), its model difference averaged once in bf16
+    assert runs["co2"].bytes_per_step == 1 * (full / 4) * 2 / 2
+
+
+def test_co2_row_runs_the_real_co2_on_every_rank():
+    """CO2 applies a round's average one round late: after the first round every rank is
+    back at the initial model; after ``finish`` the ranks hold one model (averaged), not
+    the initial one; bytes: 3 averagings (rounds of 5, 5 and 2 steps) in bf16."""
+    steps, spec = 12, quality.TASKS["shapes"]
+    task = spec.make(0)
+    cfg = Config.load(quality.method_config("co2", spec.lr["sgd"], steps))
+    models = [task.model() for _ in range(quality.WORLD)]
+    opts = [quality._optimizer("sgd", m.parameters(), spec.lr["sgd"]) for m in models]
+    start = [p.detach().clone() for p in models[0].parameters()]
+    sim = SimulatedWorld(quality.WORLD)
+    step_fn = quality._CO2(cfg, models, opts, sim, steps)
+    for step in range(steps):
+        grads = []
+        for r, model in enumerate(models):
+            x, y = task.batch(step, r, quality.WORLD)
+            grads.append(torch.autograd.grad(spec.loss(model(x), y), list(model.parameters())))
+        step_fn(step, grads)
+        if step == 4:  # the first sync point: nothing to apply yet, the models restart from the anchor
+            assert all(torch.equal(p, q) for m in models for p, q in zip(m.parameters(), start))
+    step_fn.finish()
+    assert [t.clock.rounds for t in step_fn.trainers] == [3, 3]
+    assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(models[0].parameters(), start))
+    numel = sum(p.numel() for p in start)
+    assert sim.traffic[0].bytes_sent == 3 * numel * 2
 
 
 def test_command_line(tmp_path, capsys):

@@ -5,7 +5,8 @@ Each run trains one task with one optimizer and one method on ranks simulated by
 computes the gradient of its own batch, and the real compressors (the method groups a
 ``CommState`` would build, ``start_iter`` included) average them, with every compressor's
 ``end_step(True)`` after each step; Local SGD rows average the ranks' models through the
-real :class:`~commpress.local_sgd.ParameterAverager` at the rounds its period policy sets.
+real :class:`~commpress.local_sgd.ParameterAverager` at the rounds its period policy sets,
+and CO2 rows run the real :class:`~commpress.local_sgd.CO2`, one per rank.
 The result is the held-out loss at the end, compared with ``none`` on the same task,
 optimizer and seed.
 """
@@ -28,7 +29,7 @@ from commpress.config import Config, parse_method_spec
 from commpress.config.groups import MethodGroups
 from commpress.errors import ConfigError
 from commpress.local_sgd import ParameterAverager
-from commpress.local_sgd.config import period_policy
+from commpress.local_sgd.config import period_policy, trainer_for
 from commpress.local_sgd.flat import FlatModel
 from commpress.local_sgd.rounds import RoundClock
 from commpress.terminal import format_table
@@ -62,7 +63,7 @@ TASKS: dict[str, TaskSpec] = {
 #: cosine schedule from the task's base learning rate.
 OPTIMIZERS = ("sgd", "adamw")
 #: Method rows by label, in table order.
-METHODS = ("none", "fp16", "bf16", "powersgd", "acpsgd", "terngrad", "topk", "topk-dgc", "local-sgd+qsr")
+METHODS = ("none", "fp16", "bf16", "powersgd", "acpsgd", "terngrad", "terngrad-last", "topk", "topk-dgc", "local-sgd+qsr", "co2")
 
 
 def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
@@ -70,7 +71,9 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     rate ``lr``; a label that is no row is read as a method spec (``"topk:ratio=0.03"``).
 
     As in the demo, the low-rank rows start after 10% plain steps; QSR's alpha is the
-    base learning rate (H = max(4, (lr0 / lr)^2): 4 steps at first, longer as lr decays).
+    base learning rate (H = max(4, (lr0 / lr)^2): 4 steps at first, longer as lr decays);
+    ``terngrad-last`` sends the last layer in full precision; ``co2`` is the demo's CO2
+    (period 5, outer learning rate 0.7, averaging in bf16).
     """
     rows: dict[str, dict[str, Any]] = {
         "none": {"method": "none"},
@@ -79,9 +82,11 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
         "powersgd": {"method": "powersgd", "start_iter": steps // 10, "params": {"rank": 4}},
         "acpsgd": {"method": "acpsgd", "start_iter": steps // 10, "params": {"rank": 4}},
         "terngrad": {"method": "terngrad"},
+        "terngrad-last": {"method": "terngrad", "params": {"skip_last_layer": True}},
         "topk": {"method": "topk", "params": {"ratio": 0.01}},
         "topk-dgc": {"method": "topk", "params": {"ratio": 0.01, "dgc": True}},
         "local-sgd+qsr": {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": lr}},
+        "co2": {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}},
     }
     if label in rows:
         return rows[label]
@@ -127,7 +132,12 @@ def train(task_name: str, optimizer: str, method: str, seed: int, steps: int) ->
     sim = SimulatedWorld(WORLD)
     local = cfg.section("local_sgd")
     try:
-        step_fn = _LocalSGD(cfg, models, opts, sim, steps) if local is not None else _data_parallel(cfg, models, opts, sim)
+        if local is None:
+            step_fn = _data_parallel(cfg, models, opts, sim)
+        elif local.algorithm == "co2":
+            step_fn = _CO2(cfg, models, opts, sim, steps)
+        else:
+            step_fn = _LocalSGD(cfg, models, opts, sim, steps)
     except ConfigError as exc:
         return QualityRun(task_name, optimizer, method, seed, math.nan, math.nan, str(exc))
     schedule = cosine_lr(base_lr, steps)
@@ -151,9 +161,13 @@ def train(task_name: str, optimizer: str, method: str, seed: int, steps: int) ->
     return QualityRun(task_name, optimizer, method, seed, eval_loss, sim.traffic[0].bytes_sent / steps)
 
 
-def _apply(model: torch.nn.Module, opt: torch.optim.Optimizer, grads: Sequence[torch.Tensor]) -> None:
+def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor]) -> None:
     for p, g in zip(model.parameters(), grads):
         p.grad = g.detach().clone().view_as(p)
+
+
+def _apply(model: torch.nn.Module, opt: torch.optim.Optimizer, grads: Sequence[torch.Tensor]) -> None:
+    _set_grads(model, grads)
     opt.step()
 
 
@@ -161,7 +175,7 @@ def _data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) -
     """A step of data-parallel training: the ranks' gradients averaged by the config's
     method groups (plain averaging before ``start_iter``), as the DDP hook does."""
     names = [n for n, _ in models[0].named_parameters()]
-    groups = [MethodGroups(cfg) for _ in models]
+    groups = [MethodGroups(cfg, model) for model in models]
     for g, model, opt in zip(groups, models, opts):
         hand_over_momentum(opt, model.named_parameters(), lambda n, g=g: g.compressors[g.key_for(n)], cfg.start_iter)
     warmup = build("none")
@@ -213,6 +227,35 @@ class _LocalSGD:
     def finish(self) -> None:
         if self.clocks[0].in_round:
             self.sync()
+
+
+class _CO2:
+    """CO2 on the simulated ranks: one :class:`commpress.local_sgd.CO2` per rank, built as
+    a ``[local_sgd]`` table builds it, averaging through its rank's backend. A sync point
+    starts this round's average and applies the one every rank started a round earlier
+    (already complete), so the ranks take their steps one after another."""
+
+    def __init__(self, cfg: Config, models: list, opts: list, sim: SimulatedWorld, steps: int) -> None:
+        section = cfg.section("local_sgd")
+        self.models = models
+        self.trainers = [
+            trainer_for(m, o, section, ParameterAverager(cfg.method, cfg.params, backend=b), steps)
+            for m, o, b in zip(models, opts, sim.backends)
+        ]
+
+    def __call__(self, step: int, grads: list) -> None:
+        for model, trainer, g in zip(self.models, self.trainers, grads):
+            _set_grads(model, g)
+            trainer.step()
+
+    def finish(self) -> None:
+        # CO2.finish waits for the average its own last sync point starts: every rank
+        # starts it first
+        if self.trainers[0].clock.in_round:
+            for trainer in self.trainers:
+                trainer.sync()
+        for trainer in self.trainers:
+            trainer.finish()
 
 
 def run_suite(

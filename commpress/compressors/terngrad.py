@@ -39,6 +39,13 @@ class TernGradCompressor(Compressor):
             common offset (a nearly constant tensor) down to a fraction of its values.
         seed: mixed with rank, step and parameter name into the key of the counter-based
             random generator, so runs are reproducible and ranks draw independent bits.
+        skip_last_layer: send the model's last layer in full precision, averaged exactly
+            like ``none``, as TernGrad's reference implementation leaves the classifier
+            unquantized. The last layer is the weight and bias of the model's last module,
+            in ``model.named_modules()`` order, that holds parameters of its own. The method
+            groups apply it (:class:`commpress.config.groups.MethodGroups`: the DDP hook, the
+            bandwidth layer), so they need the model; a model with another head sends it
+            with an override (``params = ["head.*"]``, ``method = "none"``).
 
     Non-finite gradients: a tensor holding Inf/NaN on any rank comes out as NaN on every
     rank (its shared scale becomes +Inf), so ``torch.amp.GradScaler`` skips the step
@@ -48,14 +55,17 @@ class TernGradCompressor(Compressor):
     name: ClassVar[str] = "terngrad"
     rounds: ClassVar[int] = 2
 
-    def __init__(self, clip_sigma: float = 2.5, seed: int = 0) -> None:
+    def __init__(self, clip_sigma: float = 2.5, seed: int = 0, skip_last_layer: bool = False) -> None:
         if not (math.isfinite(clip_sigma) and clip_sigma >= 0):
             raise ConfigError(
                 f"method 'terngrad': clip_sigma = {clip_sigma!r} is not accepted; expected a finite number >= 0 (0 = no clipping)"
             )
         check_seed("method 'terngrad'", seed)
+        if not isinstance(skip_last_layer, bool):
+            raise ConfigError(f"method 'terngrad': skip_last_layer = {skip_last_layer!r} is not accepted; expected true or false")
         self.clip_sigma = clip_sigma
         self.seed = seed
+        self.skip_last_layer = skip_last_layer
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)
@@ -65,39 +75,39 @@ class TernGradCompressor(Compressor):
         slots = [s for s in bucket.slots if s.numel]
         if not slots:
             return
-        views = [bucket.buffer.narrow(0, s.offset, s.numel) for s in slots]
-        bounds, peaks, scales = self._local_scales(views)
+        spans = [(s.offset, s.numel) for s in slots]
+        bounds, peaks, scales = self._local_scales(bucket.buffer, spans)
         shared = yield AllReduce(scales, op="max")
         # Elements above the shared scale are always kept (probability >= 1): the quantizer
         # clips at s by itself. Clip (inside the quantizer's pass) only where this rank's
         # bound is lower. A tensor whose shared scale is +Inf (Inf/NaN on some rank) gets
         # zero codes, and NaN after the decode.
         clip = torch.where(bounds < torch.minimum(peaks, shared), bounds, math.inf)
-        spans = [(s.offset, s.numel) for s in slots]
         seeds = [tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, s)) for s in slots]
         gathered = yield AllGather(ternary_quantize_pack_many(bucket.buffer, spans, shared, seeds, clip))
         (packed,) = unframe(gathered, [(torch.uint8, sum(_packed_len(s.numel) for s in slots))])
         ternary_unpack_accumulate_many(packed, shared.expand(ctx.world_size, -1), spans, bucket.buffer)
-        for view, finite in zip(views, host.flags(torch.isfinite(shared))):
+        for (offset, numel), finite in zip(spans, host.flags(torch.isfinite(shared))):
             if not finite:
-                view.fill_(math.nan)
+                bucket.buffer.narrow(0, offset, numel).fill_(math.nan)
 
-    def _local_scales(self, views: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per tensor on this rank, float32[T] each: the clip bound, max|g|, and the scale.
+    def _local_scales(
+        self, buffer: torch.Tensor, spans: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per tensor (``spans`` of ``buffer``) on this rank, float32[T] each: the clip bound,
+        max|g|, and the scale.
 
         The bound is ``clip_sigma`` times the root mean square of the tensor (+Inf when
         clipping is off or the tensor is 0); the scale is max|g| after clipping, +Inf for a
-        tensor that holds Inf or NaN.
+        tensor that holds Inf or NaN. Batched ops: a bucket holds many small tensors.
         """
-        peaks, norms = [], []
-        for v in views:
-            lo, hi = torch.aminmax(v)
-            peaks.append(torch.maximum(-lo, hi).float())
-            if self.clip_sigma:
-                norms.append(torch.linalg.vector_norm(v, dtype=torch.float32) / math.sqrt(v.numel()))
-        peak = torch.stack(peaks)
+        views = [buffer.narrow(0, offset, numel) for offset, numel in spans]
+        lo, hi = (torch.stack(ends).float() for ends in zip(*(torch.aminmax(v) for v in views)))
+        peak = torch.maximum(-lo, hi)  # NaN if the tensor holds one
         if self.clip_sigma:
-            bound = self.clip_sigma * torch.stack(norms)
+            norms = torch.stack(torch._foreach_norm(views, 2)).float()
+            numel = torch.tensor([n for _, n in spans], dtype=torch.float32, device=norms.device)
+            bound = self.clip_sigma * norms / numel.sqrt()
             bound = torch.where(bound > 0, bound, math.inf)
         else:
             bound = torch.full_like(peak, math.inf)

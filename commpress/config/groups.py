@@ -4,6 +4,9 @@ that runs each, and which parameters each covers.
 One object serves every user of groups (the DDP hook state, the bandwidth-aware layer,
 Local SGD's averager), so group keys (``"main"``, ``"override0"``, ...), rounds and the
 split of a bucket into groups are defined once.
+
+A method with ``skip_last_layer = true`` (TernGrad) leaves the model's last layer to one
+more group, ``"last_layer"``, that averages it with ``none``.
 """
 
 from __future__ import annotations
@@ -12,13 +15,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from commpress.compressors import Bucket, Compressor, Context, ParamSlot, Reduction, build
 from commpress.config import Config
+from commpress.errors import ConfigError
 
-__all__ = ["MAIN", "MethodGroups", "Part"]
+__all__ = ["LAST_LAYER", "MAIN", "MethodGroups", "Part", "last_layer_names"]
 
 #: The key of the config's top-level method.
 MAIN = "main"
+#: The key of the group that averages, exactly, the last layer a method leaves out.
+LAST_LAYER = "last_layer"
 
 
 @dataclass(frozen=True)
@@ -31,14 +39,33 @@ class Part:
 
 
 class MethodGroups:
-    """The method groups of ``config``, each with its compressor."""
+    """The method groups of ``config``, each with its compressor.
 
-    def __init__(self, config: Config) -> None:
+    ``model`` is needed when a group's method has ``skip_last_layer = true``: that group's
+    share of the model's last layer (:func:`last_layer_names`, named as
+    ``model.named_parameters()`` names them) goes to the ``"last_layer"`` group instead,
+    averaged with ``none``.
+    """
+
+    def __init__(self, config: Config, model: nn.Module | None = None) -> None:
         self.config = config
         self.specs: dict[str, tuple[str, dict[str, Any]]] = {MAIN: (config.method, dict(config.params))}
         for i, ov in enumerate(config.overrides):
             self.specs[f"override{i}"] = (ov.method, dict(ov.method_params))
         self.compressors: dict[str, Compressor] = {key: build(m, p) for key, (m, p) in self.specs.items()}
+        #: the groups whose method leaves the last layer out, and that layer's parameter names
+        self.skipping = frozenset(key for key, c in self.compressors.items() if getattr(c, "skip_last_layer", False))
+        self.last_layer: frozenset[str] = frozenset()
+        if self.skipping:
+            if model is None:
+                method = self.specs[min(self.skipping)][0]
+                raise ConfigError(
+                    f"method {method!r}: skip_last_layer = true needs the model to find its last layer: pass "
+                    "model= to CommState (commpress.register does); Local SGD averages one flat vector and cannot use it"
+                )
+            self.last_layer = frozenset(last_layer_names(model))
+            self.specs[LAST_LAYER] = ("none", {})
+            self.compressors[LAST_LAYER] = build("none")
         self._parts: dict[tuple[ParamSlot, ...], tuple[Part, ...]] = {}
 
     @property
@@ -47,11 +74,10 @@ class MethodGroups:
         return sum(c.rounds for c in self.compressors.values())
 
     def key_for(self, name: str) -> str:
-        """The group of the parameter called ``name`` (first matching override wins)."""
-        for i, ov in enumerate(self.config.overrides):
-            if ov.matches(name):
-                return f"override{i}"
-        return MAIN
+        """The group of the parameter called ``name`` (first matching override wins; the
+        last layer of a group that leaves it out goes to ``"last_layer"``)."""
+        key = next((f"override{i}" for i, ov in enumerate(self.config.overrides) if ov.matches(name)), MAIN)
+        return LAST_LAYER if key in self.skipping and name in self.last_layer else key
 
     def replace(self, key: str, compressor: Compressor) -> None:
         """Run group ``key`` with ``compressor`` from now on (the bandwidth layer changes a
@@ -96,6 +122,20 @@ class MethodGroups:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for key, c in self.compressors.items():
             c.load_state_dict(state.get(key, {}))
+
+
+def last_layer_names(model: nn.Module) -> list[str]:
+    """The names (as ``model.named_parameters()`` gives them) of the parameters of the last
+    module, in ``model.named_modules()`` order, that holds parameters of its own: the weight
+    and bias of a classifier or logits layer. A weight tied to an earlier module keeps
+    that module's name."""
+    own: list[nn.Parameter] = []
+    for _, module in model.named_modules():
+        here = list(module.parameters(recurse=False))
+        if here:
+            own = here
+    ids = {id(p) for p in own}
+    return [name for name, p in model.named_parameters() if id(p) in ids]
 
 
 def _flat_views(bucket: Bucket) -> Iterator:

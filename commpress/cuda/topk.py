@@ -20,7 +20,10 @@ from . import _backend, _checks, _chunks, rng
 
 __all__ = ["scatter_add_decode", "topk_select"]
 
-DEFAULT_SAMPLE = 1 << 15
+# A sample of 4096 puts about 51 entries above the threshold at a ratio of 1%; more costs
+# random reads per tensor (1 << 15 made the selection of a GPT-2 bucket 50% slower) and
+# changes no result, only how often the threshold is lowered and the pass repeated.
+DEFAULT_SAMPLE = 1 << 12
 _SLACK = 1.25  # aim the threshold at 25% more candidates than k, plus 4 sigma of sampling noise
 
 

@@ -24,7 +24,7 @@ from commpress.local_sgd.co2 import CO2
 from commpress.local_sgd.local_sgd import LocalSGD
 from commpress.local_sgd.periods import QSR, Constant, Period
 
-__all__ = ["LocalSGDConfig", "from_config", "period_policy"]
+__all__ = ["LocalSGDConfig", "from_config", "period_policy", "trainer_for"]
 
 
 def period_policy(section: LocalSGDConfig) -> Period:
@@ -56,6 +56,18 @@ def from_config(
         raise ConfigError(f"start_iter = {cfg.start_iter} is not accepted with [local_sgd]; use local_sgd.warmup_steps (QSR)")
     group = process_group if process_group is not None or cfg.backend != "torch" else getattr(model, "process_group", None)
     averager = ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend)
+    return trainer_for(model, optimizer, section, averager, total_steps)
+
+
+def trainer_for(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    section: LocalSGDConfig,
+    averager: ParameterAverager,
+    total_steps: int | None = None,
+) -> LocalSGD:
+    """The :class:`LocalSGD` or :class:`CO2` that the ``[local_sgd]`` table ``section``
+    describes, averaging through ``averager``."""
     common = {"averager": averager, "average_buffers": section.average_buffers, "total_steps": total_steps}
     if section.algorithm == "local_sgd":
         return LocalSGD(model, optimizer, period_policy(section), **common)

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
 from commpress.comm.agreement import agree_on_settings
+from commpress.comm.simulated import SimulatedBackend
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.ddp import skip_gradient_allreduce
 from commpress.local_sgd.flat import FlatModel
@@ -49,6 +50,11 @@ class LocalSGD:
     With DDP, a comm hook that keeps gradients local is registered here (construct before
     the first backward); a plain module gets rank 0's values at construction. The optimizer
     state (momenta, Adam moments) stays local: only the model is averaged.
+
+    With an averager on a :class:`commpress.comm.SimulatedWorld` backend (ranks simulated
+    in one process) the set-up agreement and broadcast are left out: build every rank's
+    trainer from one config and identical models. Such ranks can take their steps one
+    after another only with CO2, whose average is waited for a round after it started.
     """
 
     name = "local SGD"
@@ -72,15 +78,17 @@ class LocalSGD:
         if not isinstance(averager, ParameterAverager):
             averager = ParameterAverager(averager or "none", process_group=process_group)
         self.averager = averager
-        settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
-        settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
-        agree_on_settings(settings, self.name, "torch" if dist.is_initialized() else "mpi", process_group)
+        in_process = isinstance(self.averager.backend, SimulatedBackend)  # no blocking set-up (class docstring)
+        if not in_process:
+            settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
+            settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
+            agree_on_settings(settings, self.name, "torch" if dist.is_initialized() else "mpi", process_group)
         self.flat = FlatModel(model, buffers=average_buffers)
         #: the last average, identical on every rank; rounds average differences from it
         self.anchor = self.flat.read()
         if is_ddp:
             skip_gradient_allreduce(model)  # DDP already broadcast rank 0's model
-        else:
+        elif not in_process:
             self.averager.broadcast(self.anchor)
             self.flat.write(self.anchor)
         self._delta = self.flat.empty()
