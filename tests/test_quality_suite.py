@@ -14,6 +14,7 @@ from commpress.cli import main
 from commpress.comm import SimulatedWorld
 from commpress.config import Config
 from commpress.config.groups import last_layer_names
+from commpress.errors import ConfigError
 from commpress.workloads.synthetic import ShapesTask
 
 
@@ -107,6 +108,16 @@ def test_co2_row_runs_the_real_co2_on_every_rank():
     assert not all(torch.equal(p, q) for p, q in zip(models[0].parameters(), start))
     numel = sum(p.numel() for p in start)
     assert sim.traffic[0].bytes_sent == 3 * numel * 2
+
+
+def test_co2_adaptive_penalty_in_one_process_is_refused():
+    """Its blocking all-reduce would wait forever for the ranks that run after this one."""
+    spec = quality.TASKS["shapes"]
+    cfg = Config.load({"method": "none", "local_sgd": {"algorithm": "co2", "period": 5, "staleness_penalty": "adaptive"}})
+    models = [spec.make(0).model() for _ in range(quality.WORLD)]
+    opts = [quality._optimizer("sgd", m.parameters(), 0.1) for m in models]
+    with pytest.raises(ConfigError, match="staleness_penalty = 'adaptive' is not accepted with ranks simulated in one process"):
+        quality._CO2(cfg, models, opts, SimulatedWorld(quality.WORLD), 10)
 
 
 def test_command_line(tmp_path, capsys):
