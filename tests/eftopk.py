@@ -1,7 +1,9 @@
 """A test-only Top-k with error feedback: keeps the ``ratio`` largest entries of
 grad + residual, all-reduces them densely and keeps the rest as residual. Its only job is
 to have a ratio knob and error-feedback state, so that plan changes can be checked to
-keep that state (mass is conserved: sent + residual == input + old residual, exactly)."""
+keep that state (mass is conserved: sent + residual == input + old residual, exactly).
+The traffic model prices it as if it sent only the kept entries (a stand-in for a sparse
+encoding), so the planner sets its ratio from the links."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from commpress.adaptive.ratios import register_ratio_mapping
+from commpress.adaptive.traffic import Transfer, register_wire_model
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction, register_compressor
 from commpress.errors import ConfigError
 
@@ -49,3 +52,9 @@ class EFTopK(Compressor):
 @register_ratio_mapping("test-eftopk")
 def _ratio(ratio: float, params: dict[str, Any], shapes: Any) -> dict[str, Any]:
     return {**params, "ratio": ratio}
+
+
+@register_wire_model("test-eftopk")
+def _wire(c: EFTopK, slots: Any, element_size: int) -> list[Transfer]:
+    numel = sum(s.numel for s in slots)
+    return [Transfer("all_reduce", 4 * max(1, math.ceil(c.ratio * numel)))]

@@ -16,8 +16,8 @@ import torch
 from test_fake_cuda import CUDA, fake_cuda  # noqa: F401  (the fixture)
 
 from commpress import CommState
+from commpress.adaptive.groups import Hierarchy
 from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
-from commpress.adaptive.planner import plan_hierarchy
 from commpress.comm import SimulatedWorld
 from commpress.comm.simulated import SimulatedBackend
 from commpress.compressors import Bucket, build
@@ -71,7 +71,7 @@ def test_the_hook_state_keeps_every_step_on_the_gradients_device(checked_world, 
 
 @pytest.mark.parametrize("method", ["none", "powersgd", "topk"])
 def test_the_hierarchical_reduction_stays_on_the_device(checked_world, method):
-    plan = plan_hierarchy([[0, 1], [2, 3]], [[1e9] * 4] * 4, 10_000)
+    plan = Hierarchy.of([[0, 1], [2, 3]])
     world = checked_world(4, hierarchy_scopes(plan, 4))
     comps = [build(method, {"rank": 2} if method == "powersgd" else {}) for _ in range(4)]
     names, shapes = ["w", "b", "v"], [(8, 6), (8,), (6, 4)]

@@ -1,142 +1,171 @@
-"""The planner: a pure function from measured links to per-link compression ratios, on
-hand-made topologies (including one rank, equal links, one link 100x slower)."""
+"""The planner: a pure function from the measured topology and the model's buckets to each
+cross group's method settings, checked on hand-made topologies with hand-computed bytes
+and times (one rank, uncompressed parts, Top-k in groups of three, clamps, even-out,
+slowest links, shared uplinks, latency, method groups)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+import torch
 
-from commpress.adaptive.planner import BandwidthConfig, plan_hierarchy, plan_links
+from commpress.adaptive.groups import Hierarchy
+from commpress.adaptive.planner import BandwidthConfig, describe, plan_hierarchy
 from commpress.adaptive.ratios import method_for_ratio
+from commpress.adaptive.topology import Flows, Topology
+from commpress.adaptive.traffic import ModelLayout, Transfer, cross_traffic
+from commpress.compressors import ParamSlot
+from commpress.compressors.topk import topk_count
 from commpress.config import Config, ConfigError
 
-G = 1e9 / 8  # 1 Gbit/s in bytes/s
-S = 4_000_000  # bytes per step
+
+def layout(*named: tuple[str, tuple[int, ...]], keys: dict[str, str] | None = None) -> ModelLayout:
+    """One bucket holding ``named`` tensors in order."""
+    slots, offset = [], 0
+    for name, shape in named:
+        slots.append(ParamSlot(name, torch.Size(shape), offset))
+        offset += slots[-1].numel
+    return ModelLayout((tuple(slots),), keys or {})
 
 
-def uniform(n: int, rate: float = G) -> list[list[float]]:
-    return [[rate] * n for _ in range(n)]
+def alone(n: int, rate: float = 1e6, latency: float = 0.0) -> Topology:
+    """``n`` ranks, each its own domain: one cross group of all of them."""
+    return Topology.from_matrix([[rate] * n] * n, [[latency] * n] * n, domains=[[r] for r in range(n)])
 
 
-def two_nodes(fast: float = 10 * G, slow: float = 0.1 * G) -> list[list[float]]:
-    """Ranks 0,1 and 2,3 on two nodes: fast inside, slow between."""
-    return [[fast if (i < 2) == (j < 2) else slow for j in range(4)] for i in range(4)]
+def two_nodes(inside: float, cross: list[float], **kwargs) -> Topology:
+    """Ranks 0,1 and 2,3; the links of cross group j (ranks j and j + 2) at ``cross[j]``."""
+    bw = [[inside if (i < 2) == (j < 2) else min(cross[i % 2], cross[j % 2]) for j in range(4)] for i in range(4)]
+    for j in range(2):
+        bw[j][j + 2] = bw[j + 2][j] = cross[j]
+    return Topology.from_matrix(bw, domains=[[0, 1], [2, 3]], **kwargs)
 
 
-def offdiag(m):
-    n = len(m)
-    return [m[i][j] for i in range(n) for j in range(n) if i != j]
+POWERSGD = {"main": ("powersgd", {"rank": 4})}
+MATRIX = layout(("w", (100, 100)))  # rank r sends P and Q: 800 r bytes, uncompressed 40,000
+TWO = layout(("a", (100, 100)), ("b", (100, 100)))  # cross group j reduces matrix j
 
 
-def test_one_rank_has_no_links():
-    plan = plan_links([[0.0]], S)
-    assert plan.ratio == ((1.0,),) and plan.target_seconds == 0.0
-    h = plan_hierarchy([[0]], [[0.0]], S)
-    assert h.domains == ((0,),) and h.cross_groups == () and h.shards == 0
+def rank_of(plan, group: int) -> int:
+    method, params = plan.methods[group]["main"]
+    assert method == "powersgd"
+    return params["rank"]
 
 
-def test_equal_links_all_get_the_max_ratio():
-    plan = plan_links(uniform(4), S, max_ratio=0.5)
-    assert set(offdiag(plan.ratio)) == {0.5}
-    assert plan.target_seconds == pytest.approx(0.5 * S / G)
-    # a budget too small for the full gradient compresses every link alike
-    plan = plan_links(uniform(4), S, budget_ms=8.0, min_ratio=0.001)
-    assert offdiag(plan.ratio) == pytest.approx([0.008 * G / S] * 12)
+def test_one_rank_has_nothing_to_plan():
+    plan = plan_hierarchy(Topology.from_matrix([[0.0]]), MATRIX, POWERSGD)
+    assert plan.cross_groups == () and plan.methods == () and plan.target_seconds == 0.0
+    assert [g.name for g in plan.predicted] == ["domain 0"] and plan.predicted[0].transfers == ()
 
 
-def test_one_link_100x_slower_gets_100x_less_and_times_even_out():
-    bw = uniform(4)
-    bw[1][3] = bw[3][1] = G / 100
-    plan = plan_links(bw, S, min_ratio=0.001)
-    assert plan.ratio[1][3] == pytest.approx(0.01) and plan.ratio[3][1] == plan.ratio[1][3]
-    assert [r for r in offdiag(plan.ratio) if r != plan.ratio[1][3]] == [1.0] * 10
-    # the point of the plan: every link takes the same time
-    assert offdiag(plan.seconds) == pytest.approx([plan.target_seconds] * 12, rel=1e-12)
+def test_the_uncompressed_part_of_a_low_rank_method_is_counted():
+    # w at rank r: 800 r bytes; the 10,000-element bias always goes whole: 40,000 bytes. Budget 50 ms at 1 MB/s.
+    model = layout(("w", (100, 100)), ("b", (10_000,)))
+    plan = plan_hierarchy(alone(2), model, POWERSGD, {"budget_ms": 50})
+    assert rank_of(plan, 0) == 12  # 4 (1200 + 10000) + 4 * 1200 = 49,600 bytes; rank 13: 50,400
+    group = plan.predicted[0]
+    assert group.transfers == (Transfer("all_reduce", 44_800), Transfer("all_reduce", 4_800))
+    assert group.seconds == pytest.approx(0.0496) and plan.ratio == (pytest.approx(49_600 / 80_000),)
+    # a ratio that ignored the bias (50,000 of 80,000 bytes) would ask for rank 31: 64,800 bytes, 65 ms
+    assert method_for_ratio("powersgd", {"rank": 4}, 50 / 80, [(100, 100)])[1]["rank"] == 31
 
 
-def test_ratios_are_clamped_to_min_and_max():
-    bw = uniform(3)
-    bw[0][2] = bw[2][0] = G / 1000
-    plan = plan_links(bw, S, min_ratio=0.01)
-    assert plan.ratio[0][2] == 0.01
-    assert plan.seconds[0][2] > plan.target_seconds  # cannot meet the target: said so
-    plan = plan_links(uniform(3), S, budget_ms=1e6, max_ratio=0.8)
-    assert set(offdiag(plan.ratio)) == {0.8}
+def test_topk_all_gather_grows_with_the_group():
+    # 3 ranks: each sends 2 x its k * 8 bytes; budget 8 ms at 1 MB/s -> k = 500 of 10,000
+    plan = plan_hierarchy(alone(3), MATRIX, {"main": ("topk", {"ratio": 0.1})}, {"budget_ms": 8})
+    method, params = plan.methods[0]["main"]
+    assert method == "topk" and topk_count(params["ratio"], 10_000) == 500
+    assert plan.predicted[0].wire_bytes == 2 * 500 * 8 and plan.predicted[0].seconds == pytest.approx(0.008)
+    assert plan.ratio[0] == pytest.approx(8000 / (2 * 2 / 3 * 40_000))  # of a ring all-reduce's 53,333 bytes
 
 
-def test_slowdown_allows_slow_links_to_be_that_much_slower():
-    plan = plan_links(two_nodes(), S, slowdown=0.5, min_ratio=0.001)
-    fastest = S / (10 * G)
-    assert plan.target_seconds == pytest.approx(1.5 * fastest)
-    assert plan.ratio[0][2] == pytest.approx(1.5 * 0.01)  # 1.5 x the bandwidth ratio
-    assert plan.ratio[0][1] == 1.0
-    assert max(offdiag(plan.seconds)) <= 1.5 * fastest * (1 + 1e-12)
+def test_fast_enough_groups_send_uncompressed_unless_max_ratio_forbids_it():
+    plan = plan_hierarchy(alone(2), MATRIX, POWERSGD, {"budget_ms": 100})  # uncompressed: 40 ms
+    assert plan.methods == ({"main": ("none", {})},) and plan.ratio == (1.0,)
+    plan = plan_hierarchy(alone(2), MATRIX, POWERSGD, {"budget_ms": 100, "max_ratio": 0.9})
+    # rank 25 and above would not shrink w by min_compression_rate = 2 (sent whole): rank 24, 19.2 ms
+    assert rank_of(plan, 0) == 24 and plan.ratio == (pytest.approx(0.48),)
 
 
-def test_latency_is_paid_before_bytes():
-    bw, lat = uniform(2), [[0.0, 0.002], [0.002, 0.0]]
-    plan = plan_links(bw, S, lat, budget_ms=10.0, min_ratio=0.001)
-    assert plan.ratio[0][1] == pytest.approx((0.010 - 0.002) * G / S)
-    plan = plan_links(bw, S, [[0.0, 0.02], [0.02, 0.0]], budget_ms=10.0)
-    assert plan.ratio[0][1] == 0.01  # the latency alone exceeds the budget: min_ratio
+def test_a_group_that_cannot_meet_the_target_gets_min_ratio():
+    plan = plan_hierarchy(alone(2), MATRIX, POWERSGD, {"budget_ms": 1e-6, "min_ratio": 0.1})
+    assert rank_of(plan, 0) == 5 and plan.ratio == (pytest.approx(0.1),)  # 4000 of 40,000 bytes
+    assert plan.predicted[0].seconds > plan.target_seconds  # and it shows
+    assert rank_of(plan_hierarchy(alone(2), MATRIX, POWERSGD, {"budget_ms": 1e-6}), 0) == 1  # rank 1: 0.02 >= 0.01
 
 
-def test_a_link_is_as_fast_as_its_slower_direction():
-    bw = uniform(2)
-    bw[0][1] = G / 10
-    plan = plan_links(bw, S, budget_ms=1000 * S / G, min_ratio=0.001)
-    assert plan.ratio[0][1] == plan.ratio[1][0] == pytest.approx(0.1)
+def test_even_out_targets_the_fastest_group_and_each_group_runs_at_its_slowest_link():
+    # domains at 1 MB/s: all-to-all + all-gather of 40,000 B shards = 80 ms; cross group 0 at 1 MB/s
+    # uncompressed 40 ms (the fastest); cross group 1 at 100 kB/s: rank 5 (4000 B) takes 40 ms
+    topo = two_nodes(1e6, [1e6, 1e5])
+    plan = plan_hierarchy(topo, TWO, POWERSGD)
+    assert plan.target_seconds == pytest.approx(0.040)
+    assert plan.methods[0] == {"main": ("none", {})} and rank_of(plan, 1) == 5
+    assert [g.seconds for g in plan.predicted] == pytest.approx([0.040, 0.040, 0.080, 0.080])
+    assert plan.predicted[1].link.bandwidth == 1e5
+    slower = plan_hierarchy(topo, TWO, POWERSGD, {"slowdown": 0.5})
+    assert slower.target_seconds == pytest.approx(0.060) and rank_of(slower, 1) == 7  # 5600 B: 56 ms
 
 
-def test_zero_payload_and_same_inputs_same_plan():
-    assert set(offdiag(plan_links(two_nodes(), 0).ratio)) == {1.0}
-    assert plan_links(two_nodes(), S) == plan_links(two_nodes(), S)
+def test_an_uplink_shared_by_both_cross_groups_halves_their_rate():
+    up = Flows((5e5, 5e5), 1e6)
+    shared = two_nodes(1e9, [1e6, 1e6], uplinks=(up, up))
+    # 1 MB/s shared by two groups: 800 r B at 500 kB/s <= 16 ms -> rank 10; alone on the link: rank 20
+    assert [rank_of(plan_hierarchy(shared, TWO, POWERSGD, {"budget_ms": 16}), j) for j in (0, 1)] == [10, 10]
+    assert rank_of(plan_hierarchy(two_nodes(1e9, [1e6, 1e6]), TWO, POWERSGD, {"budget_ms": 16}), 0) == 20
+    # a token bucket of 4000 B per group: 4 messages refill at most 0 B (no latency): 4000 B more
+    burst = Flows((5e5, 5e5), 1e6, burst=8000.0)
+    plan = plan_hierarchy(two_nodes(1e9, [1e6, 1e6], uplinks=(burst, burst)), TWO, POWERSGD, {"budget_ms": 16})
+    assert rank_of(plan, 0) == 15  # 12,000 - 4000 B at 500 kB/s = 16 ms
 
 
-@pytest.mark.parametrize(
-    ("bw", "needle"),
-    [
-        ([[0, G], [G]], "square 2x2"),
-        ([[0, 0.0], [0.0, 0]], "bandwidth of link 0-1 must be > 0"),
-        ([[0, math.nan], [G, 0]], "bandwidth of link 0-1 must be > 0"),
-    ],
-)
-def test_bad_matrices(bw, needle):
-    with pytest.raises(ValueError, match=needle):
-        plan_links(bw, S)
+def test_latency_is_paid_per_message():
+    # two all-reduces of 2 messages each: 4 ms of latency before any byte
+    topo = alone(2, latency=1e-3)
+    assert rank_of(plan_hierarchy(topo, MATRIX, POWERSGD, {"budget_ms": 12}), 0) == 10  # 4 ms + 8000 B at 1 MB/s
+    assert rank_of(plan_hierarchy(topo, MATRIX, POWERSGD, {"budget_ms": 3}), 0) == 1  # cannot: min_ratio
 
 
-def test_hierarchy_of_two_nodes():
-    h = plan_hierarchy([[2, 3], [0, 1]], two_nodes(), S, settings={"min_ratio": 0.001})
-    assert h.domains == ((0, 1), (2, 3))
-    assert h.cross_groups == ((0, 2), (1, 3)) and h.shards == 2
-    assert h.cross_ratio == pytest.approx((0.01, 0.01))
-    assert [h.domain_of(r) for r in range(4)] == [0, 0, 1, 1] and h.local_rank(3) == 1
-    assert "cross 1" in str(h) and "0.0100" in str(h)
+def test_method_groups_each_run_their_own_method():
+    model = layout(("w", (100, 100)), ("b", (10_000,)), keys={"b": "override0"})
+    methods = {"main": ("powersgd", {"rank": 4}), "override0": ("fp16", {})}
+    plan = plan_hierarchy(alone(2), model, methods, {"budget_ms": 36})
+    # the bias in fp16: 20,000 B; 16 ms left for w: rank 20
+    assert plan.methods[0] == {"main": ("powersgd", {"rank": 20}), "override0": ("fp16", {})}
+    assert Transfer("all_reduce", 20_000) in plan.predicted[0].transfers
+    assert describe(plan.methods[0]) == "main: powersgd rank=20; override0: fp16"
 
 
-def test_hierarchy_of_unequal_domains_and_of_no_fast_links():
-    bw = uniform(5, 0.1 * G)
-    for i in range(3):
-        for j in range(3):
-            bw[i][j] = 10 * G
-    h = plan_hierarchy([[0, 1, 2], [3, 4]], bw, S, settings={"min_ratio": 0.001})
-    assert h.cross_groups == ((0, 3), (1, 4))  # rank 2 only works inside its domain
-    h = plan_hierarchy([[0], [1], [2]], uniform(3), S)
-    assert h.cross_groups == ((0, 1, 2),) and h.cross_ratio == (1.0,)
+def test_plans_are_pure_plain_data_and_printable():
+    a = plan_hierarchy(two_nodes(1e9, [1e6, 1e5]), TWO, POWERSGD, {"budget_ms": 20})
+    assert a == plan_hierarchy(two_nodes(1e9, [1e6, 1e5]), TWO, POWERSGD, {"budget_ms": 20})
+    data = json.loads(json.dumps(a.to_dict()))
+    assert data["methods"][1] == {"main": ["powersgd", {"rank": rank_of(a, 1)}]}
+    assert [g["group"] for g in data["predicted"]] == ["cross 0", "cross 1", "domain 0", "domain 1"]
+    text = str(a)
+    assert text.startswith("target 20.00 ms per group and step") and "cross 1   1 3    powersgd rank=" in text
+    assert a.to_dict() == plan_hierarchy(two_nodes(1e9, [1e6, 1e5]), TWO, POWERSGD, BandwidthConfig(budget_ms=20)).to_dict()
 
 
-def test_cross_group_uses_its_slowest_link():
-    bw = two_nodes(slow=G)
-    bw[1][3] = bw[3][1] = 0.1 * G
-    h = plan_hierarchy([[0, 1], [2, 3]], bw, S, settings={"min_ratio": 0.001})
-    assert h.cross_ratio == pytest.approx((0.1, 0.01))
+def test_cross_traffic_of_a_chosen_plan_is_what_it_predicts():
+    topo = two_nodes(1e9, [1e6, 1e5])
+    plan = plan_hierarchy(topo, TWO, POWERSGD, {"budget_ms": 20})
+    h = Hierarchy.of(topo.domains)
+    for j in (0, 1):
+        assert cross_traffic(topo, h, TWO, j, plan.methods[j]) == plan.predicted[j]
 
 
-def test_hierarchy_rejects_domains_that_miss_ranks():
+def test_hierarchy_layout_and_bad_domains():
+    h = Hierarchy.of([[2, 3], [0, 1]])
+    assert h.domains == ((0, 1), (2, 3)) and h.cross_groups == ((0, 2), (1, 3)) and h.shards == 2
+    assert [h.domain_of(r) for r in range(4)] == [0, 0, 1, 1] and h.local_rank(3) == 1 and h.cross_group_of(3) == 1
+    assert Hierarchy.of([[0, 1, 2], [3, 4]]).cross_groups == ((0, 3), (1, 4))  # rank 2 only works inside its domain
+    assert Hierarchy.of([[0, 1, 2], [3, 4]]).cross_group_of(2) is None
+    assert Hierarchy.of([[0], [1], [2]]).cross_groups == ((0, 1, 2),)
     with pytest.raises(ValueError, match=r"must split ranks 0\.\.3"):
-        plan_hierarchy([[0, 1], [2]], two_nodes(), S)
+        Hierarchy.of([[0, 1], [2]], 4)
 
 
 @pytest.mark.parametrize(

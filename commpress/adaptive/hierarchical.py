@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commpress.adaptive.planner import HierarchyPlan
+from commpress.adaptive.groups import Hierarchy
 from commpress.compressors.base import Bucket, Context, ParamSlot
 from commpress.compressors.collectives import AllGather, ReduceScatter, Reduction, in_scope
 
@@ -70,7 +70,7 @@ def shard_slots(slots: Sequence[ParamSlot], start: int, stop: int) -> tuple[Para
     return tuple(out)
 
 
-def hierarchy_scopes(plan: HierarchyPlan, world_size: int) -> dict[str, list[list[int]]]:
+def hierarchy_scopes(plan: Hierarchy, world_size: int) -> dict[str, list[list[int]]]:
     """The ``"domain"`` and ``"cross"`` partitions of the ranks under ``plan`` (ranks in no
     cross group, the extra ranks of larger domains, get a part of their own, never used)."""
     spare = [[r] for r in range(world_size) if not any(r in g for g in plan.cross_groups)]
@@ -90,7 +90,7 @@ class Place:
     cross_rank: int | None
 
     @classmethod
-    def of(cls, plan: HierarchyPlan, rank: int) -> Place:
+    def of(cls, plan: Hierarchy, rank: int) -> Place:
         domain = plan.domains[plan.domain_of(rank)]
         local = domain.index(rank)
         group = plan.cross_groups[local] if local < plan.shards and len(plan.domains) > 1 else None

@@ -2,12 +2,14 @@
 
 Turned on by ``[bandwidth] adaptive = true``. At start-up it measures the links
 (:func:`~commpress.adaptive.topology.measure_topology`, the same result on every rank), plans
-(:func:`~commpress.adaptive.planner.plan_hierarchy`, a pure function of that measurement),
-checks that every rank holds the same plan, and reduces every bucket hierarchically:
-uncompressed inside fast domains, compressed across them with each method's parameter
-set from the planned ratio of this rank's cross-domain group. With ``remeasure_every``
-it measures and plans again at the start of every N-th step, on every rank at the same
-bucket, when no reduction is in flight.
+(:func:`~commpress.adaptive.planner.plan_hierarchy`, a pure function of that measurement
+and of the model's buckets), checks that every rank holds the same plan, and reduces
+every bucket hierarchically: uncompressed inside fast domains, compressed across them
+with the methods the plan gives this rank's cross-domain group. The first plan is made
+for DDP's default buckets (:func:`~commpress.adaptive.traffic.ddp_buckets`); later plans
+for the buckets the layer has seen. With ``remeasure_every`` it measures and plans again
+at the start of every N-th step, on every rank at the same bucket, when no reduction is
+in flight. Inside a :func:`~commpress.adaptive.timing.recording` it times its collectives.
 
 Changing a method's parameter keeps its state: the new instance loads the old one's
 ``state_dict`` (error feedback, warm starts), converted where the parameter shapes it
@@ -24,13 +26,15 @@ from typing import Any
 
 import torch
 
+from commpress.adaptive import timing
 from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
 from commpress.adaptive.planner import HierarchyPlan, plan_hierarchy
-from commpress.adaptive.ratios import adapt_state, method_for_ratio
+from commpress.adaptive.ratios import adapt_state
 from commpress.adaptive.topology import Topology, measure_topology
+from commpress.adaptive.traffic import ModelLayout, ddp_buckets
 from commpress.comm import Backend
 from commpress.comm.torch_backend import TorchBackend, group_timeout
-from commpress.compressors import Bucket, Compressor, build, compressor_class
+from commpress.compressors import Bucket, Compressor, ParamSlot, build, compressor_class
 from commpress.config import digest_of
 from commpress.config.groups import MethodGroups
 from commpress.config.tables import BandwidthConfig
@@ -57,14 +61,21 @@ class AdaptiveLayer:
         self._main = main
         self._group = process_group if process_group is not None else dist.group.WORLD
         self._measure_group = dist.new_group(dist.get_process_group_ranks(self._group), timeout=group_timeout(self._group))
-        # what each method group was configured with, and the tensors it covers
+        # what each method group was configured with, and the model's buckets as DDP builds them
         self.configured = {key: (m, dict(p)) for key, (m, p) in groups.specs.items()}
-        self.shapes: dict[str, list[tuple[int, ...]]] = {key: [] for key in self.configured}
-        self.payload_bytes = 0
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self.shapes[groups.key_for(name)].append(tuple(p.shape))
-                self.payload_bytes += p.numel() * p.element_size()
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        element_size = trainable[0][1].element_size() if trainable else 4
+        self.layout = ModelLayout(
+            ddp_buckets([(name, tuple(p.shape)) for name, p in trainable], element_size),
+            {name: groups.key_for(name) for name, _ in trainable},
+            element_size,
+        )
+        self._seen: dict[int, tuple[ParamSlot, ...]] = {}  # the buckets of the step in progress
+        self._seen_step: int | None = None
+        self._steps_seen = 0
+        self.log = timing.active()
+        if self.log is not None:
+            self.log.layer = self
         # a group switches between its configured method and none (1 round): the method's rounds suffice
         self.rounds = sum(compressor_class(m).rounds for m, _ in self.configured.values())
         self.active: dict[str, tuple[str, dict[str, Any]]] = {key: (m, dict(p)) for key, (m, p) in self.configured.items()}
@@ -104,7 +115,8 @@ class AdaptiveLayer:
     def replan(self, topology: Topology, step: int | None = None) -> HierarchyPlan:
         """Plan from ``topology`` and switch to it. Every rank must call it with the same
         topology (measured ones are); raises RuntimeError if the plans differ."""
-        plan = plan_hierarchy(topology.domains, topology.bandwidth, self.payload_bytes, topology.latency, self.settings)
+        self.layout = self.observed_layout()
+        plan = plan_hierarchy(topology, self.layout, self.configured, self.settings)
         digest = digest_of(plan.to_dict())
         import torch.distributed as dist
 
@@ -114,8 +126,8 @@ class AdaptiveLayer:
             raise RuntimeError(f"ranks planned differently (plan digests {digests}); every rank must plan from the same topology")
         if self.plan is None or plan.domains != self.plan.domains:
             world = dist.get_world_size(self._group)
-            if plan.links.world_size != world:
-                raise ValueError(f"plan is for {plan.links.world_size} ranks, the process group has {world}")
+            if plan.world_size != world:
+                raise ValueError(f"plan is for {plan.world_size} ranks, the process group has {world}")
             rounds = {"domain": 2, "cross": self.rounds}
             self.backend = TorchBackend(self._group, rounds, scopes=hierarchy_scopes(plan, world))
             self.backend.traffic = self._main.traffic
@@ -125,17 +137,18 @@ class AdaptiveLayer:
         self.history.append({"step": step, "plan": plan.to_dict(), "active": self._spec()})
         return plan
 
-    def cross_ratio(self) -> float | None:
-        """The planned ratio of this rank's cross-domain group (None: it has none)."""
-        place = self.place
-        return None if place.cross_rank is None or not self.plan.cross_groups else self.plan.cross_ratio[place.local_rank]
+    def observed_layout(self) -> ModelLayout:
+        """The buckets of the last step this layer reduced, once DDP has rebuilt them after
+        its first step; until then the layout planned for."""
+        if self._steps_seen < 2 or not self._seen:
+            return self.layout
+        return ModelLayout(tuple(self._seen[i] for i in sorted(self._seen)), self.layout.keys, self.layout.element_size)
 
     def _apply(self, plan: HierarchyPlan) -> None:
-        ratio = self.cross_ratio()
-        if ratio is None:
+        if self.place.cross_rank is None:
             return  # this rank compresses nothing: keep whatever it holds
-        for key, (method, params) in self.configured.items():
-            self._switch(key, *method_for_ratio(method, params, ratio, self.shapes[key]))
+        for key, (method, params) in plan.methods[self.place.local_rank].items():
+            self._switch(key, method, dict(params))
 
     def _switch(self, key: str, method: str, params: dict[str, Any]) -> None:
         """Make ``key`` use ``method`` with ``params``, carrying the method's state over."""
@@ -156,7 +169,13 @@ class AdaptiveLayer:
 
     def run(self, bucket: Bucket, step: int) -> torch.futures.Future:
         """Reduce one bucket hierarchically (see :func:`hierarchical_reduction`)."""
-        return self.backend.run(hierarchical_reduction(bucket, step, self.place, self._groups.reduction), bucket.buffer)
+        if step != self._seen_step:
+            self._seen, self._seen_step, self._steps_seen = {}, step, self._steps_seen + 1
+        self._seen[bucket.index] = tuple(bucket.slots)
+        reduction = hierarchical_reduction(bucket, step, self.place, self._groups.reduction)
+        if self.log is not None:
+            reduction = self.log.wrap(reduction, step, bucket.index)
+        return self.backend.run(reduction, bucket.buffer)
 
     def state_dict(self) -> dict[str, Any]:
         """The topology the plan came from, the active methods, the parked states."""

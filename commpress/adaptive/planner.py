@@ -1,189 +1,206 @@
-"""The ``[bandwidth]`` settings and the planner: measured link bandwidths -> compression
-ratio per link, and the hierarchical layout (fast domains, cross-domain groups).
+"""The planner: for every cross-domain group, the knob of its method that makes the
+group's predicted step time meet the target.
 
-Everything here is a pure function of its inputs (no process groups, no clocks), so every
-rank that plans from the same measurement gets the same plan, and tests can feed it
-hand-made topologies.
+The plan's unit is the group, not the link: a collective runs at the pace of its slowest
+link, so every rank of a cross group uses one setting, and the traffic model
+(:mod:`commpress.adaptive.traffic`) predicts the group's time from the topology: the
+group's own links, its members' uplinks shared with the other cross groups, the
+collective algorithm, and the bytes the method really sends at each setting (the
+uncompressed part of the low-rank methods, Top-k's all-gather growing with the group).
 
-A *ratio* is the fraction of the uncompressed bytes a link carries (1.0 = uncompressed,
-0.01 = 100x compression). Each method maps it to its own parameter (see
-:mod:`commpress.adaptive.ratios`).
+A group's *ratio* is its predicted wire bytes over those of the uncompressed gradient
+(1.0 = uncompressed). The target is ``budget_ms`` or, with ``budget_ms = 0``,
+``(1 + slowdown)`` times the fastest group's time (domains uncompressed, cross groups at
+``max_ratio``). Each cross group gets the largest setting whose predicted time meets the
+target with its ratio in ``[min_ratio, max_ratio]``; one that cannot meet it gets the most
+compression ``min_ratio`` allows (its predicted time shows it). Each method's knob is
+searched through its ratio mapping (:mod:`commpress.adaptive.ratios`), which orders the
+settings from most to least compressed.
+
+Everything here is a pure function of its inputs, so every rank that plans from the same
+measurement gets the same plan, and tests can feed it hand-made topologies.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+import functools
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from commpress.adaptive.groups import Hierarchy
+from commpress.adaptive.ratios import method_for_ratio
+from commpress.adaptive.topology import Topology
+from commpress.adaptive.traffic import GroupTraffic, Methods, ModelLayout, cross_traffic, domain_traffic, group_shapes
 from commpress.config.tables import BandwidthConfig
 from commpress.terminal import format_table
 
-__all__ = ["BandwidthConfig", "HierarchyPlan", "LinkPlan", "plan_hierarchy", "plan_links"]
+__all__ = ["BandwidthConfig", "HierarchyPlan", "describe", "plan_hierarchy"]
 
-
-Matrix = tuple[tuple[float, ...], ...]
-
-
-@dataclass(frozen=True)
-class LinkPlan:
-    """Ratio and predicted transfer time of every link (``ratio[i][j]``, symmetric; the
-    diagonal is 1.0 and 0 s) for a payload of ``payload_bytes`` per step."""
-
-    ratio: Matrix
-    seconds: Matrix
-    target_seconds: float
-    payload_bytes: int
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ratio)
-
-    def group_ratio(self, ranks: Sequence[int]) -> float:
-        """The ratio a collective over ``ranks`` can use: its slowest link's."""
-        pairs = [self.ratio[a][b] for i, a in enumerate(ranks) for b in ranks[i + 1 :]]
-        return min(pairs) if pairs else max(max(row) for row in self.ratio)
-
-    def __str__(self) -> str:
-        rows = [
-            [f"{i}-{j}", f"{self.ratio[i][j]:.4f}", f"{1 / self.ratio[i][j]:.1f}x", f"{1000 * self.seconds[i][j]:.2f}"]
-            for i in range(self.world_size)
-            for j in range(i + 1, self.world_size)
-        ]
-        head = f"plan for {self.payload_bytes:,} bytes/step, target {1000 * self.target_seconds:.2f} ms per link"
-        return head + "\n" + format_table(["link", "ratio", "compression", "predicted ms"], rows)
-
-
-def _square(name: str, matrix: Sequence[Sequence[float]], n: int | None = None) -> list[list[float]]:
-    rows = [[float(v) for v in row] for row in matrix]
-    n = len(rows) if n is None else n
-    if len(rows) != n or any(len(r) != n for r in rows):
-        raise ValueError(f"{name} must be a square {n}x{n} matrix, got row lengths {[len(r) for r in rows]}")
-    return rows
-
-
-def plan_links(
-    bandwidth: Sequence[Sequence[float]],
-    payload_bytes: int,
-    latency: Sequence[Sequence[float]] | None = None,
-    *,
-    budget_ms: float = 0.0,
-    slowdown: float = 0.0,
-    min_ratio: float = 0.01,
-    max_ratio: float = 1.0,
-) -> LinkPlan:
-    """Choose a compression ratio for every link so that transfer times come out even.
-
-    ``bandwidth[i][j]`` is the measured rate from rank i to rank j in bytes/s (the
-    diagonal is ignored; a link's rate is the slower direction's), ``latency`` the
-    one-way latency in seconds (zeros if None). A link at ratio r takes
-    ``latency + r * payload_bytes / bandwidth``. The target time is ``budget_ms`` if
-    positive, else ``(1 + slowdown)`` times the fastest link's time at ``max_ratio``;
-    every link gets the ratio that meets the target, clamped to [min_ratio, max_ratio].
-    """
-    BandwidthConfig(budget_ms=budget_ms, slowdown=slowdown, min_ratio=min_ratio, max_ratio=max_ratio)  # range checks
-    bw = _square("bandwidth", bandwidth)
-    n = len(bw)
-    lat = _square("latency", latency, n) if latency is not None else [[0.0] * n for _ in range(n)]
-    if payload_bytes < 0:
-        raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes}")
-    links = [(i, j) for i in range(n) for j in range(i + 1, n)]
-    rate = {(i, j): min(bw[i][j], bw[j][i]) for i, j in links}
-    delay = {(i, j): max(lat[i][j], lat[j][i]) for i, j in links}
-    for (i, j), b in rate.items():
-        if not b > 0 or math.isnan(b):
-            raise ValueError(f"bandwidth of link {i}-{j} must be > 0 bytes/s, got {b}")
-        if delay[i, j] < 0 or not math.isfinite(delay[i, j]):
-            raise ValueError(f"latency of link {i}-{j} must be a finite number >= 0, got {delay[i, j]}")
-
-    def seconds(link: tuple[int, int], r: float) -> float:
-        return delay[link] + r * payload_bytes / rate[link]
-
-    if budget_ms > 0:
-        target = budget_ms / 1000
-    else:
-        target = (1 + slowdown) * min((seconds(link, max_ratio) for link in links), default=0.0)
-    ratio = [[1.0] * n for _ in range(n)]
-    secs = [[0.0] * n for _ in range(n)]
-    for link in links:
-        if payload_bytes == 0:
-            r = max_ratio
-        else:
-            r = min(max_ratio, max(min_ratio, (target - delay[link]) * rate[link] / payload_bytes))
-        i, j = link
-        ratio[i][j] = ratio[j][i] = r
-        secs[i][j] = secs[j][i] = seconds(link, r)
-    return LinkPlan(tuple(map(tuple, ratio)), tuple(map(tuple, secs)), target, payload_bytes)
+#: The nominal ratios searched: below 1 (1 is ``none``), above 0.
+_LOWEST, _HIGHEST = 1e-9, 1 - 1e-9
+_STEPS = 48
 
 
 @dataclass(frozen=True)
-class HierarchyPlan:
-    """How a hierarchical reduction runs: ``domains`` reduce uncompressed inside; cross
-    group j holds the j-th rank of every domain (j < the smallest domain's size) and
-    reduces the j-th shard of each bucket at ratio ``cross_ratio[j]``."""
+class HierarchyPlan(Hierarchy):
+    """A hierarchical layout with every cross group's methods (``methods[j]``: {method
+    group: (method, params)}), its ratio, the target time and the predicted traffic of
+    every group (cross groups first, then domains)."""
 
-    domains: tuple[tuple[int, ...], ...]
-    cross_groups: tuple[tuple[int, ...], ...]
-    cross_ratio: tuple[float, ...]
-    links: LinkPlan
-
-    @property
-    def shards(self) -> int:
-        """Shards per bucket: one per cross group."""
-        return len(self.cross_groups)
-
-    def domain_of(self, rank: int) -> int:
-        return next(d for d, members in enumerate(self.domains) if rank in members)
-
-    def local_rank(self, rank: int) -> int:
-        return self.domains[self.domain_of(rank)].index(rank)
+    methods: tuple[dict[str, tuple[str, dict[str, Any]]], ...] = ()
+    ratio: tuple[float, ...] = ()
+    target_seconds: float = 0.0
+    predicted: tuple[GroupTraffic, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for digests and logs."""
         return {
             "domains": [list(d) for d in self.domains],
             "cross_groups": [list(g) for g in self.cross_groups],
-            "cross_ratio": list(self.cross_ratio),
-            "link_ratio": [list(r) for r in self.links.ratio],
+            "methods": [{k: [m, dict(sorted(p.items()))] for k, (m, p) in g.items()} for g in self.methods],
+            "ratio": list(self.ratio),
+            "target_seconds": self.target_seconds,
+            "predicted": [g.to_dict() for g in self.predicted],
         }
 
     def __str__(self) -> str:
+        methods = [describe(m) for m in self.methods] + ["none"] * len(self.domains)
+        ratios = [*self.ratio, *[1.0] * len(self.domains)]
         rows = [
-            [f"cross {j}", " ".join(map(str, g)), f"{r:.4f}", f"{1 / r:.1f}x"]
-            for j, (g, r) in enumerate(zip(self.cross_groups, self.cross_ratio))
+            [
+                g.name,
+                " ".join(map(str, g.ranks)),
+                method,
+                f"{ratio:.4f}",
+                f"{1 / ratio:.1f}x" if ratio > 0 else "inf",
+                f"{g.payload_bytes:,.0f}",
+                f"{g.wire_bytes:,.0f}",
+                f"{1000 * g.seconds:.2f}",
+            ]
+            for g, method, ratio in zip(self.predicted, methods, ratios, strict=True)
         ]
-        rows += [[f"domain {d}", " ".join(map(str, m)), "1.0000", "1.0x"] for d, m in enumerate(self.domains)]
-        return format_table(["group", "ranks", "ratio", "compression"], rows)
+        head = f"target {1000 * self.target_seconds:.2f} ms per group and step"
+        table = format_table(
+            ["group", "ranks", "method", "ratio", "compression", "bytes/step", "wire bytes/step", "predicted ms"], rows
+        )
+        return f"{head}\n{table}"
+
+
+def describe(methods: Methods) -> str:
+    """``powersgd rank=3`` (one method group) or ``main: powersgd rank=3; override0: none``."""
+
+    def one(method: str, params: Mapping[str, Any]) -> str:
+        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(params.items()))
+        return f"{method} {shown}".rstrip()
+
+    if len(methods) == 1:
+        return one(*next(iter(methods.values())))
+    return "; ".join(f"{key}: {one(m, p)}" for key, (m, p) in methods.items())
 
 
 def plan_hierarchy(
-    domains: Sequence[Sequence[int]],
-    bandwidth: Sequence[Sequence[float]],
-    payload_bytes: int,
-    latency: Sequence[Sequence[float]] | None = None,
+    topology: Topology,
+    layout: ModelLayout,
+    methods: Methods,
     settings: BandwidthConfig | Mapping[str, Any] | None = None,
 ) -> HierarchyPlan:
-    """The link plan of :func:`plan_links` plus the groups of a hierarchical reduction.
-
-    Inside a domain nothing is compressed; each cross-domain group uses its slowest
-    link's ratio (a collective goes no faster than its slowest link).
-    """
+    """Plan the hierarchical reduction of ``layout`` over ``topology``'s domains, each
+    method group running its configured ``methods[key] = (method, params)`` across domains,
+    its knob set per cross group (see the module's docstring)."""
     cfg = settings if isinstance(settings, BandwidthConfig) else BandwidthConfig(**dict(settings or {}))
-    links = plan_links(
-        bandwidth,
-        payload_bytes,
-        latency,
-        budget_ms=cfg.budget_ms,
-        slowdown=cfg.slowdown,
-        min_ratio=cfg.min_ratio,
-        max_ratio=cfg.max_ratio,
+    hierarchy = Hierarchy.of(topology.domains, topology.world_size)
+    domains = [domain_traffic(topology, hierarchy, layout, d) for d in range(len(hierarchy.domains))]
+    searches = [_Search(topology, hierarchy, layout, j, methods, cfg) for j in range(hierarchy.shards)]
+    if cfg.budget_ms > 0:
+        target = cfg.budget_ms / 1000
+    else:
+        times = [g.seconds for g in domains if g.transfers] + [s.fastest().seconds for s in searches]
+        target = (1 + cfg.slowdown) * min(times, default=0.0)
+    chosen = [s.choose(target) for s in searches]
+    return HierarchyPlan(
+        hierarchy.domains,
+        hierarchy.cross_groups,
+        methods=tuple(m for m, _ in chosen),
+        ratio=tuple(s.ratio(t) for s, (_, t) in zip(searches, chosen)),
+        target_seconds=target,
+        predicted=(*(t for _, t in chosen), *domains),
     )
-    doms = tuple(tuple(sorted(d)) for d in domains)
-    members = sorted(r for d in doms for r in d)
-    if members != list(range(links.world_size)) or not all(doms):
-        raise ValueError(f"domains {doms} must split ranks 0..{links.world_size - 1} into non-empty groups")
-    doms = tuple(sorted(doms))
-    shards = min(len(d) for d in doms) if doms else 0
-    groups = tuple(tuple(d[j] for d in doms) for j in range(shards)) if len(doms) > 1 else ()
-    return HierarchyPlan(doms, groups, tuple(links.group_ratio(g) for g in groups), links)
+
+
+class _Search:
+    """The settings of one cross group, from most to least compressed, by nominal ratio."""
+
+    def __init__(
+        self, topology: Topology, hierarchy: Hierarchy, layout: ModelLayout, group: int, methods: Methods, cfg: BandwidthConfig
+    ) -> None:
+        self.cfg = cfg
+        self.configured = {key: (m, dict(p)) for key, (m, p) in methods.items()}
+        self.shapes = {key: group_shapes(layout, hierarchy, group, key) for key in methods}
+        self._traffic: Callable[[Methods], GroupTraffic] = lambda m: cross_traffic(topology, hierarchy, layout, group, m)
+        self._seen: dict[str, GroupTraffic] = {}
+        self.none = self.at(1.0)
+
+    def settings(self, ratio: float) -> dict[str, tuple[str, dict[str, Any]]]:
+        """Every method group's (method, params) at nominal ``ratio`` (1.0: uncompressed)."""
+        return {key: method_for_ratio(m, p, ratio, self.shapes[key]) for key, (m, p) in self.configured.items()}
+
+    def at(self, ratio: float) -> tuple[dict[str, tuple[str, dict[str, Any]]], GroupTraffic]:
+        settings = self.settings(ratio)
+        key = json.dumps(settings, sort_keys=True)
+        if key not in self._seen:
+            self._seen[key] = self._traffic(settings)
+        return settings, self._seen[key]
+
+    def ratio(self, traffic: GroupTraffic) -> float:
+        """Predicted wire bytes over the uncompressed ones."""
+        full = self.none[1].wire_bytes
+        return traffic.wire_bytes / full if full else 1.0
+
+    @functools.cached_property
+    def span(self) -> tuple[float, float]:
+        """The nominal ratios whose predicted ratio lies in [min_ratio, max_ratio] (the
+        lowest reaching min_ratio wins where no setting lies inside)."""
+        low = _first(lambda r: self.ratio(self.at(r)[1]) >= self.cfg.min_ratio, _LOWEST, _HIGHEST)
+        high = _last(lambda r: self.ratio(self.at(r)[1]) <= self.cfg.max_ratio, _LOWEST, _HIGHEST)
+        low = _HIGHEST if low is None else low
+        return low, max(low, _LOWEST if high is None else high)
+
+    def fastest(self) -> GroupTraffic:
+        """The group at ``max_ratio``: its reference time for evening out."""
+        return self.none[1] if self.cfg.max_ratio >= 1 else self.at(self.span[1])[1]
+
+    def choose(self, target: float) -> tuple[dict[str, tuple[str, dict[str, Any]]], GroupTraffic]:
+        """The least compressed setting within the ratio range whose predicted time meets ``target``."""
+        if self.cfg.max_ratio >= 1 and self.none[1].seconds <= target:
+            return self.none
+        low, high = self.span
+        best = _last(lambda r: self.at(r)[1].seconds <= target, low, high)
+        return self.at(low if best is None else best)
+
+
+def _last(ok: Callable[[float], bool], lo: float, hi: float) -> float | None:
+    """For ``ok`` true up to a point of [lo, hi] and false after it: the largest point found
+    true (None: false at ``lo``)."""
+    if ok(hi):
+        return hi
+    if not ok(lo):
+        return None
+    for _ in range(_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _first(ok: Callable[[float], bool], lo: float, hi: float) -> float | None:
+    """For ``ok`` false up to a point of [lo, hi] and true after it: the smallest point
+    found true (None: false at ``hi``)."""
+    if ok(lo):
+        return lo
+    if not ok(hi):
+        return None
+    for _ in range(_STEPS):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi

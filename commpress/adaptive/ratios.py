@@ -1,10 +1,12 @@
-"""From a planned byte ratio to each method's own parameter.
+"""From a nominal byte ratio to each method's own parameter: how the planner walks a
+method's settings from most to least compressed.
 
-The planner speaks of one number per link, the fraction of uncompressed bytes the link
-may carry. A method that has a knob turns it into that knob here (Top-k's ``ratio``,
-PowerSGD's / ACP-SGD's ``rank``); a method without one (fp16, bf16, TernGrad) keeps
-its fixed parameters. A ratio of 1.0 means the link is fast
-enough to carry the gradient as it is: the method becomes ``none``.
+A method that has a knob turns a ratio into it here (Top-k's ``ratio``, PowerSGD's /
+ACP-SGD's ``rank``), roughly so that the compressed matrices carry that fraction of their
+bytes; a method without one (fp16, bf16, TernGrad) keeps its fixed parameters. A ratio of
+1.0 means uncompressed: the method becomes ``none``. The mapping only has to grow with
+the ratio: the planner predicts what each setting really sends (the uncompressed part,
+the group size) with the traffic model and searches the ratio for the setting it wants.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def adapt_state(method: str, state: dict[str, Any], old: Mapping[str, Any], new:
 
 
 def method_for_ratio(method: str, params: Mapping[str, Any], ratio: float, shapes: Shapes) -> tuple[str, dict[str, Any]]:
-    """(method, params) to use on a link planned at ``ratio``, for a model whose gradient
-    tensors have ``shapes``; ``params`` are the configured ones, other keys kept."""
+    """(method, params) at nominal ``ratio`` for gradient tensors of ``shapes`` (a group's
+    shards); ``params`` are the configured ones, other keys kept."""
     if ratio >= 1.0:
         return "none", {}
     fn = _MAPPINGS.get(method)

@@ -1,12 +1,14 @@
-"""Measure the links between ranks, plan per-link compression, and compare hierarchical
-+ per-link compression with single global settings on the demo task.
+"""Measure the links between ranks, plan per-group compression, and compare hierarchical
++ per-group compression with single global settings on the demo task.
 
-Prints the measured topology (bandwidth and latency of every link, the fast domains), the
-plan for the demo model, then trains the demo model once per row (the same seed and data)
-and prints step time, bytes each rank sends per step (across domains, for the adaptive
-rows), and the held-out loss. Launch it on real links with ``commpress linkemu``, with
-``torchrun``, or with ``--local N`` on this machine. Example (two nodes of two ranks,
-100 Mbit/s between them)::
+Prints the measured topology (bandwidth, latency and burst of every link, the shared
+uplinks, the fast domains) and each adaptive row's plan for the demo model with the
+traffic predicted per group, then trains the demo model once per row (the same seed and
+data) and prints step time, bytes each rank sends per step (across domains, for the
+adaptive rows) and the held-out loss, and for each adaptive row every group's predicted
+bytes and milliseconds per step next to the measured ones. Launch it on real links with
+``commpress linkemu``, with ``torchrun``, or with ``--local N`` on this machine. Example
+(two nodes of two ranks, 100 Mbit/s between them)::
 
     sudo python -m commpress linkemu --ranks 4 --nodes 2 --inter-rate 100mbit -- \\
         python -m commpress bandwidth --steps 200 --expect-domains 0,1/2,3
@@ -15,14 +17,24 @@ rows), and the held-out loss. Launch it on real links with ``commpress linkemu``
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from commpress.cli.args import integer, number
 from commpress.config import Config, parse_method_spec
 from commpress.errors import ConfigError
 from commpress.terminal import format_table
+
+if TYPE_CHECKING:
+    import torch
+
+    from commpress.adaptive.layer import AdaptiveLayer
+    from commpress.adaptive.planner import HierarchyPlan
+    from commpress.adaptive.timing import Measured, Record
+    from commpress.adaptive.topology import Topology
+    from commpress.adaptive.traffic import ModelLayout
 
 __all__ = ["add_arguments", "run"]
 
@@ -60,7 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--probe-ms", type=number(0, 10_000), default=40.0, help="duration of one bandwidth probe in ms (default 40)"
     )
-    parser.add_argument("--measure-only", action="store_true", help="print the topology and the plan, train nothing")
+    parser.add_argument(
+        "--measure-only",
+        action="store_true",
+        help="print the topology and each adaptive row's plan and predicted traffic, train nothing",
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", help="also write the topology, the plans, the predicted and measured traffic and the rows"
+    )
     parser.add_argument("--expect-domains", help="the domains that were built, e.g. 0,1/2,3: exit 1 if the measurement differs")
     parser.add_argument("--threads", type=integer(1), help="torch threads per rank (default: cores / local ranks)")
 
@@ -112,41 +131,115 @@ def _budgets(text: str) -> list[float]:
     return budgets
 
 
-def rank_main(
-    rank: int, world: int, args: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]], budgets: list[float]
-) -> dict[str, Any]:
+def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """What every rank runs: measure, plan, train each row; rank 0's result is reported."""
-    from commpress.adaptive.planner import BandwidthConfig, plan_hierarchy
+    from commpress.adaptive.timing import recording
     from commpress.adaptive.topology import measure_topology
     from commpress.workloads.charlm import CharTask
     from commpress.workloads.train import train_ddp
 
     topology = measure_topology(probe_ms=args.probe_ms)
     model = CharTask().model()
-    payload = sum(p.numel() * p.element_size() for p in model.parameters())
-    out: dict[str, Any] = {"topology": str(topology), "domains": topology.domains, "rows": []}
+    out: dict[str, Any] = {"topology": topology.to_dict(), "domains": topology.domains, "plans": {}, "rows": []}
     if rank == 0:
-        print(out["topology"], "\n", file=sys.stderr)
-        for budget in budgets:
-            plan = plan_hierarchy(
-                topology.domains, topology.bandwidth, payload, topology.latency, BandwidthConfig(budget_ms=budget)
-            )
-            print(f"plan for the demo model ({payload:,} bytes/step), budget_ms = {budget:g}:\n{plan}\n", file=sys.stderr)
+        print(topology, "\n", file=sys.stderr)
+    for label, config in rows:
+        if "bandwidth" in config:
+            plan = plan_for(topology, model, config)
+            out["plans"][label] = {"plan": plan.to_dict(), "groups": group_rows(plan)}
+            if rank == 0:
+                print(f"plan for {label} on the demo model:\n{plan}\n", file=sys.stderr)
     if args.measure_only:
         return out
     for i, (label, config) in enumerate(rows):
         if rank == 0:
             print(f"[{i + 1}/{len(rows)}] {label}", file=sys.stderr, flush=True)
-        result = train_ddp(config, steps=args.steps)
-        out["rows"].append(
-            {
-                "label": label,
-                "bytes_per_step": result.bytes_per_step,
-                "step_seconds": result.step_seconds,
-                "eval_loss": result.eval_loss,
-            }
-        )
+        with recording() as log:
+            result = train_ddp(config, steps=args.steps)
+        row = {
+            "label": label,
+            "bytes_per_step": result.bytes_per_step,
+            "step_seconds": result.step_seconds,
+            "eval_loss": result.eval_loss,
+        }
+        if log.layer is not None:
+            row["groups"] = compare(log.layer, _gather_records(log.records))
+            row.update(plan=log.layer.plan.to_dict(), topology=log.layer.topology.to_dict())
+        out["rows"].append(row)
     return out
+
+
+def plan_for(topology: Topology, model: torch.nn.Module, config: dict[str, Any]) -> HierarchyPlan:
+    """The plan an adaptive ``config`` makes for ``model`` over ``topology`` (DDP's default buckets)."""
+    from commpress.adaptive.planner import plan_hierarchy
+    from commpress.adaptive.traffic import ModelLayout, ddp_buckets
+    from commpress.config.groups import MethodGroups
+
+    groups = MethodGroups(Config.load(config))
+    named = [(name, tuple(p.shape)) for name, p in model.named_parameters() if p.requires_grad]
+    layout = ModelLayout(ddp_buckets(named), {name: groups.key_for(name) for name, _ in named})
+    return plan_hierarchy(topology, layout, groups.specs, groups.config.section("bandwidth"))
+
+
+def group_rows(
+    plan: HierarchyPlan,
+    measured: list[Measured] | None = None,
+    layout: ModelLayout | None = None,
+    topology: Topology | None = None,
+) -> list[dict[str, Any]]:
+    """Per group: its method and the predicted bytes and seconds per step, with the
+    measured ones where given (then predicted for ``layout``, the buckets that ran)."""
+    from commpress.adaptive.planner import describe
+    from commpress.adaptive.traffic import predict
+
+    predicted = plan.predicted if layout is None else predict(topology, plan, layout, plan.methods)
+    methods = [describe(m) for m in plan.methods] + ["none"] * len(plan.domains)
+    out = []
+    for i, (g, method) in enumerate(zip(predicted, methods, strict=True)):
+        row = {"group": g.name, "ranks": list(g.ranks), "method": method, "predicted_bytes": g.payload_bytes}
+        row["predicted_seconds"] = g.seconds
+        if measured is not None:
+            row.update(measured_bytes=measured[i].payload_bytes, measured_seconds=measured[i].seconds, steps=measured[i].steps)
+        out.append(row)
+    return out
+
+
+def compare(layer: AdaptiveLayer, records: list[list[Record]]) -> list[dict[str, Any]]:
+    """Every group of ``layer``'s last plan: predicted (for the buckets it ran) and measured."""
+    from commpress.adaptive.timing import measured
+
+    return group_rows(layer.plan, measured(records, layer.plan), layer.observed_layout(), layer.topology)
+
+
+def _gather_records(records: list[Record]) -> list[list[Record]]:
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, records)
+    return out
+
+
+def render_groups(label: str, groups: list[dict[str, Any]]) -> str:
+    """One adaptive row's groups: predicted bytes and ms per step next to the measured ones."""
+    table = []
+    for g in groups:
+        measured = "measured_seconds" in g
+        ratio = g["measured_seconds"] / g["predicted_seconds"] if measured and g["predicted_seconds"] else None
+        table.append(
+            [
+                g["group"],
+                " ".join(map(str, g["ranks"])),
+                g["method"],
+                f"{g['predicted_bytes']:,.0f}",
+                f"{g['measured_bytes']:,.0f}" if measured else "-",
+                f"{1000 * g['predicted_seconds']:.2f}",
+                f"{1000 * g['measured_seconds']:.2f}" if measured else "-",
+                f"{ratio:.2f}" if ratio is not None else "-",
+            ]
+        )
+    head = f"{label}: per group and step, predicted from the topology and measured"
+    cols = ["group", "ranks", "method", "bytes pred", "bytes meas", "ms pred", "ms meas", "meas/pred"]
+    return f"{head}\n{format_table(cols, table)}"
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -202,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     if args.local is not None:
         from commpress.comm.launch import run_local
 
-        result = run_local(rank_main, args.local, args, rows, budgets)[0]
+        result = run_local(rank_main, args.local, args, rows)[0]
     else:
         if launch.kind == "none":
             raise ConfigError("not started by torchrun, mpirun or linkemu; pass --local N")
@@ -214,13 +307,19 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // launch.local_world_size))
         init_from_env("gloo")
         try:
-            result = rank_main(launch.rank, launch.world_size, args, rows, budgets)
+            result = rank_main(launch.rank, launch.world_size, args, rows)
         finally:
             dist.destroy_process_group()
         if launch.rank != 0:
             return 0
     if result["rows"]:
         print(render(result["rows"]))
+    for label, entry in result["plans"].items():
+        row = next((r for r in result["rows"] if r["label"] == label), None)
+        print("\n" + render_groups(label, row["groups"] if row is not None else entry["groups"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**result, "domains": [list(d) for d in result["domains"]]}, f, indent=1)
     if expected is not None:
         ok = tuple(result["domains"]) == expected
         verdict = "match" if ok else "DO NOT match"

@@ -100,11 +100,9 @@ class LowRankPlan:
         for s in slots:
             if s.numel == 0:
                 continue
-            n = s.shape[0] if len(s.shape) >= 2 else 0
-            m = s.numel // n if n else 0
-            r = min(rank, n, m)
-            # the rule of PyTorch's hook: compress when r (n + m) * rate < n m
-            if len(s.shape) >= 2 and r * (n + m) * min_compression_rate < n * m:
+            shape = matrix_shape(s, rank, min_compression_rate)
+            if shape is not None:
+                n, m = shape
                 by_shape.setdefault((n, m), []).append(s.offset)
                 by_offset[s.offset] = s
             else:
@@ -146,6 +144,17 @@ class LowRankPlan:
     def qt_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Consecutive (count, r, m) blocks of ``flat``: the transposed Q factor of every batch."""
         return _split(flat, [(b.count, b.rank, b.m) for b in self.batches])
+
+
+def matrix_shape(slot: ParamSlot, rank: int, min_compression_rate: float) -> tuple[int, int] | None:
+    """``(n, m)`` of a tensor that is compressed as an n x m matrix (the first dimension by
+    the rest), or None when it is sent uncompressed: 1-D, or not smaller at rank
+    r = min(rank, n, m) by PyTorch's hook's rule ``r (n + m) * min_compression_rate < n m``."""
+    if len(slot.shape) < 2 or slot.numel == 0:
+        return None
+    n = slot.shape[0]
+    m = slot.numel // n
+    return (n, m) if min(rank, n, m) * (n + m) * min_compression_rate < n * m else None
 
 
 def _equal_runs(offsets: list[int]) -> list[tuple[int, int, int]]:

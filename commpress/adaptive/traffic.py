@@ -1,0 +1,407 @@
+"""The traffic model: what each group of a hierarchical reduction sends per step, and how
+long that takes, predicted from the measured topology. Pure: no process groups, no clocks.
+
+Per collective, one rank's *payload* is its input tensor (what ``Traffic`` counts). What
+it puts on the wire, and in how many messages one after another, depends on the
+algorithm (gloo's):
+
+- ring all-reduce of b bytes over n ranks: ``2(n-1)/n * b`` in ``2(n-1)`` messages;
+- ring all-gather of b bytes from every rank: ``(n-1) * b`` (``(n-1)/n`` of the gathered
+  size) in ``n-1`` messages;
+- all-to-all of b bytes (n chunks): ``(n-1)/n * b`` in ``n-1`` messages.
+
+A group whose ranks send W wire bytes in M messages per step, over links of latency
+``alpha`` and rate ``beta`` (bytes/s, one rank's flow), takes ``t = M alpha + W / beta``.
+A shaped link (a token bucket of ``b`` bytes, refilled at ``beta``) lets ``b`` bytes
+through at line rate after the pause between steps, and refills during each message's
+latency (by at most ``b``): ``t = M alpha + max(0, W - b - M min(b, beta alpha)) / beta``.
+
+Which collectives a method issues, and their sizes, come from the method's own logic
+(:func:`register_wire_model`: PowerSGD's and ACP-SGD's ``min_compression_rate`` rule which
+tensors are compressed, Top-k's ``min_numel`` and ``topk_count`` which entries are sent);
+a method without a wire model is run once on the in-process simulated world and its
+collectives recorded. The hierarchical layout is cut exactly as the reduction cuts it
+(:func:`~commpress.adaptive.hierarchical.shard_ranges`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from commpress.adaptive.groups import Hierarchy
+from commpress.adaptive.hierarchical import Place, shard_ranges, shard_slots
+from commpress.adaptive.topology import Topology
+from commpress.comm.simulated import SimulatedWorld
+from commpress.compressors import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, build
+from commpress.compressors.collectives import ReduceScatter
+from commpress.compressors.lowrank_plan import matrix_shape
+from commpress.compressors.topk import topk_count
+from commpress.config.groups import MAIN
+from commpress.cuda import packed_size
+
+__all__ = [
+    "GroupTraffic",
+    "Link",
+    "ModelLayout",
+    "Transfer",
+    "cross_link",
+    "cross_traffic",
+    "ddp_buckets",
+    "domain_link",
+    "domain_traffic",
+    "group_shapes",
+    "method_transfers",
+    "predict",
+    "register_wire_model",
+]
+
+Kind = Literal["all_reduce", "all_gather", "all_to_all"]
+Methods = Mapping[str, tuple[str, Mapping[str, Any]]]
+#: ``fn(compressor, slots, element_size) -> transfers``: the collectives ``compressor``
+#: issues for one bucket holding ``slots`` (gradients of ``element_size`` bytes).
+WireModel = Callable[[Compressor, Sequence[ParamSlot], int], list["Transfer"]]
+_MODELS: dict[str, WireModel] = {}
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective as one rank issues it: its kind and its input's bytes."""
+
+    kind: Kind
+    nbytes: float
+
+    def wire_bytes(self, n: int) -> float:
+        """Bytes this rank sends in a group of ``n`` ranks."""
+        if n < 2:
+            return 0.0
+        return {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "all_to_all": (n - 1) / n}[self.kind] * self.nbytes
+
+    def messages(self, n: int) -> int:
+        """Messages one after another (each pays the latency once)."""
+        if n < 2 or not self.nbytes:
+            return 0
+        return 2 * (n - 1) if self.kind == "all_reduce" else n - 1
+
+
+@dataclass(frozen=True)
+class Link:
+    """The links of one group as a collective sees them: ``bandwidth`` of one rank's flow
+    (bytes/s), ``latency`` per message (s), ``burst`` (bytes: the token bucket of a shaped link)."""
+
+    bandwidth: float
+    latency: float = 0.0
+    burst: float = 0.0
+
+    def seconds(self, transfers: Sequence[Transfer], n: int) -> float:
+        """Seconds of the transfers of one step (see the module's docstring)."""
+        wire = sum(t.wire_bytes(n) for t in transfers)
+        messages = sum(t.messages(n) for t in transfers)
+        free = self.burst + messages * min(self.burst, self.bandwidth * self.latency)
+        return messages * self.latency + max(0.0, wire - free) / self.bandwidth
+
+
+@dataclass(frozen=True)
+class GroupTraffic:
+    """What each rank of one group sends per step (``transfers``) over ``link``."""
+
+    name: str
+    scope: str
+    ranks: tuple[int, ...]
+    transfers: tuple[Transfer, ...]
+    link: Link
+
+    @property
+    def payload_bytes(self) -> float:
+        """Input bytes of the rank's collectives per step (what ``Traffic`` counts)."""
+        return sum(t.nbytes for t in self.transfers)
+
+    @property
+    def wire_bytes(self) -> float:
+        return sum(t.wire_bytes(len(self.ranks)) for t in self.transfers)
+
+    @property
+    def collectives(self) -> int:
+        return len(self.transfers)
+
+    @property
+    def seconds(self) -> float:
+        return self.link.seconds(self.transfers, len(self.ranks))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group": self.name,
+            "ranks": list(self.ranks),
+            "bytes": self.payload_bytes,
+            "wire_bytes": self.wire_bytes,
+            "seconds": self.seconds,
+        }
+
+
+# ---------------------------------------------------------------------------------------
+# what a method sends
+
+
+def register_wire_model(method: str) -> Callable[[WireModel], WireModel]:
+    """Decorator: ``fn(compressor, slots, element_size) -> [Transfer]`` gives the collectives
+    ``method`` issues for one bucket (built-in methods have one; others are run once)."""
+
+    def deco(fn: WireModel) -> WireModel:
+        _MODELS[method] = fn
+        _cached.cache_clear()
+        return fn
+
+    return deco
+
+
+def method_transfers(
+    method: str, params: Mapping[str, Any], slots: Sequence[ParamSlot], element_size: int = 4, group_size: int = 2
+) -> tuple[Transfer, ...]:
+    """The collectives ``method`` with ``params`` issues for a bucket of ``slots`` in a
+    group of ``group_size`` ranks."""
+    return _cached(method, json.dumps(dict(params), sort_keys=True), tuple(slots), element_size, group_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached(method: str, params: str, slots: tuple[ParamSlot, ...], element_size: int, n: int) -> tuple[Transfer, ...]:
+    if not slots or not _numel(slots):
+        return ()
+    kwargs = json.loads(params)
+    model = _MODELS.get(method)
+    if model is None:
+        return tuple(_dry_run(method, kwargs, slots, element_size, n))
+    return tuple(t for t in model(build(method, kwargs), slots, element_size) if t.nbytes)
+
+
+def _numel(slots: Sequence[ParamSlot]) -> int:
+    return sum(s.numel for s in slots)
+
+
+@register_wire_model("none")
+def _dense(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
+    return [Transfer("all_reduce", _numel(slots) * element_size)]
+
+
+@register_wire_model("fp16")
+@register_wire_model("bf16")
+def _half(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
+    return [Transfer("all_reduce", _numel(slots) * 2)]
+
+
+def _low_rank(c: Any, slots: Sequence[ParamSlot]) -> tuple[int, int, int]:
+    """(P, Q, uncompressed) element counts of a bucket, by :func:`matrix_shape`'s rule (as
+    :meth:`LowRankPlan.build` decides), without building the plan's index tensors."""
+    p = q = dense = 0
+    for s in slots:
+        shape = matrix_shape(s, c.rank, c.min_compression_rate)
+        if shape is None:
+            dense += s.numel
+        else:
+            r = min(c.rank, *shape)
+            p, q = p + shape[0] * r, q + shape[1] * r
+    return p, q, dense
+
+
+@register_wire_model("powersgd")
+def _powersgd(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
+    """P factors plus the uncompressed elements (fp32) in one all-reduce, Q factors in another."""
+    p, q, dense = _low_rank(c, slots)
+    out = [Transfer("all_reduce", 4 * (p + dense))]
+    return [*out, Transfer("all_reduce", 4 * q)] if q else out
+
+
+@register_wire_model("acpsgd")
+def _acpsgd(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
+    """P and Q factors on alternate steps, with the uncompressed elements: their mean per step."""
+    p, q, dense = _low_rank(c, slots)
+    return [Transfer("all_reduce", 4 * ((p + q) / 2 + dense))]
+
+
+@register_wire_model("topk")
+def _topk(c: Any, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
+    """One all-gather: an int32 index and a value per kept entry, tensors under ``min_numel`` whole in fp32."""
+    k = sum(topk_count(c.ratio, s.numel) for s in slots if s.numel >= c.min_numel)
+    whole = sum(s.numel for s in slots if s.numel < c.min_numel)
+    return [Transfer("all_gather", k * (4 + c.value_dtype.itemsize) + 4 * whole)]
+
+
+@register_wire_model("terngrad")
+def _terngrad(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
+    """A max all-reduce of one fp32 scale per tensor, then the 2-bit codes in one all-gather."""
+    tensors = [s for s in slots if s.numel]
+    return [Transfer("all_reduce", 4 * len(tensors)), Transfer("all_gather", sum(packed_size(s.numel, 2) for s in tensors))]
+
+
+def _dry_run(method: str, params: Mapping[str, Any], slots: tuple[ParamSlot, ...], element_size: int, n: int) -> list[Transfer]:
+    """Run ``method`` once on ``n`` in-process ranks (random gradients) and record rank 0's collectives."""
+    dtype = {2: torch.float16, 4: torch.float32, 8: torch.float64}[element_size]
+    total = max(s.offset + s.numel for s in slots)
+    gen = torch.Generator().manual_seed(0)
+    buckets = [Bucket(0, torch.randn(total, generator=gen).to(dtype), slots) for _ in range(n)]
+    seen: list[Any] = []
+    reductions = [build(method, params).reduce(b, Context(rank=r, world_size=n, step=0)) for r, b in enumerate(buckets)]
+    SimulatedWorld(n).run([_recorded(reductions[0], seen), *reductions[1:]])
+    kinds = {AllGather: "all_gather", ReduceScatter: "all_to_all"}
+    return [Transfer(kinds.get(type(req), "all_reduce"), req.nbytes) for req in seen if req.nbytes]
+
+
+def _recorded(reduction: Reduction, seen: list[Any]) -> Reduction:
+    try:
+        request = next(reduction)
+        while True:
+            seen.append(request)
+            request = reduction.send((yield request))
+    except StopIteration:
+        return
+
+
+# ---------------------------------------------------------------------------------------
+# the model's buckets and the hierarchical layout
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """What a model reduces each step: DDP's ``buckets`` (each its slots, offsets within
+    the bucket), the method group of every parameter name (``keys``; absent: the main
+    method) and the gradients' ``element_size`` in bytes."""
+
+    buckets: tuple[tuple[ParamSlot, ...], ...]
+    keys: dict[str, str] = field(default_factory=dict)
+    element_size: int = 4
+
+    def parts(self, slots: Sequence[ParamSlot]) -> list[tuple[str, tuple[ParamSlot, ...]]]:
+        """``slots`` split by method group in order of first appearance, each packed from
+        offset 0, as :meth:`commpress.config.groups.MethodGroups.parts` hands them over."""
+        groups: dict[str, list[ParamSlot]] = {}
+        for s in slots:
+            groups.setdefault(self.keys.get(s.name, MAIN), []).append(s)
+        return [(key, _packed([(s.name, s.shape) for s in members])) for key, members in groups.items()]
+
+
+def _packed(named: Sequence[tuple[str, Sequence[int]]]) -> tuple[ParamSlot, ...]:
+    out, offset = [], 0
+    for name, shape in named:
+        out.append(ParamSlot(name, torch.Size(shape), offset))
+        offset += out[-1].numel
+    return tuple(out)
+
+
+def ddp_buckets(
+    named_shapes: Sequence[tuple[str, Sequence[int]]],
+    element_size: int = 4,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> tuple[tuple[ParamSlot, ...], ...]:
+    """DDP's buckets after its first step, with its default settings: gradients in the
+    order they become ready (the reverse of registration), the first bucket closed once it
+    holds ``first_bucket_mb`` MiB, later ones at ``bucket_cap_mb`` MiB."""
+    buckets: list[list[tuple[str, Sequence[int]]]] = []
+    current: list[tuple[str, Sequence[int]]] = []
+    size, limit = 0, first_bucket_mb * _MIB
+    for name, shape in reversed(named_shapes):
+        current.append((name, shape))
+        size += math.prod(shape) * element_size
+        if size >= limit:
+            buckets.append(current)
+            current, size, limit = [], 0, bucket_cap_mb * _MIB
+    if current:
+        buckets.append(current)
+    return tuple(_packed(b) for b in buckets)
+
+
+def _shard(slots: Sequence[ParamSlot], place: Place) -> tuple[ParamSlot, ...]:
+    """This place's shard of one bucket, as the hierarchical reduction cuts it."""
+    start, stop = shard_ranges(slots, max(s.offset + s.numel for s in slots), place.shards)[place.local_rank]
+    return shard_slots(slots, start, stop)
+
+
+def _domain_transfers(slots: Sequence[ParamSlot], place: Place, element_size: int) -> list[Transfer]:
+    """Stage 1 and 3 of one bucket: the all-to-all of ``k`` chunks as wide as the widest
+    shard, and the all-gather of one chunk."""
+    k = place.domain_size
+    if k == 1 or not slots:
+        return []
+    ranges = shard_ranges(slots, max(s.offset + s.numel for s in slots), place.shards)
+    width = max(b - a for a, b in ranges) * element_size
+    return [Transfer("all_to_all", k * width), Transfer("all_gather", width)]
+
+
+def group_shapes(layout: ModelLayout, hierarchy: Hierarchy, group: int, key: str) -> list[tuple[int, ...]]:
+    """Shapes of the tensors (or cut 1-D pieces) cross group ``group`` reduces with method group ``key``."""
+    place = Place.of(hierarchy, hierarchy.cross_groups[group][0])
+    return [
+        tuple(s.shape)
+        for slots in layout.buckets
+        if slots
+        for k, part in layout.parts(_shard(slots, place))
+        if k == key
+        for s in part
+    ]
+
+
+def _pairs(topology: Topology, ranks: Sequence[int]) -> Link:
+    """A collective over ``ranks`` alone: its slowest link, its largest latency."""
+    pairs = [(i, j) for i in ranks for j in ranks if i != j]
+    if not pairs:
+        return Link(math.inf)
+    return Link(min(topology.bandwidth[i][j] for i, j in pairs), max(topology.latency[i][j] for i, j in pairs))
+
+
+def cross_link(topology: Topology, hierarchy: Hierarchy, group: int) -> Link:
+    """Cross group ``group``'s links: its slowest pair, and where the uplinks were measured,
+    each member domain's uplink (rate and burst of its flows together) divided among the
+    cross groups that use it at once (all of them)."""
+    link = _pairs(topology, hierarchy.cross_groups[group])
+    shared = [f for f in topology.uplinks if f.rates]
+    if not shared:
+        return link
+    flows = hierarchy.shards
+    rate = min(link.bandwidth, *(f.total / flows for f in shared))
+    return Link(rate, link.latency, min(f.burst / flows for f in shared))
+
+
+def domain_link(topology: Topology, hierarchy: Hierarchy, domain: int) -> Link:
+    """Domain ``domain``'s links: its slowest pair, and where measured, its slowest flow
+    while every rank of every domain sends at once (the burst: theirs together, per flow)."""
+    link = _pairs(topology, hierarchy.domains[domain])
+    flows = topology.domain_links[domain] if topology.domain_links else None
+    if flows is None or not flows.rates:
+        return link
+    return Link(min(link.bandwidth, *flows.rates), link.latency, flows.burst / len(flows.rates))
+
+
+def cross_traffic(topology: Topology, hierarchy: Hierarchy, layout: ModelLayout, group: int, methods: Methods) -> GroupTraffic:
+    """Cross group ``group`` running ``methods`` ({method group: (method, params)}) on its shards."""
+    ranks = hierarchy.cross_groups[group]
+    place = Place.of(hierarchy, ranks[0])
+    transfers: list[Transfer] = []
+    for slots in layout.buckets:
+        if not slots:
+            continue
+        for key, part in layout.parts(_shard(slots, place)):
+            method, params = methods.get(key, ("none", {}))
+            transfers += method_transfers(method, params, part, layout.element_size, len(ranks))
+    return GroupTraffic(f"cross {group}", "cross", ranks, tuple(transfers), cross_link(topology, hierarchy, group))
+
+
+def domain_traffic(topology: Topology, hierarchy: Hierarchy, layout: ModelLayout, domain: int) -> GroupTraffic:
+    """Domain ``domain``'s uncompressed reduce-scatter and all-gather of every bucket."""
+    ranks = hierarchy.domains[domain]
+    place = Place.of(hierarchy, ranks[0])
+    transfers = [t for slots in layout.buckets for t in _domain_transfers(slots, place, layout.element_size)]
+    return GroupTraffic(f"domain {domain}", "domain", ranks, tuple(transfers), domain_link(topology, hierarchy, domain))
+
+
+def predict(
+    topology: Topology, hierarchy: Hierarchy, layout: ModelLayout, methods: Sequence[Methods]
+) -> tuple[GroupTraffic, ...]:
+    """Every group's traffic per step: the cross groups (``methods[j]`` for group j), then the domains."""
+    cross = [cross_traffic(topology, hierarchy, layout, j, m) for j, m in enumerate(methods)]
+    return (*cross, *(domain_traffic(topology, hierarchy, layout, d) for d in range(len(hierarchy.domains))))
