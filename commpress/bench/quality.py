@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,15 +118,18 @@ def _optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
-def train(task_name: str, optimizer: str, method: str, seed: int, steps: int) -> QualityRun:
-    """Train ``task_name`` for ``steps`` on 2 simulated ranks; the held-out loss at the end."""
+def train(
+    task_name: str, optimizer: str, method: str, seed: int, steps: int, config: Mapping[str, Any] | None = None
+) -> QualityRun:
+    """Train ``task_name`` for ``steps`` on 2 simulated ranks; the held-out loss at the end.
+    ``config``: a commpress config to run under the label ``method`` instead of the row's."""
     if task_name not in TASKS:
         raise ConfigError(f"task = {task_name!r} is not accepted; accepted: {', '.join(TASKS)}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer = {optimizer!r} is not accepted; accepted: {', '.join(OPTIMIZERS)}")
     spec = TASKS[task_name]
     task, base_lr = spec.make(seed), spec.lr[optimizer]
-    cfg = Config.load(method_config(method, base_lr, steps))
+    cfg = Config.load(config if config is not None else method_config(method, base_lr, steps))
     models = [task.model() for _ in range(WORLD)]
     opts = [_optimizer(optimizer, m.parameters(), base_lr) for m in models]
     sim = SimulatedWorld(WORLD)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--local", type=integer(1), metavar="N", help="start N ranks on this machine (default: from torchrun/linkemu)"
     )
     parser.add_argument("--steps", type=integer(1), default=200, help="training steps per row (default 200)")
+    parser.add_argument(
+        "--seeds",
+        type=integer(1),
+        default=1,
+        help="train every row with seeds 0 .. N-1 of the demo task, report means (default 1)",
+    )
     parser.add_argument("--methods", help="semicolon-separated global settings (default: the registered ones of a built-in list)")
     parser.add_argument("--adaptive", help="semicolon-separated methods to run with [bandwidth] adaptive = true")
     parser.add_argument(
@@ -152,19 +159,20 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[
     if args.measure_only:
         return out
     for i, (label, config) in enumerate(rows):
-        if rank == 0:
-            print(f"[{i + 1}/{len(rows)}] {label}", file=sys.stderr, flush=True)
-        with recording() as log:
-            result = train_ddp(config, steps=args.steps)
-        row = {
-            "label": label,
-            "bytes_per_step": result.bytes_per_step,
-            "step_seconds": result.step_seconds,
-            "eval_loss": result.eval_loss,
-        }
-        if log.layer is not None:
-            row["groups"] = compare(log.layer, _gather_records(log.records))
-            row.update(plan=log.layer.plan.to_dict(), topology=log.layer.topology.to_dict())
+        runs = []
+        for seed in range(args.seeds):
+            if rank == 0:
+                print(f"[{i + 1}/{len(rows)}] {label}, seed {seed}", file=sys.stderr, flush=True)
+            with recording() as log:
+                result = train_ddp(config, steps=args.steps, task=CharTask(batch_size=64, seed=seed))
+            run = {"bytes_per_step": result.bytes_per_step, "step_seconds": result.step_seconds, "eval_loss": result.eval_loss}
+            if log.layer is not None:
+                run["groups"] = compare(log.layer, _gather_records(log.records))
+                run.update(plan=log.layer.plan.to_dict(), topology=log.layer.topology.to_dict())
+            runs.append(run)
+        row = {"label": label, **runs[0], "seeds": runs}
+        for key in ("bytes_per_step", "step_seconds", "eval_loss"):  # means over seeds
+            row[key] = statistics.fmean(r[key] for r in runs)
         out["rows"].append(row)
     return out
 
@@ -251,11 +259,14 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{r['bytes_per_step']:,.0f}",
             f"{1000 * r['step_seconds']:.1f}",
             f"{r['eval_loss']:.4f}",
+            _spread(r),
             f"{100 * (r['eval_loss'] - ref['eval_loss']) / ref['eval_loss']:+.2f}%",
         ]
         for r in rows
     ]
-    text = format_table(["setting", "bytes/step/rank", "step ms", "final loss", f"gap vs {ref['label']}"], table)
+    seeds = len(rows[0].get("seeds", [None]))
+    head = ["setting", "bytes/step/rank", "step ms", "final loss", f"min .. max ({seeds} seeds)", f"gap vs {ref['label']}"]
+    text = format_table(head, table)
     flat = [r for r in rows if not r["label"].startswith("adaptive ")]
     lines = [text, "(adaptive rows: bytes sent across domains; inside a domain nothing is compressed)"]
     for a in (r for r in rows if r["label"].startswith("adaptive ")):
@@ -269,6 +280,12 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"with equal or lower loss ({best['label']})"
         )
     return "\n".join(lines)
+
+
+def _spread(row: dict[str, Any]) -> str:
+    """The final losses' range over the row's seeds."""
+    losses = [r["eval_loss"] for r in row.get("seeds", [row])]
+    return f"{min(losses):.4f} .. {max(losses):.4f}"
 
 
 def _domains(text: str, world: int | None) -> tuple[tuple[int, ...], ...]:
