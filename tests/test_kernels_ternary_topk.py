@@ -190,3 +190,16 @@ def test_error_feedback_round_trip():
     assert torch.equal(error, grad.float() + (acc - decoded))
     with pytest.raises(TypeError, match="error"):
         add_error(grad, error.half())
+
+
+def test_default_sample_grows_with_the_tensor_and_changes_no_result():
+    from commpress.cuda.topk import default_sample
+
+    assert [default_sample(n) for n in (10, 1 << 20, 1 << 22, 1 << 30)] == [4096, 4096, 16384, 32768]
+    x = torch.randn(1 << 21, generator=torch.Generator().manual_seed(3))
+    picks = [
+        topk_select(x.clone(), 2000, exact=exact, sample=sample, seed=5)
+        for exact, sample in ((True, None), (False, None), (False, 4096))
+    ]
+    for values, indices in picks[1:]:
+        assert torch.equal(values, picks[0][0]) and torch.equal(indices, picks[0][1])

@@ -114,10 +114,12 @@ class FSDPConfig:
 class BandwidthConfig:
     """The ``[bandwidth]`` config table.
 
-    ``budget_ms`` > 0: every link gets the largest ratio whose transfer of one step's
-    gradient fits the budget. ``budget_ms`` = 0: the fastest link sends at ``max_ratio``
-    and every other link gets the ratio that makes it at most ``slowdown`` (a fraction,
-    0.1 = 10 %) slower than that, so ratios come out proportional to bandwidth.
+    The plan's unit is a group of ranks that run one collective (a domain, or a cross
+    group; a collective goes at its slowest link). ``budget_ms`` > 0: every cross group
+    gets the least compression whose predicted transfer of one step fits the budget.
+    ``budget_ms`` = 0: every group's predicted time is at most ``1 + slowdown`` times the
+    fastest group's (``slowdown`` a fraction, 0.1 = 10 %). Ratios (wire bytes over the
+    uncompressed ones) stay within [``min_ratio``, ``max_ratio``].
     """
 
     adaptive: bool = False

@@ -20,10 +20,16 @@ from . import _backend, _checks, _chunks, rng
 
 __all__ = ["scatter_add_decode", "topk_select"]
 
-# A sample of 4096 puts about 51 entries above the threshold at a ratio of 1%; more costs
-# random reads per tensor (1 << 15 made the selection of a GPT-2 bucket 50% slower) and
-# changes no result, only how often the threshold is lowered and the pass repeated.
-DEFAULT_SAMPLE = 1 << 12
+def default_sample(n: int) -> int:
+    """How many entries of an ``n``-element tensor the threshold estimate looks at:
+    ``n / 256`` within [4096, 32768]. 4096 already put about 51 entries above the
+    threshold at a ratio of 1%; each sampled entry is a random read, which on a bucket of
+    many mid-sized tensors cost more than the tighter threshold saved (32,768 per tensor
+    made a GPT-2 bucket's selection 50% slower), while one tensor of millions repays a
+    larger sample with fewer candidates. The result does not depend on it."""
+    return min(1 << 15, max(1 << 12, n >> 8))
+
+
 _SLACK = 1.25  # aim the threshold at 25% more candidates than k, plus 4 sigma of sampling noise
 
 
@@ -86,18 +92,20 @@ def _exact_k(flat: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tens
 
 
 def topk_select(
-    acc: torch.Tensor, k: int, exact: bool = False, sample: int = DEFAULT_SAMPLE, seed: int = 0
+    acc: torch.Tensor, k: int, exact: bool = False, sample: int | None = None, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Select the ``k`` largest-magnitude entries of flat ``acc`` and zero them in ``acc``.
 
     Returns ``(values, indices)``: ``values`` in acc's dtype, ``indices`` int32, both of length
     ``k``, in increasing index order. ``acc`` becomes the residual (error-feedback buffer).
     ``exact=True`` skips the sampled estimate (a full ``kthvalue``); ``sample`` is how many
-    entries the estimate looks at and ``seed`` where it looks; neither changes the result.
+    entries the estimate looks at (None: :func:`default_sample`) and ``seed`` where it
+    looks; neither changes the result.
     """
     _checks.check_float("acc", acc)
     _checks.check_count("k", k)
-    _checks.check_count("sample", sample, 1)
+    if sample is not None:
+        _checks.check_count("sample", sample, 1)
     seed = rng._check_seed(seed)
     if not acc.is_contiguous():
         raise ValueError("acc must be contiguous (it is zeroed in place)")
@@ -109,6 +117,7 @@ def topk_select(
         raise ValueError(f"acc has {n} elements; int32 indices allow at most {2**31 - 1}")
     if k == 0:
         return flat.new_empty(0), torch.empty(0, dtype=torch.int32, device=acc.device)
+    sample = default_sample(n) if sample is None else sample
     kernels = _backend.compiled()
     compiled = kernels is not None and flat.dtype == torch.float32 and not flat.is_cuda
     if exact or sample >= n or k == n:
