@@ -20,6 +20,7 @@ from . import _backend, _checks, _chunks, rng
 
 __all__ = ["scatter_add_decode", "topk_select"]
 
+
 def default_sample(n: int) -> int:
     """How many entries of an ``n``-element tensor the threshold estimate looks at:
     ``n / 256`` within [4096, 32768]. 4096 already put about 51 entries above the
