@@ -3,6 +3,7 @@
 
     python benchmarks/quality_causes.py terngrad   # which tensors cost TernGrad on `shapes`
     python benchmarks/quality_causes.py co2        # CO2's one-round-late average on `charlm`
+    python benchmarks/quality_causes.py local-sgd  # Local SGD's period on `shapes`
 
 Prints the mean gap of the held-out loss vs ``none`` (and its range over seeds) per
 variant; docs/choosing.md quotes the output.
@@ -28,6 +29,15 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...], dict[str, dict[str, Any]]]] = {
             "terngrad, convs exact": {"method": "terngrad", "overrides": [{"params": ["features.*"], "method": "none"}]},
             "terngrad, head.0 exact": {"method": "terngrad", "overrides": [{"params": ["head.0.*"], "method": "none"}]},
             "terngrad, biases exact": {"method": "terngrad", "overrides": [{"params": ["*.bias"], "method": "none"}]},
+        },
+    ),
+    "local-sgd": (
+        "shapes",
+        ("adamw", "sgd"),
+        {
+            "local sgd, period 1": {"method": "none", "local_sgd": {"period": 1}},
+            "local sgd, period 2": {"method": "none", "local_sgd": {"period": 2}},
+            "local sgd, period 4": {"method": "none", "local_sgd": {"period": 4}},
         },
     ),
     "co2": (

@@ -80,6 +80,16 @@ def test_every_row_runs_and_counts_its_bytes():
     assert runs["terngrad-last"].eval_loss != runs["terngrad"].eval_loss
     # co2 in 2 steps: one round (capped at the last step), its model difference averaged once in bf16
     assert runs["co2"].bytes_per_step == 1 * (full / 4) * 2 / 2
+    # qsdp, 1 byte an element: a rank's half shard twice (forward and backward all-gathers) and
+    # both halves in the reduce-scatter, about half of none's fp32 bytes, plus the buckets' scales
+    # and the excluded tensors in fp32 (tests/test_quality_qsdp.py: the exact count of FSDP2)
+    assert full / 2 < runs["qsdp-w8g8"].bytes_per_step < 0.6 * full
+    assert runs["qsdp-w8g8"].eval_loss != runs["none"].eval_loss
+
+
+def test_an_fsdp_table_with_another_method_is_not_available_and_says_why():
+    run = train("shapes", "sgd", "qsdp+topk", 0, 1, config={"method": "topk", "fsdp": {"weight_bits": 8}})
+    assert math.isnan(run.eval_loss) and "commpress.fsdp.apply applies only the [fsdp] table" in run.error
 
 
 def test_co2_row_runs_the_real_co2_on_every_rank():

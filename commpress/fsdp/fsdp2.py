@@ -87,6 +87,16 @@ class Unit:
             offset += p.shard_numel
         return Segments(offset, tuple(ranges))
 
+    def weight_seed(self, rank: int) -> int:
+        """The seed of ``rank``'s quantized weights in this unit's next all-gather: keyed by
+        the unit's reduce-scatter count, so the backward re-gather of unchanged weights
+        reproduces the forward's quantization exactly."""
+        return derive_seed(self.config.seed, _WEIGHTS, self.index, self.steps, rank)
+
+    def grad_seed(self, step: int, rank: int, dest: int) -> int:
+        """The seed of the gradient rows ``rank`` sends to ``dest`` in reduce-scatter ``step``."""
+        return derive_seed(self.config.seed, _GRADS, self.index, step, rank, dest)
+
     def wire(self, side: str, n: int, dtype: torch.dtype) -> Wire | None:
         """The payload format of ``side`` ("weights" or "grads") for a flat shard of ``n``
         elements; None when nothing is quantized or ``n`` is not this unit's full shard
@@ -131,8 +141,7 @@ class QuantizedAllGather(_UnitCollective, AllGather):
         # seeded by the unit's reduce-scatter count: the backward re-gather of unchanged
         # weights reproduces the forward's quantization exactly; by the rank in the shard
         # group: HSDP replicas (same master shard) gather the same quantized weights
-        seed = derive_seed(unit.config.seed, _WEIGHTS, unit.index, unit.steps, group.rank())
-        quantized_all_gather(wire, input_tensor, output_tensor, group, seed, traffic)
+        quantized_all_gather(wire, input_tensor, output_tensor, group, unit.weight_seed(group.rank()), traffic)
         return None
 
 
@@ -162,8 +171,7 @@ class QuantizedReduceScatter(_UnitCollective, ReduceScatter):
                 "do not combine grad_bits < 32 with set_gradient_divide_factor (or set grad_bits = 32)"
             )
         # the global rank: under HSDP the replicas' rounding noise must be independent too
-        rank, seed = dist.get_rank(), unit.config.seed
-        seeds = [derive_seed(seed, _GRADS, unit.index, step, rank, dest) for dest in range(world)]
+        seeds = [unit.grad_seed(step, dist.get_rank(), dest) for dest in range(world)]
         quantized_reduce_scatter(wire, input_tensor.view(world, n), output_tensor, group, seeds, op, traffic)
         return None
 
