@@ -4,6 +4,7 @@
     python benchmarks/quality_causes.py terngrad   # which tensors cost TernGrad on `shapes`
     python benchmarks/quality_causes.py co2        # CO2's one-round-late average on `charlm`
     python benchmarks/quality_causes.py local-sgd  # Local SGD's period on `shapes`
+    python benchmarks/quality_causes.py topk-adamw # Top-k's ratio under AdamW on `shapes`
 
 Prints the mean gap of the held-out loss vs ``none`` (and its range over seeds) per
 variant; docs/choosing.md quotes the output.
@@ -39,6 +40,11 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...], dict[str, dict[str, Any]]]] = {
             "local sgd, period 2": {"method": "none", "local_sgd": {"period": 2}},
             "local sgd, period 4": {"method": "none", "local_sgd": {"period": 4}},
         },
+    ),
+    "topk-adamw": (
+        "shapes",
+        ("adamw",),
+        {f"topk, ratio {r}": {"method": "topk", "params": {"ratio": r}} for r in (0.01, 0.03, 0.1, 0.3, 1.0)},
     ),
     "co2": (
         "charlm",
