@@ -5,6 +5,7 @@
     python benchmarks/quality_causes.py co2        # CO2's one-round-late average on `charlm`
     python benchmarks/quality_causes.py local-sgd  # Local SGD's period on `shapes`
     python benchmarks/quality_causes.py topk-adamw # Top-k's ratio under AdamW on `shapes`
+    python benchmarks/quality_causes.py qsdp       # QSDP's weights vs gradients on `shapes`
 
 Prints the mean gap of the held-out loss vs ``none`` (and its range over seeds) per
 variant; docs/choosing.md quotes the output.
@@ -46,6 +47,14 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...], dict[str, dict[str, Any]]]] = {
         ("adamw",),
         {f"topk, ratio {r}": {"method": "topk", "params": {"ratio": r}} for r in (0.01, 0.03, 0.1, 0.3, 1.0)},
     ),
+    "qsdp": (
+        "shapes",
+        ("sgd",),
+        {
+            f"qsdp w{w}g{g}": {"method": "none", "fsdp": {"weight_bits": w, "grad_bits": g}}
+            for w, g in ((8, 8), (8, 32), (32, 8))
+        },
+    ),
     "co2": (
         "charlm",
         ("sgd",),
@@ -72,9 +81,10 @@ def main(which: str, seeds: int = 3, steps: int = 200) -> None:
                 print(f"{task} {opt:5s} {name:30s} diverged: {exc}", flush=True)
                 continue
             gaps = [100 * (r.eval_loss - b) / b for r, b in zip(runs, base)]
+            per_seed = " ".join(f"{g:+.1f}" for g in gaps)
             print(
                 f"{task} {opt:5s} {name:30s} bytes/step {runs[0].bytes_per_step:9,.0f}  gap {statistics.fmean(gaps):+.2f}% "
-                f"({min(gaps):+.2f} .. {max(gaps):+.2f})",
+                f"(seeds: {per_seed})",
                 flush=True,
             )
 
