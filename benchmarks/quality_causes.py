@@ -5,6 +5,7 @@
     python benchmarks/quality_causes.py co2        # CO2's one-round-late average on `charlm`
     python benchmarks/quality_causes.py local-sgd  # Local SGD's period on `shapes`
     python benchmarks/quality_causes.py topk-adamw # Top-k's ratio under AdamW on `shapes`
+    python benchmarks/quality_causes.py topk-dgc   # Top-k with DGC's ratio under SGD on `shapes`
     python benchmarks/quality_causes.py qsdp       # QSDP's weights vs gradients on `shapes`
 
 Prints the mean gap of the held-out loss vs ``none`` (and its range over seeds) per
@@ -46,6 +47,11 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...], dict[str, dict[str, Any]]]] = {
         "shapes",
         ("adamw",),
         {f"topk, ratio {r}": {"method": "topk", "params": {"ratio": r}} for r in (0.01, 0.03, 0.1, 0.3, 1.0)},
+    ),
+    "topk-dgc": (
+        "shapes",
+        ("sgd",),
+        {f"topk dgc, ratio {r}": {"method": "topk", "params": {"ratio": r, "dgc": True}} for r in (0.01, 0.03, 0.1, 0.3)},
     ),
     "qsdp": (
         "shapes",
