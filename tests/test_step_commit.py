@@ -124,3 +124,15 @@ def test_every_compressor_has_end_step(method):
     comp.end_step(True)
     comp.end_step(True)  # nothing staged: a no-op
     assert torch.isfinite(bucket.buffer).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_flag_sees_nan_and_both_infinities(dtype):
+    from commpress.compressors import host
+
+    x = torch.randn(1000).to(dtype)
+    assert bool(host.finite(x, torch.empty(0, dtype=dtype)))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[517] = bad
+        assert not bool(host.finite(y)) and not bool(host.finite(x, y))

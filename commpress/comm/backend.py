@@ -80,6 +80,10 @@ class Backend(ABC):
         self._seq = 0
         self._failure: CollectiveError | None = None
 
+    #: whether this rank may block on a collective until its peers join it (False when
+    #: every rank of the world runs in this thread: a blocking call would wait forever)
+    can_block: bool = True
+
     @property
     def rounds(self) -> dict[str, int]:
         """How many collectives one reduction may issue, per scope."""

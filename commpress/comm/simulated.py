@@ -100,6 +100,8 @@ class SimulatedWorld:
 class SimulatedBackend(Backend):
     """Rank ``rank`` of a :class:`SimulatedWorld`."""
 
+    can_block = False  # every rank runs in the caller's thread
+
     def __init__(self, world: SimulatedWorld, rank: int) -> None:
         super().__init__(rank, world.world_size, {scope: _ROUNDS for scope in SCOPES if scope in world.partitions})
         self.world = world

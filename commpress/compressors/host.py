@@ -10,7 +10,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flags", "to_device", "to_host"]
+__all__ = ["finite", "flags", "to_device", "to_host"]
+
+
+def finite(*tensors: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on the tensors' device: no Inf or NaN in any of them (empty ones
+    count as finite). One ``aminmax`` pass each: max and min propagate NaN and reach +-Inf,
+    several times cheaper on the CPU than ``isfinite(t).all()`` with its bool temporary."""
+    flag = torch.ones((), dtype=torch.bool, device=tensors[0].device)
+    for t in tensors:
+        if t.numel():
+            lo, hi = torch.aminmax(t)
+            flag = flag & torch.isfinite(lo) & torch.isfinite(hi)
+    return flag
 
 
 def flags(t: torch.Tensor) -> list[bool]:

@@ -180,7 +180,7 @@ class LowRankCompressor(Compressor):
         the compressed part of the bucket is set to NaN and the caller returns without
         staging anything. Every rank sees the same sums, so all ranks agree; the non-finite
         gradient makes torch.amp's GradScaler skip the step."""
-        if host.flags(torch.isfinite(summed).all())[0]:
+        if host.flags(host.finite(summed))[0]:
             return True
         for b in plan.batches:
             b.view(bucket.buffer).fill_(float("nan"))

@@ -50,12 +50,6 @@ DEFAULT_MIN_NUMEL = 1024
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    """No Inf/NaN in ``tensors``: float64 sums (Inf/NaN propagate, float32 values cannot overflow them), one host read."""
-    total = sum((t.sum(dtype=torch.float64) for t in tensors), torch.zeros((), dtype=torch.float64, device=tensors[0].device))
-    return host.flags(torch.isfinite(total))[0]
-
-
 def topk_count(ratio: float, numel: int) -> int:
     """How many entries a tensor of ``numel`` elements sends: ceil(ratio·numel), at least 1."""
     return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
@@ -189,7 +183,7 @@ class TopKCompressor(Compressor):
             mask(u, indices)
         # Inf/NaN rank first in every tensor's selection, so a non-finite acc always sends
         # a non-finite value: every rank's decode is then non-finite (no extra pass needed)
-        finite = _all_finite(values)
+        finite = host.flags(host.finite(values))[0]
         wire = self._to_wire(acc, indices, values) if finite else values.to(self.value_dtype)
         dense, dense_pieces = self._whole(grad, bucket, whole)
         gathered = yield AllGather(frame([indices, wire, dense]))
@@ -200,7 +194,7 @@ class TopKCompressor(Compressor):
         average = self._decode_whole(all_dense, dense_pieces)
         for slot, (_, offset, _) in zip(whole, dense_pieces):
             bucket.buffer.narrow(0, slot.offset, slot.numel).copy_(average.narrow(0, offset, slot.numel))
-        if finite and _all_finite(all_values, all_dense):  # not from a non-finite step: the old state stays
+        if finite and host.flags(host.finite(all_values, all_dense))[0]:  # not from a non-finite step: the old state stays
             self._stage(pieces, acc, u, dense_pieces, average)
 
     def _accumulate(self, grad: torch.Tensor, pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor | None]:

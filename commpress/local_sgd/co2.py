@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from commpress.comm.simulated import SimulatedBackend
 from commpress.config.tables import check_co2_settings
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
@@ -74,7 +73,7 @@ class CO2(LocalSGD):
         self.staleness_penalty = staleness_penalty
         self.clip = None if clip is None else float(clip)
         super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps)
-        if staleness_penalty == "adaptive" and isinstance(self.averager.backend, SimulatedBackend):
+        if staleness_penalty == "adaptive" and not self.averager.backend.can_block:
             raise ConfigError(
                 "staleness_penalty = 'adaptive' is not accepted with ranks simulated in one process: its blocking "
                 "all-reduce at every sync point waits for ranks that run later; use a number >= 1"

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
 from commpress.comm.agreement import agree_on_settings
-from commpress.comm.simulated import SimulatedBackend
+from commpress.compressors import host
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.ddp import skip_gradient_allreduce
 from commpress.local_sgd.flat import FlatModel
@@ -27,7 +27,7 @@ __all__ = ["LocalSGD", "check_finite"]
 def check_finite(average: torch.Tensor, name: str, round_index: int) -> None:
     """Refuse a non-finite average before it reaches the anchor (or CO2's momentum): every
     rank holds the same average, so every rank raises, and the state stays as it was."""
-    if not bool(torch.isfinite(average).all()):
+    if not host.flags(host.finite(average))[0]:
         raise FloatingPointError(
             f"{name}: the average of round {round_index} is not finite (a rank's model holds inf or NaN); "
             "the anchor and the outer state were left unchanged: restore a checkpoint or lower the learning rate"
@@ -51,8 +51,9 @@ class LocalSGD:
     the first backward); a plain module gets rank 0's values at construction. The optimizer
     state (momenta, Adam moments) stays local: only the model is averaged.
 
-    With an averager on a :class:`commpress.comm.SimulatedWorld` backend (ranks simulated
-    in one process) the set-up agreement and broadcast are left out: build every rank's
+    With an averager whose backend cannot block (``can_block`` false: ranks of a
+    :class:`commpress.comm.SimulatedWorld`, all in one thread) the set-up agreement and
+    broadcast are left out: build every rank's
     trainer from one config and identical models. Such ranks can take their steps one
     after another only with CO2, whose average is waited for a round after it started.
     """
@@ -78,7 +79,7 @@ class LocalSGD:
         if not isinstance(averager, ParameterAverager):
             averager = ParameterAverager(averager or "none", process_group=process_group)
         self.averager = averager
-        in_process = isinstance(self.averager.backend, SimulatedBackend)  # no blocking set-up (class docstring)
+        in_process = not self.averager.backend.can_block  # no blocking set-up (class docstring)
         if not in_process:
             settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
             settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
