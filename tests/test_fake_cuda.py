@@ -81,7 +81,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(host, "flags", lambda t: [True] * t.numel())
     monkeypatch.setattr(host, "to_device", to_device)
     monkeypatch.setattr(_chunks, "map_blocks", no_cpu_path)
-    monkeypatch.setattr("commpress.compressors.topk.topk_select", _topk_select)
+    monkeypatch.setattr("commpress.cuda.topk.topk_select", _topk_select)
     monkeypatch.setattr("commpress.compressors.topk.scatter_add_decode", _scatter_add_decode)
     with FakeTensorMode():
         yield seen

@@ -36,7 +36,7 @@ from commpress.compressors.framing import frame, unframe
 from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_key, tensor_seed
-from commpress.cuda import add_error, scatter_add_decode, topk_select
+from commpress.cuda import scatter_add_decode, topk_select_many
 from commpress.errors import ConfigError
 
 __all__ = ["DEFAULT_MIN_NUMEL", "TopKCompressor", "topk_count"]
@@ -177,8 +177,8 @@ class TopKCompressor(Compressor):
         grad = clip_local(bucket.buffer, slots, self.clip_norm, ctx.world_size) if self.clip_norm else bucket.buffer
         counts = [topk_count(self.ratio_at(ctx.step), s.numel) for s in sparse]
         k = sum(counts)
-        acc, u = self._accumulate(grad, pieces)
-        indices, values = self._select(acc, bucket, sparse, counts, ctx)
+        acc, u, error = self._accumulate(grad, pieces)
+        indices, values = self._select(acc, error, grad, bucket, sparse, counts, ctx)
         if u is not None and self.momentum_masking:
             mask(u, indices)
         # Inf/NaN rank first in every tensor's selection, so a non-finite acc always sends
@@ -197,18 +197,20 @@ class TopKCompressor(Compressor):
         if finite and host.flags(host.finite(all_values, all_dense))[0]:  # not from a non-finite step: the old state stays
             self._stage(pieces, acc, u, dense_pieces, average)
 
-    def _accumulate(self, grad: torch.Tensor, pieces: list[Piece]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What is sparsified (fresh, float32, the bucket's layout) and DGC's momentum ``u``
-        (None without DGC): grad + residual, or DGC's corrected velocity."""
+    def _accumulate(
+        self, grad: torch.Tensor, pieces: list[Piece]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Where what is sparsified goes (fresh, float32, the bucket's layout), DGC's momentum
+        ``u`` and the residual ``error``: with DGC the corrected velocity, computed (``error``
+        None); else a spare buffer that the selection fills with grad + error (``u`` None)."""
         if not pieces:
-            return torch.empty(0, dtype=torch.float32, device=grad.device), None
+            return torch.empty(0, dtype=torch.float32, device=grad.device), None, None
         if self.dgc:
             u, v = correct(self._memory, pieces, grad, self.momentum)
-            return v, u
+            return v, u, None
         residual, _ = self._memory.gather("residual", pieces, grad.numel(), grad.device)
         out = self._spare((tuple(pieces), grad.numel(), grad.device), grad.numel(), grad.device)
-        add_error(grad, residual.narrow(0, 0, grad.numel()), out=out)
-        return out, None  # the spare itself (not a view of it): the memory tracks buffers by identity
+        return out, None, residual.narrow(0, 0, grad.numel())  # the spare itself: the memory tracks buffers by identity
 
     def _spare(self, key: tuple, numel: int, device: torch.device) -> torch.Tensor:
         """A float32 buffer of ``numel`` elements that no committed or staged state views."""
@@ -255,19 +257,30 @@ class TopKCompressor(Compressor):
             self._memory.stage("momentum", dense_pieces, average)
 
     def _select(
-        self, acc: torch.Tensor, bucket: Bucket, slots: list[ParamSlot], counts: list[int], ctx: Context
+        self,
+        acc: torch.Tensor,
+        error: torch.Tensor | None,
+        grad: torch.Tensor,
+        bucket: Bucket,
+        slots: list[ParamSlot],
+        counts: list[int],
+        ctx: Context,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every tensor's top entries of ``acc`` as (bucket-wide int32 indices, float32
-        values); the selected entries of ``acc`` are zeroed."""
-        indices = [torch.empty(0, dtype=torch.int32, device=acc.device)]
-        values = [torch.empty(0, dtype=torch.float32, device=acc.device)]
-        for slot, k in zip(slots, counts):
-            exact = self.selection == "exact" or (self.selection == "auto" and slot.numel <= EXACT_MAX_NUMEL)
-            seed = tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, slot))
-            v, i = topk_select(acc.narrow(0, slot.offset, slot.numel), k, exact=exact, seed=seed)
-            indices.append(i + slot.offset)
-            values.append(v)
-        return torch.cat(indices), torch.cat(values)
+        """Every tensor's top entries of ``acc`` (first set to grad + ``error`` when that is
+        given) as (bucket-wide int32 indices, float32 values); the selected entries of
+        ``acc`` are zeroed."""
+        if not slots:
+            return torch.empty(0, dtype=torch.int32, device=acc.device), acc.new_empty(0)
+        values, indices = topk_select_many(
+            acc,
+            [(s.offset, s.numel) for s in slots],
+            counts,
+            [tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, s)) for s in slots],
+            [self.selection == "exact" or (self.selection == "auto" and s.numel <= EXACT_MAX_NUMEL) for s in slots],
+            grad=None if error is None else grad,
+            error=error,
+        )
+        return indices, values
 
     def _to_wire(self, acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``values`` in the wire dtype; what the cast drops goes back into ``acc`` (the

@@ -15,7 +15,7 @@ from .quantize import dequantize, quantize_pack, unpack_accumulate
 from .rng import derive_seed, uniform
 from .ternary import ternary_quantize_pack, ternary_unpack_accumulate
 from .ternary_many import ternary_quantize_pack_many, ternary_unpack_accumulate_many
-from .topk import scatter_add_decode, topk_select
+from .topk import scatter_add_decode, topk_select, topk_select_many
 
 __all__ = [
     "add_error",
@@ -31,6 +31,7 @@ __all__ = [
     "ternary_unpack_accumulate",
     "ternary_unpack_accumulate_many",
     "topk_select",
+    "topk_select_many",
     "uniform",
     "unpack_accumulate",
     "unpack_bits",

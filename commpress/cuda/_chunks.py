@@ -134,3 +134,16 @@ def segment_items(lengths: np.ndarray, align: int) -> list[tuple[np.ndarray, np.
         return [(segment, start, stop)] if segment.size else []
     cuts = np.searchsorted(np.cumsum(stop - start), total * np.arange(1, groups) // groups, side="right")
     return [g for g in zip(*(np.split(a, cuts) for a in (segment, start, stop))) if g[0].size]
+
+
+def whole_segments(lengths: np.ndarray) -> list[np.ndarray]:
+    """Indices of segments of ``lengths`` elements in consecutive groups of about equal total,
+    about four per thread (one group on one thread); a segment is never split."""
+    lengths = np.asarray(lengths, np.int64)
+    workers = torch.get_num_threads()
+    groups = 1 if workers <= 1 else max(1, min(workers * _PARTS_PER_THREAD, lengths.size))
+    if groups == 1 or lengths.size <= 1:
+        return [np.arange(lengths.size, dtype=np.int64)] if lengths.size else []
+    ends = np.cumsum(lengths)
+    cuts = np.searchsorted(ends, int(ends[-1]) * np.arange(1, groups) // groups, side="right")
+    return [g for g in np.split(np.arange(lengths.size, dtype=np.int64), np.unique(cuts)) if g.size]

@@ -19,7 +19,7 @@ from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from . import _chunks
-from ._constants import GAMMA, MIX1, MIX2, packed_size
+from ._constants import GAMMA, MIX1, MIX2, SEED_BASIS, packed_size
 
 __all__ = [
     "exact_threshold",
@@ -30,6 +30,7 @@ __all__ = [
     "scatter_add_decode",
     "select_candidates",
     "take_top",
+    "take_top_many",
     "ternary_quantize_pack",
     "ternary_quantize_pack_many",
     "ternary_unpack_accumulate",
@@ -42,6 +43,7 @@ __all__ = [
 _GAMMA = np.uint64(GAMMA)
 _MIX1 = np.uint64(MIX1)
 _MIX2 = np.uint64(MIX2)
+_BASIS = np.uint64(SEED_BASIS)
 _S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(32)
 _M23 = np.uint64(0x7FFFFF)
 _ULP23 = np.float32(2.0**-23)  # uniform = 23 random bits * 2**-23, exact in float32
@@ -49,6 +51,7 @@ _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 _M23X2 = np.uint64(0x007FFFFF007FFFFF)  # the low 23 bits of both halves of a word
 _ONEX2 = np.uint64(0x3F8000003F800000)  # 1.0f in both halves
+_NONE = np.empty(0, np.float32)  # "no residual" for the kernels that may add one
 _PIECE = 4096  # elements per scratch piece (a multiple of 8: whole bytes at every bit width)
 
 _jit = njit(nogil=True, cache=True, error_model="numpy")
@@ -422,16 +425,17 @@ def _magnitude(v):
 
 
 @_jit
-def sampled_magnitudes(x, seed, sample):
-    """Magnitudes (NaN as +inf) of ``sample`` entries of ``x``: entry ``j`` is
-    ``floor(draw_j * n / 2**32)``, with draw ``j`` of stream ``seed``."""
+def sampled_magnitudes(x, r, seed, sample):
+    """Magnitudes (NaN as +inf) of ``sample`` entries of ``x`` (of ``x + r`` when ``r`` is not
+    empty): entry ``j`` is ``floor(draw_j * n / 2**32)``, with draw ``j`` of stream ``seed``."""
     n = np.uint64(x.size)
     words = np.empty((sample + 1) >> 1, np.uint64)
     _words(seed, words)  # vectorized; the gather below is not
     draws = words.view(np.uint32)
     mags = np.empty(sample, np.float32)
     for j in range(sample):
-        mags[j] = _magnitude(x[(np.uint64(draws[j]) * n) >> _S32])
+        i = (np.uint64(draws[j]) * n) >> _S32
+        mags[j] = _magnitude(x[i] + r[i] if r.size else x[i])
     return mags
 
 
@@ -461,6 +465,34 @@ def candidates(x, limit, first, out):
             while v:
                 if count < cap:
                     out[count] = first + ps + 8 * w + (np.int64(trailing_zeros(v)) >> 3)
+                count += 1
+                v &= v - np.uint64(1)
+    return count
+
+
+@_jit
+def sum_candidates(g, r, out, limit, first, cand):
+    """``out = g + r`` (float32) and, in the same pass, :func:`candidates` of ``out``."""
+    ob = out.view(np.uint32)
+    limit_bits = np.array([limit], np.float32).view(np.uint32)[0]
+    m = out.size
+    cap = cand.size
+    count = 0
+    flags = np.zeros(_PIECE, np.uint8)
+    words = flags.view(np.uint64)
+    for ps in range(0, m, _PIECE):
+        pe = min(m, ps + _PIECE)
+        o, gs, rs, os = out[ps:pe], g[ps:pe], r[ps:pe], ob[ps:pe]  # piece views: the loops vectorize
+        for i in range(pe - ps):
+            o[i] = gs[i] + rs[i]
+        for i in range(pe - ps):
+            flags[i] = (os[i] & np.uint32(0x7FFFFFFF)) >= limit_bits
+        flags[pe - ps : (pe - ps + 7) // 8 * 8] = 0
+        for w in range((pe - ps + 7) // 8):
+            v = words[w]
+            while v:
+                if count < cap:
+                    cand[count] = first + ps + 8 * w + (np.int64(trailing_zeros(v)) >> 3)
                 count += 1
                 v &= v - np.uint64(1)
     return count
@@ -501,6 +533,124 @@ def take_top_np(x, cand, mags, kth, k, values, chosen):
             chosen[o] = i
             x[i] = 0
             o += 1
+
+
+_KEY_INF = np.uint32(0x7F800000)  # +inf's bits: the largest key (NaN is given it too)
+_KEY_ABS = np.uint32(0x7FFFFFFF)
+
+
+@_inline
+def _key(bits):
+    """A magnitude's order as an integer: |x|'s bits (for floats >= 0 the integer order is the
+    float order), NaN given +inf's (as ``_magnitude``)."""
+    a = bits & _KEY_ABS
+    return a if a <= _KEY_INF else _KEY_INF
+
+
+@_jit
+def kth_key(keys, k):
+    """The ``k``-th largest of the uint32 ``keys`` (1 <= k <= size): a radix select over bits
+    30-20, 19-9 and 8-0, each level counting only the keys that share the prefix found so far."""
+    hist = np.empty(2048, np.int64)
+    prefix = np.uint32(0)
+    mask = np.uint32(0)
+    for level in range(3):
+        shift = np.uint32(20 if level == 0 else (9 if level == 1 else 0))
+        bins = np.uint32(0x7FF if level < 2 else 0x1FF)
+        hist[:] = 0
+        for j in range(keys.size):
+            v = keys[j]
+            if v & mask == prefix:
+                hist[(v >> shift) & bins] += 1
+        b = np.int64(bins)
+        while hist[b] < k:
+            k -= hist[b]
+            b -= 1
+        prefix |= np.uint32(b) << shift
+        mask |= bins << shift
+    return prefix
+
+
+@_inline
+def _derive(seed, widen):
+    """``rng.derive_seed(seed, widen)``."""
+    h = _mix((_BASIS ^ seed) + _GAMMA)
+    return _mix((h ^ np.uint64(widen)) + _GAMMA)
+
+
+@_jit
+def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
+    """``topk_select`` of one tensor ``x`` (float32, ``first`` its offset in the buffer, indices
+    written as ``first + i``): a threshold (the k-th magnitude with ``sample`` = 0, else the
+    sampled estimate, widened while it leaves fewer than k candidates), the candidates not
+    below it, and of those the k largest, ties to the lower index; zeroed in ``x``. With
+    ``g`` not empty, ``x = g + r`` is computed first (fused into the candidates' pass when
+    the threshold is sampled)."""
+    n = x.size
+    xb = x.view(np.uint32)
+    fused = g.size > 0
+    exact = sample == 0 or sample >= n or k == n
+    if fused and exact:
+        for i in range(n):
+            x[i] = g[i] + r[i]
+        fused = False
+    widen = 0
+    while True:
+        if exact:
+            keys = np.empty(n, np.uint32)
+            for i in range(n):
+                keys[i] = _key(xb[i])
+            limit = kth_key(keys, k)
+            expect = k
+        else:
+            expect_f = k / n * sample * slack * 4.0**widen
+            rank = np.int64(np.ceil(expect_f + 4 * np.sqrt(expect_f) + 1))
+            expect = np.int64(np.ceil(k * slack * 4.0**widen))
+            if rank >= sample:
+                limit = np.uint32(0)
+            else:
+                mags = sampled_magnitudes(g if fused else x, r if fused else _NONE, _derive(seed, widen), sample)
+                limit = kth_key(mags.view(np.uint32), rank)
+        limit_f = np.array([limit], np.uint32).view(np.float32)[0]
+        cand = np.empty(2 * expect + 1024, np.int64)
+        count = sum_candidates(g, r, x, limit_f, 0, cand) if fused else candidates(x, limit_f, 0, cand)
+        fused = False  # x holds the sum now
+        if count > cand.size:
+            cand = np.empty(count, np.int64)
+            candidates(x, limit_f, 0, cand)
+        if count >= k:
+            break
+        widen += 1
+    cand = cand[:count]
+    ckeys = np.empty(count, np.uint32)
+    for j in range(count):
+        ckeys[j] = _key(xb[cand[j]])
+    kth = kth_key(ckeys, k)
+    need = k
+    for j in range(count):
+        need -= ckeys[j] > kth  # what the ties must fill
+    o = 0
+    for j in range(count):
+        c = ckeys[j]
+        if c > kth or (c == kth and need > 0):
+            if not c > kth:
+                need -= 1
+            i = cand[j]
+            values[o] = x[i]
+            chosen[o] = first + i
+            x[i] = 0
+            o += 1
+
+
+@_jit
+def top_items(x, g, r, x_at, lengths, ks, samples, seeds, out_at, items, slack, values, chosen):
+    """:func:`_top_of` for the tensors ``items``: tensor ``t`` is ``x[x_at[t]:][:lengths[t]]``
+    (with ``g`` not empty: the sum of ``g`` and ``r`` there), its ``ks[t]`` picks go to
+    ``values``/``chosen`` from ``out_at[t]``."""
+    for t in items:
+        a, e, o = x_at[t], x_at[t] + lengths[t], out_at[t]
+        gt, rt = (g[a:e], r[a:e]) if g.size else (g, r)
+        _top_of(x[a:e], gt, rt, a, ks[t], samples[t], seeds[t], slack, values[o : o + ks[t]], chosen[o : o + ks[t]])
 
 
 @_jit
@@ -641,22 +791,32 @@ def unpack_accumulate(
     _chunks.map_blocks(lambda s, e: _f32_out(flat, s, e, fill), _chunks.parts(n, 8))
 
 
-def select_candidates(flat: torch.Tensor, threshold: float, expect: int) -> torch.Tensor:
+def select_candidates(
+    flat: torch.Tensor, threshold: float, expect: int, addends: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Increasing int64 indices of the entries of ``flat`` whose magnitude is not below
-    ``threshold`` (NaN included); ``expect`` sizes the buffers (about how many there are)."""
+    ``threshold`` (NaN included); ``expect`` sizes the buffers (about how many there are).
+    With ``addends`` (g, r) (float32, like ``flat``), ``flat = g + r`` first, in the same pass."""
     n = flat.numel()
     limit = np.float32(threshold)
-    if not limit > 0:  # every magnitude (NaN too) is at least 0
-        return torch.arange(n)
     spans = _chunks.parts(n, 1)
+    x = _chunks.as_numpy(flat)
+    g, r = (None, None) if addends is None else (_chunks.as_numpy(addends[0]), _chunks.as_numpy(addends[1]))
+    if not limit > 0:  # every magnitude (NaN too) is at least 0
+        if g is not None:
+            _chunks.map_blocks(lambda start, stop: np.add(g[start:stop], r[start:stop], out=x[start:stop]), spans)
+        return torch.arange(n)
     room = 2 * expect // max(1, len(spans)) + 1024
 
     def body(start: int, stop: int) -> np.ndarray:
         found = []
         for first, block in _chunks.float32_pieces(flat, start, stop):
             buf = np.empty(room, np.int64)
-            count = candidates(block, limit, first, buf)
-            if count > room:  # more than the estimate: count known now, run again
+            if g is None:
+                count = candidates(block, limit, first, buf)
+            else:
+                count = sum_candidates(g[start:stop], r[start:stop], block, limit, first, buf)
+            if count > room:  # more than the estimate: count known now, run again (on the sum)
                 buf = np.empty(count, np.int64)
                 candidates(block, limit, first, buf)
             found.append(buf[:count])
@@ -666,9 +826,13 @@ def select_candidates(flat: torch.Tensor, threshold: float, expect: int) -> torc
     return torch.from_numpy(np.concatenate(found) if found else np.empty(0, np.int64))
 
 
-def sample_threshold(flat: torch.Tensor, seed: int, sample: int, rank: int) -> float:
-    """The ``rank``-th largest magnitude among the sampled entries of float32 ``flat``."""
-    mags = sampled_magnitudes(_chunks.as_numpy(flat), np.uint64(seed), sample)
+def sample_threshold(
+    flat: torch.Tensor, seed: int, sample: int, rank: int, addends: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> float:
+    """The ``rank``-th largest magnitude among the sampled entries of float32 ``flat`` (of
+    ``g + r`` with ``addends``)."""
+    x, r = (flat, _NONE) if addends is None else (addends[0], _chunks.as_numpy(addends[1]))
+    mags = sampled_magnitudes(_chunks.as_numpy(x), r, np.uint64(seed), sample)
     return float(np.partition(mags, sample - rank)[sample - rank])  # numpy's introselect: far faster than numba's
 
 
@@ -691,6 +855,29 @@ def take_top(flat: torch.Tensor, candidates_: torch.Tensor, k: int) -> tuple[tor
     chosen = torch.empty(k, dtype=torch.int32)
     take_top_np(x, cand, mags, kth, k, _chunks.as_numpy(values), _chunks.as_numpy(chosen))
     return values, chosen
+
+
+def take_top_many(
+    flat: torch.Tensor,
+    addends: tuple[torch.Tensor, torch.Tensor] | None,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    ks: np.ndarray,
+    samples: np.ndarray,
+    seeds: np.ndarray,
+    out_at: np.ndarray,
+    slack: float,
+    values: torch.Tensor,
+    chosen: torch.Tensor,
+) -> None:
+    """:func:`_top_of` for every tensor ``flat[offsets[t]:][:lengths[t]]`` of float32 ``flat``
+    (``samples[t]`` 0: exact threshold; ``addends`` (g, r) float32: first ``flat = g + r``
+    there), its picks into ``values``/``chosen`` from ``out_at[t]``; whole tensors are spread
+    over the threads."""
+    x, v, c = _chunks.as_numpy(flat), _chunks.as_numpy(values), _chunks.as_numpy(chosen)
+    g, r = (_NONE, _NONE) if addends is None else (_chunks.as_numpy(addends[0]), _chunks.as_numpy(addends[1]))
+    run = lambda items: top_items(x, g, r, offsets, lengths, ks, samples, seeds, out_at, items, slack, v, c)  # noqa: E731
+    _chunks.map_blocks(run, [(items,) for items in _chunks.whole_segments(lengths)])
 
 
 def scatter_add_decode(values: torch.Tensor, indices: torch.Tensor, n: int, out: torch.Tensor, average: bool) -> None:

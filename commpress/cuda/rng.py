@@ -24,11 +24,9 @@ import numpy as np
 import torch
 
 from . import _backend, _chunks
-from ._constants import GAMMA, MASK64, MIX1, MIX2
+from ._constants import GAMMA, MASK64, MIX1, MIX2, SEED_BASIS
 
 __all__ = ["derive_seed", "uniform"]
-
-_SEED_BASIS = 0x6A09E667F3BCC908  # arbitrary odd constant (sqrt(2) fraction bits)
 
 _U64 = np.uint64
 _BASE = np.arange(_chunks.CHUNK // 2 + 1, dtype=np.uint64) * _U64(GAMMA)  # c * GAMMA for one block
@@ -48,7 +46,7 @@ def derive_seed(*values: int) -> int:
     Order matters and every value changes the result; ints are taken modulo 2**64 (so -1 and
     2**64 - 1 give the same key). Use a different key for every (rank, step, tensor).
     """
-    h = _SEED_BASIS
+    h = SEED_BASIS
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"derive_seed takes ints, got {type(v).__name__}")

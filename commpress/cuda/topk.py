@@ -12,13 +12,15 @@ does. NaN magnitudes count as larger than any number (as in ``torch.topk``).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from . import _backend, _checks, _chunks, rng
+from .feedback import add_error
 
-__all__ = ["scatter_add_decode", "topk_select"]
+__all__ = ["scatter_add_decode", "topk_select", "topk_select_many"]
 
 
 def default_sample(n: int) -> int:
@@ -41,11 +43,17 @@ def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(mag, nan=math.inf, posinf=math.inf)
 
 
+def _sample_rank(k: int, n: int, sample: int, widen: int) -> int:
+    """Which largest sampled magnitude is the threshold: about ``k * _SLACK * 4**widen`` of
+    the ``n`` entries reach it (plus 4 sigma of sampling noise)."""
+    expect = k / n * sample * _SLACK * 4**widen
+    return math.ceil(expect + 4 * math.sqrt(expect) + 1)
+
+
 def _sample_threshold(flat: torch.Tensor, k: int, sample: int, seed: int, widen: int) -> float:
     """A magnitude that about ``k * _SLACK * 4**widen`` of the entries reach, estimated from a sample."""
     n = flat.numel()
-    expect = k / n * sample * _SLACK * 4**widen
-    rank = math.ceil(expect + 4 * math.sqrt(expect) + 1)
+    rank = _sample_rank(k, n, sample, widen)
     if rank >= sample:
         return -math.inf
     kernels = _backend.compiled()
@@ -145,6 +153,113 @@ def topk_select(
     values = flat[chosen]
     flat[chosen] = 0
     return values, chosen.to(torch.int32)
+
+
+def topk_select_many(
+    acc: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    counts: Sequence[int],
+    seeds: Sequence[int],
+    exact: Sequence[bool],
+    grad: torch.Tensor | None = None,
+    error: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_select` of every tensor of a bucket in one call.
+
+    ``acc`` is the flat buffer, ``spans`` the tensors' ``(offset, numel)`` in it, ``counts``,
+    ``seeds`` and ``exact`` the per-tensor ``k``, ``seed`` and ``exact``. With ``grad`` and
+    ``error`` (laid out like ``acc``), every span of ``acc`` is first set to
+    ``add_error(grad, error)`` there (error feedback's accumulation; ``acc`` outside the
+    spans is left as it is). Returns the values and int32 indices *into acc* of all tensors
+    end to end: exactly ``torch.cat`` of the per-tensor results, indices shifted by the
+    offsets. On the CPU one compiled call covers the tensors (per-tensor calls cost more
+    than the selection in a bucket of many small tensors) and adds ``grad + error`` in the
+    same pass as the threshold test, so the sum is not read back from memory; a tensor
+    larger than a thread's share keeps the per-tensor call, which splits it over the threads.
+    """
+    _checks.check_float("acc", acc)
+    if acc.dim() != 1 or not acc.is_contiguous():
+        raise ValueError(f"acc must be a flat contiguous buffer, got shape {tuple(acc.shape)}")
+    if not len(spans) == len(counts) == len(seeds) == len(exact):
+        lengths = ", ".join(str(len(a)) for a in (spans, counts, seeds, exact))
+        raise ValueError(f"spans, counts, seeds and exact differ in length: {lengths}")
+    if (grad is None) != (error is None):
+        raise ValueError("grad and error come together (acc = grad + error), got only one of them")
+    if grad is not None:
+        _checks.check_float("grad", grad)
+        _checks.check_dtype("error", error, torch.float32)
+        _checks.check_dtype("acc", acc, torch.float32)
+        _checks.check_same_device(acc=acc, grad=grad, error=error)
+        if not grad.numel() == error.numel() == acc.numel() or not (grad.is_contiguous() and error.is_contiguous()):
+            raise ValueError(f"grad and error must be contiguous and of acc's {acc.numel()} elements")
+    for (offset, numel), k in zip(spans, counts):
+        _checks.check_count("span offset", offset)
+        _checks.check_count("k", k)
+        if offset + numel > acc.numel() or k > numel:
+            raise ValueError(f"span ({offset}, {numel}) with k={k} does not fit the {acc.numel()} elements of acc")
+    if acc.numel() >= 2**31:
+        raise ValueError(f"acc has {acc.numel()} elements; int32 indices allow at most {2**31 - 1}")
+    out_at = np.cumsum(counts, dtype=np.int64) - np.asarray(counts, np.int64)
+    values = acc.new_empty(int(sum(counts)))
+    indices = torch.empty(values.numel(), dtype=torch.int32, device=acc.device)
+    kernels = _backend.compiled()
+    threads = torch.get_num_threads()
+    compiled = kernels is not None and acc.dtype == torch.float32 and not acc.is_cuda
+    if grad is not None and not (compiled and grad.dtype == torch.float32):  # no fused pass: add first
+        for offset, numel in spans:
+            add_error(grad.narrow(0, offset, numel), error.narrow(0, offset, numel), out=acc.narrow(0, offset, numel))
+        grad = error = None
+    batch = []
+    for t, ((offset, numel), k) in enumerate(zip(spans, counts)):
+        if compiled and k and (threads == 1 or numel <= acc.numel() // threads):
+            batch.append(t)  # one compiled call below
+            continue
+        part = acc.narrow(0, offset, numel)
+        addends = None if grad is None else (grad.narrow(0, offset, numel), error.narrow(0, offset, numel))
+        if addends is not None and k and not exact[t]:
+            v, i = _select_summed(part, *addends, k, seeds[t])
+        else:
+            if addends is not None:
+                add_error(*addends, out=part)
+            if not k:
+                continue
+            v, i = topk_select(part, k, exact=exact[t], seed=seeds[t])
+        values.narrow(0, int(out_at[t]), k).copy_(v)
+        indices.narrow(0, int(out_at[t]), k).copy_(i + offset)
+    if batch:
+        kernels.take_top_many(
+            acc,
+            None if grad is None else (grad, error),
+            np.array([spans[t][0] for t in batch], np.int64),
+            np.array([spans[t][1] for t in batch], np.int64),
+            np.array([counts[t] for t in batch], np.int64),
+            np.array([0 if exact[t] else default_sample(spans[t][1]) for t in batch], np.int64),
+            np.array([rng._check_seed(seeds[t]) for t in batch], np.uint64),
+            out_at[batch],
+            _SLACK,
+            values,
+            indices,
+        )
+    return values, indices
+
+
+def _select_summed(
+    part: torch.Tensor, grad: torch.Tensor, error: torch.Tensor, k: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``topk_select(part, k, seed=seed)`` after ``part = grad + error`` (float32, compiled CPU
+    path), the sum taken by the threads in the pass that finds the candidates."""
+    kernels = _backend.compiled()
+    n = part.numel()
+    sample = default_sample(n)
+    rank = _sample_rank(k, n, sample, 0)
+    if sample < n and k < n and rank < sample:
+        threshold = kernels.sample_threshold(part, rng.derive_seed(seed, 0), sample, rank, (grad, error))
+        candidates = kernels.select_candidates(part, threshold, math.ceil(k * _SLACK), (grad, error))
+        if candidates.numel() >= k:
+            return kernels.take_top(part, candidates, k)
+    else:
+        add_error(grad, error, out=part)
+    return topk_select(part, k, seed=seed)  # part holds the sum; the threshold widens as usual
 
 
 def scatter_add_decode(
