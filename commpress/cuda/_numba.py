@@ -51,6 +51,8 @@ _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 _M23X2 = np.uint64(0x007FFFFF007FFFFF)  # the low 23 bits of both halves of a word
 _ONEX2 = np.uint64(0x3F8000003F800000)  # 1.0f in both halves
+_KEY_INF = np.uint32(0x7F800000)  # +inf's bits: the largest top-k key (NaN is given it too)
+_KEY_ABS = np.uint32(0x7FFFFFFF)
 _NONE = np.empty(0, np.float32)  # "no residual" for the kernels that may add one
 _PIECE = 4096  # elements per scratch piece (a multiple of 8: whole bytes at every bit width)
 
@@ -439,62 +441,65 @@ def sampled_magnitudes(x, r, seed, sample):
     return mags
 
 
-@_jit
-def candidates(x, limit, first, out):
-    """Write ``first + i`` for each ``i`` with ``not |x[i]| < limit`` (NaN included; ``limit``
-    > 0) into ``out`` while it has room; return how many there are.
-
-    The test runs on the bits (for floats >= 0 the integer order is the float order, and a NaN's
-    bits exceed +inf's), first as a byte flag per element over a piece (vectorized), then
-    eight flags at a time as one word whose set bytes give the hits.
-    """
-    xb = x.view(np.uint32)
-    limit_bits = np.array([limit], np.float32).view(np.uint32)[0]
-    m = x.size
-    cap = out.size
-    count = 0
-    flags = np.zeros(_PIECE, np.uint8)
-    words = flags.view(np.uint64)
-    for ps in range(0, m, _PIECE):
-        pe = min(m, ps + _PIECE)
-        for i in range(ps, pe):
-            flags[i - ps] = (xb[i] & np.uint32(0x7FFFFFFF)) >= limit_bits
-        flags[pe - ps : (pe - ps + 7) // 8 * 8] = 0
-        for w in range((pe - ps + 7) // 8):
-            v = words[w]
-            while v:
-                if count < cap:
-                    out[count] = first + ps + 8 * w + (np.int64(trailing_zeros(v)) >> 3)
-                count += 1
-                v &= v - np.uint64(1)
+@_inline
+def _hits(flags, words, length, xs, base, count, cand, vals):
+    """Append ``base + i`` and ``xs[i]`` for every set byte ``flags[i]`` of a piece of
+    ``length`` elements to ``cand``/``vals`` while they have room (eight flags at a time: a
+    word's set bytes give the hits); return the new count."""
+    flags[length : (length + 7) // 8 * 8] = 0
+    cap = cand.size
+    for w in range((length + 7) // 8):
+        v = words[w]
+        while v:
+            if count < cap:
+                i = 8 * w + (np.int64(trailing_zeros(v)) >> 3)
+                cand[count] = base + i
+                vals[count] = xs[i]
+            count += 1
+            v &= v - np.uint64(1)
     return count
 
 
 @_jit
-def sum_candidates(g, r, out, limit, first, cand):
-    """``out = g + r`` (float32) and, in the same pass, :func:`candidates` of ``out``."""
-    ob = out.view(np.uint32)
+def candidates(x, limit, first, cand, vals):
+    """Write ``first + i`` and ``x[i]`` for each ``i`` with ``not |x[i]| < limit`` (NaN
+    included) into ``cand`` and ``vals`` while they have room; return how many there are.
+
+    The test runs on the bits (for floats >= 0 the integer order is the float order, and a NaN's
+    bits exceed +inf's), first as a byte flag per element over a piece (vectorized), then
+    eight flags at a time as one word whose set bytes give the hits. The values are kept so
+    the selection among the candidates never reads ``x`` again.
+    """
+    xb = x.view(np.uint32)
     limit_bits = np.array([limit], np.float32).view(np.uint32)[0]
-    m = out.size
-    cap = cand.size
     count = 0
     flags = np.zeros(_PIECE, np.uint8)
     words = flags.view(np.uint64)
-    for ps in range(0, m, _PIECE):
-        pe = min(m, ps + _PIECE)
-        o, gs, rs, os = out[ps:pe], g[ps:pe], r[ps:pe], ob[ps:pe]  # piece views: the loops vectorize
+    for ps in range(0, x.size, _PIECE):
+        pe = min(x.size, ps + _PIECE)
+        bits = xb[ps:pe]  # piece views: the loops vectorize
+        for i in range(pe - ps):
+            flags[i] = (bits[i] & _KEY_ABS) >= limit_bits
+        count = _hits(flags, words, pe - ps, x[ps:pe], first + ps, count, cand, vals)
+    return count
+
+
+@_jit
+def sum_candidates(g, r, out, limit, first, cand, vals):
+    """``out = g + r`` (float32) and, in the same pass, :func:`candidates` of ``out``."""
+    ob = out.view(np.uint32)
+    limit_bits = np.array([limit], np.float32).view(np.uint32)[0]
+    count = 0
+    flags = np.zeros(_PIECE, np.uint8)
+    words = flags.view(np.uint64)
+    for ps in range(0, out.size, _PIECE):
+        pe = min(out.size, ps + _PIECE)
+        o, gs, rs, bits = out[ps:pe], g[ps:pe], r[ps:pe], ob[ps:pe]  # piece views: the loops vectorize
         for i in range(pe - ps):
             o[i] = gs[i] + rs[i]
         for i in range(pe - ps):
-            flags[i] = (os[i] & np.uint32(0x7FFFFFFF)) >= limit_bits
-        flags[pe - ps : (pe - ps + 7) // 8 * 8] = 0
-        for w in range((pe - ps + 7) // 8):
-            v = words[w]
-            while v:
-                if count < cap:
-                    cand[count] = first + ps + 8 * w + (np.int64(trailing_zeros(v)) >> 3)
-                count += 1
-                v &= v - np.uint64(1)
+            flags[i] = (bits[i] & _KEY_ABS) >= limit_bits
+        count = _hits(flags, words, pe - ps, o, first + ps, count, cand, vals)
     return count
 
 
@@ -506,19 +511,11 @@ def magnitudes(x, out):
 
 
 @_jit
-def magnitudes_at(x, cand):
-    """Magnitudes (NaN as +inf) of ``x`` at the indices ``cand``."""
-    mags = np.empty(cand.size, np.float32)
-    for j in range(cand.size):
-        mags[j] = _magnitude(x[cand[j]])
-    return mags
-
-
-@_jit
-def take_top_np(x, cand, mags, kth, k, values, chosen):
-    """Of ``cand`` (increasing indices into float32 ``x``, magnitudes ``mags``), the ``k`` with
-    magnitude above ``kth`` and, to make up ``k``, the first ties at ``kth``: their values into
-    ``values``, indices into ``chosen`` (int32), and zero them in ``x``."""
+def take_top_np(x, cand, vals, mags, kth, k, values, chosen):
+    """Of ``cand`` (increasing indices into float32 ``x``, values ``vals``, magnitudes
+    ``mags``), the ``k`` with magnitude above ``kth`` and, to make up ``k``, the first ties
+    at ``kth``: their values into ``values``, indices into ``chosen`` (int32), and zero
+    them in ``x``."""
     need = k
     for j in range(cand.size):
         need -= mags[j] > kth  # what the ties must fill
@@ -529,14 +526,10 @@ def take_top_np(x, cand, mags, kth, k, values, chosen):
             if not a > kth:
                 need -= 1
             i = cand[j]
-            values[o] = x[i]
+            values[o] = vals[j]
             chosen[o] = i
             x[i] = 0
             o += 1
-
-
-_KEY_INF = np.uint32(0x7F800000)  # +inf's bits: the largest key (NaN is given it too)
-_KEY_ABS = np.uint32(0x7FFFFFFF)
 
 
 @_inline
@@ -613,18 +606,20 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
                 limit = kth_key(mags.view(np.uint32), rank)
         limit_f = np.array([limit], np.uint32).view(np.float32)[0]
         cand = np.empty(2 * expect + 1024, np.int64)
-        count = sum_candidates(g, r, x, limit_f, 0, cand) if fused else candidates(x, limit_f, 0, cand)
+        vals = np.empty(cand.size, np.float32)
+        count = sum_candidates(g, r, x, limit_f, 0, cand, vals) if fused else candidates(x, limit_f, 0, cand, vals)
         fused = False  # x holds the sum now
         if count > cand.size:
-            cand = np.empty(count, np.int64)
-            candidates(x, limit_f, 0, cand)
+            cand, vals = np.empty(count, np.int64), np.empty(count, np.float32)
+            candidates(x, limit_f, 0, cand, vals)
         if count >= k:
             break
         widen += 1
-    cand = cand[:count]
+    cand, vals = cand[:count], vals[:count]
+    vbits = vals.view(np.uint32)
     ckeys = np.empty(count, np.uint32)
     for j in range(count):
-        ckeys[j] = _key(xb[cand[j]])
+        ckeys[j] = _key(vbits[j])
     kth = kth_key(ckeys, k)
     need = k
     for j in range(count):
@@ -636,7 +631,7 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
             if not c > kth:
                 need -= 1
             i = cand[j]
-            values[o] = x[i]
+            values[o] = vals[j]
             chosen[o] = first + i
             x[i] = 0
             o += 1
@@ -793,10 +788,11 @@ def unpack_accumulate(
 
 def select_candidates(
     flat: torch.Tensor, threshold: float, expect: int, addends: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Increasing int64 indices of the entries of ``flat`` whose magnitude is not below
-    ``threshold`` (NaN included); ``expect`` sizes the buffers (about how many there are).
-    With ``addends`` (g, r) (float32, like ``flat``), ``flat = g + r`` first, in the same pass."""
+    ``threshold`` (NaN included), and their values; ``expect`` sizes the buffers (about how
+    many there are). With ``addends`` (g, r) (float32, like ``flat``), ``flat = g + r``
+    first, in the same pass."""
     n = flat.numel()
     limit = np.float32(threshold)
     spans = _chunks.parts(n, 1)
@@ -805,25 +801,24 @@ def select_candidates(
     if not limit > 0:  # every magnitude (NaN too) is at least 0
         if g is not None:
             _chunks.map_blocks(lambda start, stop: np.add(g[start:stop], r[start:stop], out=x[start:stop]), spans)
-        return torch.arange(n)
+        return torch.arange(n), flat.clone()
     room = 2 * expect // max(1, len(spans)) + 1024
 
-    def body(start: int, stop: int) -> np.ndarray:
-        found = []
-        for first, block in _chunks.float32_pieces(flat, start, stop):
-            buf = np.empty(room, np.int64)
-            if g is None:
-                count = candidates(block, limit, first, buf)
-            else:
-                count = sum_candidates(g[start:stop], r[start:stop], block, limit, first, buf)
-            if count > room:  # more than the estimate: count known now, run again (on the sum)
-                buf = np.empty(count, np.int64)
-                candidates(block, limit, first, buf)
-            found.append(buf[:count])
-        return np.concatenate(found) if len(found) > 1 else found[0]
+    def body(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        cand, vals = np.empty(room, np.int64), np.empty(room, np.float32)
+        if g is None:
+            count = candidates(x[start:stop], limit, start, cand, vals)
+        else:
+            count = sum_candidates(g[start:stop], r[start:stop], x[start:stop], limit, start, cand, vals)
+        if count > room:  # more than the estimate: count known now, run again (on the sum)
+            cand, vals = np.empty(count, np.int64), np.empty(count, np.float32)
+            candidates(x[start:stop], limit, start, cand, vals)
+        return cand[:count], vals[:count]
 
     found = _chunks.map_blocks(body, spans)
-    return torch.from_numpy(np.concatenate(found) if found else np.empty(0, np.int64))
+    if not found:
+        return torch.empty(0, dtype=torch.int64), flat.new_empty(0)
+    return torch.from_numpy(np.concatenate([f[0] for f in found])), torch.from_numpy(np.concatenate([f[1] for f in found]))
 
 
 def sample_threshold(
@@ -845,15 +840,16 @@ def exact_threshold(flat: torch.Tensor, k: int) -> float:
     return float(mags[n - k])
 
 
-def take_top(flat: torch.Tensor, candidates_: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def take_top(flat: torch.Tensor, candidates_: torch.Tensor, cvalues: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int32 indices) of the ``k`` largest magnitudes among ``candidates_`` of float32
-    ``flat`` (ties to the lower index), zeroed in ``flat``."""
-    x, cand = _chunks.as_numpy(flat), _chunks.as_numpy(candidates_)
-    mags = magnitudes_at(x, cand)
+    ``flat`` (their values ``cvalues``; ties to the lower index), zeroed in ``flat``."""
+    x, cand, vals = _chunks.as_numpy(flat), _chunks.as_numpy(candidates_), _chunks.as_numpy(cvalues)
+    mags = np.empty(vals.size, np.float32)
+    magnitudes(vals, mags)
     kth = np.partition(mags, cand.size - k)[cand.size - k]
     values = torch.empty(k, dtype=torch.float32)
     chosen = torch.empty(k, dtype=torch.int32)
-    take_top_np(x, cand, mags, kth, k, _chunks.as_numpy(values), _chunks.as_numpy(chosen))
+    take_top_np(x, cand, vals, mags, kth, k, _chunks.as_numpy(values), _chunks.as_numpy(chosen))
     return values, chosen
 
 

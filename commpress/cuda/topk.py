@@ -68,13 +68,14 @@ def _sample_threshold(flat: torch.Tensor, k: int, sample: int, seed: int, widen:
     return torch.kthvalue(_magnitudes(flat[idx]), sample - rank + 1).values.item()
 
 
-def _candidates(flat: torch.Tensor, threshold: float, expect: int) -> torch.Tensor:
+def _candidates(flat: torch.Tensor, threshold: float, expect: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Increasing indices of the entries whose magnitude is not below ``threshold`` (NaN
-    included); ``expect``, about how many there are, sizes the CPU kernel's buffers."""
+    included), and their values where the compiled kernel collects them (else None);
+    ``expect``, about how many there are, sizes the CPU kernel's buffers."""
     if flat.is_cuda:
-        return torch.nonzero(~(_magnitudes(flat) < threshold)).view(-1)
+        return torch.nonzero(~(_magnitudes(flat) < threshold)).view(-1), None
     kernels = _backend.compiled()
-    if kernels is not None:
+    if kernels is not None and flat.dtype == torch.float32:
         return kernels.select_candidates(flat, threshold, expect)
     limit = np.float32(threshold)
 
@@ -83,7 +84,7 @@ def _candidates(flat: torch.Tensor, threshold: float, expect: int) -> torch.Tens
         return np.flatnonzero(~(mag < limit)) + start  # `not <` keeps NaN
 
     found = _chunks.map_blocks(body, list(_chunks.spans(flat.numel())))
-    return torch.from_numpy(np.concatenate(found) if found else np.empty(0, np.int64))
+    return torch.from_numpy(np.concatenate(found) if found else np.empty(0, np.int64)), None
 
 
 def _exact_k(flat: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
@@ -134,17 +135,17 @@ def topk_select(
             threshold = kernels.exact_threshold(flat, k)
         else:
             threshold = torch.kthvalue(_magnitudes(flat), n - k + 1).values.item()
-        candidates = _candidates(flat, threshold, k)
+        candidates, cvalues = _candidates(flat, threshold, k)
     else:
         widen = 0
         while True:
             threshold = _sample_threshold(flat, k, sample, rng.derive_seed(seed, widen), widen)
-            candidates = _candidates(flat, threshold, math.ceil(k * _SLACK * 4**widen))
+            candidates, cvalues = _candidates(flat, threshold, math.ceil(k * _SLACK * 4**widen))
             if candidates.numel() >= k:
                 break
             widen += 1
     if compiled:
-        return kernels.take_top(flat, candidates, k)
+        return kernels.take_top(flat, candidates, cvalues, k)
     chosen = _exact_k(flat, candidates, k)
     if flat.is_cuda:
         from . import _launch
@@ -254,9 +255,9 @@ def _select_summed(
     rank = _sample_rank(k, n, sample, 0)
     if sample < n and k < n and rank < sample:
         threshold = kernels.sample_threshold(part, rng.derive_seed(seed, 0), sample, rank, (grad, error))
-        candidates = kernels.select_candidates(part, threshold, math.ceil(k * _SLACK), (grad, error))
+        candidates, cvalues = kernels.select_candidates(part, threshold, math.ceil(k * _SLACK), (grad, error))
         if candidates.numel() >= k:
-            return kernels.take_top(part, candidates, k)
+            return kernels.take_top(part, candidates, cvalues, k)
     else:
         add_error(grad, error, out=part)
     return topk_select(part, k, seed=seed)  # part holds the sum; the threshold widens as usual
