@@ -228,6 +228,23 @@ def test_bench_rank_rows(two_ranks):
 
 
 @pytest.mark.multiproc
+def test_interleaved_rows_count_what_the_sequential_rows_count(two_ranks):
+    """--interleave: every row steps in turn on models built up front; bytes, collectives and
+    step counts per row are those of the row-after-row run (PyTorch's fp16 hook included,
+    counted per step); Local SGD rows: tests/test_local_sgd_bench.py."""
+    methods = tuple(parse_methods("ddp;torch-fp16;torch-powersgd:rank=2;fp16;none"))
+    plan = BenchPlan(methods, workload="gpt2", scale=0.01, steps=3, warmup=2, bucket_cap_mb=1.0, progress=False, interleave=True)
+    raw = run_local(bench_rank, 2, plan)[0]
+    assert raw["interleaved"] is True and "interleaved" in format_report(summarize(raw))
+    sequential = two_ranks[0]["ranks"][0]["methods"]
+    for row, reference in zip(raw["ranks"][0]["methods"], sequential, strict=True):
+        assert row["label"] == reference["label"]
+        assert (row["bytes_sent"], row["collectives"]) == (reference["bytes_sent"], reference["collectives"])
+        assert len(row["step_seconds"]) == plan.steps
+    assert len(raw["ranks"][0]["compute_seconds"]) == plan.steps
+
+
+@pytest.mark.multiproc
 def test_cli_local_run_writes_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     code = main(

@@ -14,13 +14,14 @@ pytestmark = pytest.mark.multiproc
 CONFIGS = Path(__file__).resolve().parent.parent / "docs" / "configs"
 
 
-def test_local_sgd_rows_send_a_fraction_of_ddp_bytes():
+@pytest.mark.parametrize("interleave", [False, True])
+def test_local_sgd_rows_send_a_fraction_of_ddp_bytes(interleave):
     methods = (
         *parse_methods("ddp"),
         method_from_config(str(CONFIGS / "local_sgd_h4.toml")),
         method_from_config(str(CONFIGS / "co2_h4.toml")),
     )
-    plan = BenchPlan(methods, workload="gpt2", scale=0.01, steps=8, warmup=4, progress=False)
+    plan = BenchPlan(methods, workload="gpt2", scale=0.01, steps=8, warmup=4, progress=False, interleave=interleave)
     result = run_local(bench_rank, 2, plan)[0]
     ddp, local, co2 = result["ranks"][0]["methods"]
     assert [m["label"] for m in (local, co2)] == ["local_sgd_h4", "co2_h4"]

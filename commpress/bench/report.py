@@ -78,6 +78,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "world_size": raw["world_size"],
         "steps": steps,
         "warmup": raw["warmup"],
+        "interleaved": raw.get("interleaved", False),
         "compute_seconds_median": compute_median,
         "reference": reference["label"] if reference else None,
         "methods": rows,
@@ -90,7 +91,8 @@ def format_report(summary: dict[str, Any]) -> str:
     head = (
         f"workload {w['name']} (scale {w['scale']}, {w['numel']:,} parameters, {w['grad_bytes'] / 2**20:.1f} MiB of gradient), "
         f"{summary['world_size']} ranks, link {summary['link']}, "
-        f"{summary['steps']} timed steps after {summary['warmup']} warm-up; "
+        f"{summary['steps']} timed steps after {summary['warmup']} warm-up"
+        f"{' (rows interleaved step by step)' if summary.get('interleaved') else ''}; "
         f"computation alone {1000 * summary['compute_seconds_median']:.1f} ms/step"
     )
     table = []

@@ -44,6 +44,9 @@ class BenchPlan:
     warmup: int = 5
     bucket_cap_mb: float | None = None
     progress: bool = True
+    #: step by step, each row in turn (all models built first), instead of row after row:
+    #: a machine whose speed drifts then moves every row alike
+    interleave: bool = False
 
 
 def bench_rank(rank: int, world_size: int, plan: BenchPlan) -> dict[str, Any]:
@@ -53,14 +56,31 @@ def bench_rank(rank: int, world_size: int, plan: BenchPlan) -> dict[str, Any]:
     numel = sum(p.numel() for p in model.parameters())
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
-    total = len(plan.methods) + 1
+    rows: list[Callable[[], _Run]] = [lambda: _Run(task, None, plan, rank, world_size, grad_bytes)]
+    rows += [functools.partial(_row, task, method, plan, rank, world_size, grad_bytes) for method in plan.methods]
     show = plan.progress and rank == 0
-    compute = _timed_steps(task, None, plan, rank, world_size, _bar(show, f"[1/{total}] compute only", plan))
-    methods = []
-    for i, method in enumerate(plan.methods, start=2):
-        bar = _bar(show, f"[{i}/{total}] {method.label}", plan)
-        methods.append(_measure(task, method, plan, rank, world_size, grad_bytes, bar))
-    mine = {"rank": rank, "host": socket.gethostname(), "compute_seconds": compute, "methods": methods}
+    total = plan.warmup + plan.steps
+    if plan.interleave:  # every row built first, then step by step each row in turn
+        runs = [make() for make in rows]
+        bar = _bar(show, f"[1/1] {len(runs)} rows interleaved", plan)
+        for step in range(total):
+            for run in runs:
+                run.step(step)
+            if bar is not None:
+                bar(step + 1)
+        results = [run.result() for run in runs]
+    else:
+        results = []
+        for i, make in enumerate(rows, start=1):
+            run = make()
+            bar = _bar(show, f"[{i}/{len(rows)}] {run.label}", plan)
+            for step in range(total):
+                run.step(step)
+                if bar is not None:
+                    bar(step + 1)
+            results.append(run.result())
+            del run
+    mine = {"rank": rank, "host": socket.gethostname(), "compute_seconds": results[0]["step_seconds"], "methods": results[1:]}
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine)
     return {
@@ -69,6 +89,7 @@ def bench_rank(rank: int, world_size: int, plan: BenchPlan) -> dict[str, Any]:
         "world_size": world_size,
         "steps": plan.steps,
         "warmup": plan.warmup,
+        "interleaved": plan.interleave,
         "ranks": everyone,
     }
 
@@ -77,43 +98,76 @@ def _bar(show: bool, label: str, plan: BenchPlan) -> Callable[[int], None] | Non
     return Progress(plan.warmup + plan.steps, f"{label:<40.40}").update if show else None
 
 
-def _measure(
-    task: Any,
-    method: BenchMethod,
-    plan: BenchPlan,
-    rank: int,
-    world_size: int,
-    grad_bytes: int,
-    on_step: Callable[[int], None] | None,
-) -> dict[str, Any]:
+def _row(task: Any, method: BenchMethod, plan: BenchPlan, rank: int, world_size: int, grad_bytes: int) -> _Run:
+    """The run of one method: a Local SGD/CO2 trainer for configs with a ``[local_sgd]`` table."""
     if method.config is not None and method.config.section("local_sgd") is not None:
-        return _measure_local_sgd(task, method, plan, rank, world_size, on_step)
-    model = task.model()
-    cap = plan.bucket_cap_mb
-    if method.kind == "torch-powersgd":
-        cap = grad_bytes / 2**20 + 1  # one bucket: PyTorch's hook fails on gloo with several
-    ddp = DistributedDataParallel(model, **({"bucket_cap_mb": cap} if cap is not None else {}))
-    traffic, counting = _attach(method, ddp, grad_bytes)
-    with counting:
-        times = _timed_steps(task, ddp, plan, rank, world_size, on_step, traffic)
-    snap = traffic.snapshot()
-    return {
-        "label": method.label,
-        "kind": method.kind,
-        "note": method.note,
-        "bucket_cap_mb": cap,
-        "step_seconds": times,
-        "bytes_sent": snap["bytes_sent"],
-        "collectives": snap["collectives"],
-        "compute_seconds": snap["compute_seconds"],
-    }
+        return _LocalSGDRun(task, method, plan, rank, world_size)
+    return _Run(task, method, plan, rank, world_size, grad_bytes)
 
 
-def _attach(method: BenchMethod, ddp: DistributedDataParallel, grad_bytes: int) -> tuple[Traffic, Any]:
-    """Register the method's hook; return its traffic counters and a context that counts
-    what PyTorch's own hooks send."""
+class _Run:
+    """One row: a fresh model (same seed for every row) wrapped in DDP with the method's hook
+    (``method`` None: the bare model, no communication), its optimizer and step times."""
+
+    def __init__(
+        self, task: Any, method: BenchMethod | None, plan: BenchPlan, rank: int, world_size: int, grad_bytes: int
+    ) -> None:
+        self.task, self.method, self.plan, self.rank, self.world_size = task, method, plan, rank, world_size
+        self.label = "compute only" if method is None else method.label
+        self.times: list[float] = []
+        self.cap = plan.bucket_cap_mb
+        self.traffic: Traffic | None = None
+        self.counting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        model = task.model()
+        if method is not None:
+            if method.kind == "torch-powersgd":
+                self.cap = grad_bytes / 2**20 + 1  # one bucket: PyTorch's hook fails on gloo with several
+            model = DistributedDataParallel(model, **({"bucket_cap_mb": self.cap} if self.cap is not None else {}))
+            self.traffic, self.counting = _attach(method, model, grad_bytes)
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def step(self, step: int) -> None:
+        """Training step ``step``; timed from step ``plan.warmup`` on (a barrier first)."""
+        if step == self.plan.warmup:
+            dist.barrier()
+            if self.traffic is not None:
+                self.traffic.reset()
+        t0 = time.perf_counter()
+        with self.counting():
+            loss = self.task.loss(self.model, step, self.rank, self.world_size)
+            self.opt.zero_grad(set_to_none=False)
+            loss.backward()
+            self.opt.step()
+        if step >= self.plan.warmup:
+            self.times.append(time.perf_counter() - t0)
+            if isinstance(self.traffic, _PlainTraffic):
+                self.traffic.step()
+
+    def result(self) -> dict[str, Any]:
+        if self.method is None:
+            return {"step_seconds": self.times}
+        assert self.traffic is not None
+        snap = self.traffic.snapshot()
+        return {
+            "label": self.method.label,
+            "kind": self.method.kind,
+            "note": self.method.note,
+            "bucket_cap_mb": self.cap,
+            "step_seconds": self.times,
+            "bytes_sent": snap["bytes_sent"],
+            "collectives": snap["collectives"],
+            "compute_seconds": snap["compute_seconds"],
+        }
+
+
+def _attach(
+    method: BenchMethod, ddp: DistributedDataParallel, grad_bytes: int
+) -> tuple[Traffic, Callable[[], contextlib.AbstractContextManager]]:
+    """Register the method's hook; return its traffic counters and a factory of the context
+    (opened around each step) that counts what PyTorch's own hooks send."""
     if method.kind == "commpress":
-        return register(ddp, method.config).traffic, contextlib.nullcontext()
+        return register(ddp, method.config).traffic, contextlib.nullcontext
     traffic = _PlainTraffic(grad_bytes) if method.kind == "ddp" else Traffic()
     if method.kind == "torch-fp16":
         ddp.register_comm_hook(None, _timed_hook(default_hooks.fp16_compress_hook, traffic))
@@ -126,7 +180,7 @@ def _attach(method: BenchMethod, ddp: DistributedDataParallel, grad_bytes: int) 
             random_seed=0,
         )
         ddp.register_comm_hook(state, _timed_hook(powerSGD_hook.powerSGD_hook, traffic))
-    return traffic, _count_all_reduce(traffic) if method.kind != "ddp" else contextlib.nullcontext()
+    return traffic, functools.partial(_count_all_reduce, traffic) if method.kind != "ddp" else contextlib.nullcontext
 
 
 class _PlainTraffic(Traffic):
@@ -172,84 +226,51 @@ def _count_all_reduce(traffic: Traffic) -> Iterator[None]:
         dist.all_reduce = original
 
 
-def _timed_steps(
-    task: Any,
-    ddp: DistributedDataParallel | None,
-    plan: BenchPlan,
-    rank: int,
-    world_size: int,
-    on_step: Callable[[int], None] | None,
-    traffic: Traffic | None = None,
-) -> list[float]:
-    """Wall time of each timed step (``ddp`` None: the bare model, no communication)."""
-    model = ddp if ddp is not None else task.model()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    times = []
-    for step in range(plan.warmup + plan.steps):
-        if step == plan.warmup:
-            dist.barrier()
-            if traffic is not None:
-                traffic.reset()
-        t0 = time.perf_counter()
-        loss = task.loss(model, step, rank, world_size)
-        opt.zero_grad(set_to_none=False)
-        loss.backward()
-        opt.step()
-        if step >= plan.warmup:
-            times.append(time.perf_counter() - t0)
-            if isinstance(traffic, _PlainTraffic):
-                traffic.step()
-        if on_step is not None:
-            on_step(step + 1)
-    return times
-
-
-def _measure_local_sgd(
-    task: Any,
-    method: BenchMethod,
-    plan: BenchPlan,
-    rank: int,
-    world_size: int,
-    on_step: Callable[[int], None] | None,
-) -> dict[str, Any]:
+class _LocalSGDRun:
     """A config with a ``[local_sgd]`` table: Local SGD or CO2 (no gradient all-reduce; the
     models are averaged every few steps). Each round's wall time is spread evenly over its
     steps, so the step time includes the averaging (a plain median would see only the
     local steps); a round cut by the end of the run counts what it took so far."""
-    from commpress.local_sgd import from_config
 
-    assert method.config is not None
-    ddp = DistributedDataParallel(task.model(), **({"bucket_cap_mb": plan.bucket_cap_mb} if plan.bucket_cap_mb else {}))
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-    trainer = from_config(ddp, opt, method.config, total_steps=plan.warmup + plan.steps)
-    times: list[float] = []
-    current: list[float] = []
-    for step in range(plan.warmup + plan.steps):
-        if step == plan.warmup:
+    def __init__(self, task: Any, method: BenchMethod, plan: BenchPlan, rank: int, world_size: int) -> None:
+        from commpress.local_sgd import from_config
+
+        assert method.config is not None
+        self.task, self.method, self.plan, self.rank, self.world_size = task, method, plan, rank, world_size
+        self.label = method.label
+        cap = {"bucket_cap_mb": plan.bucket_cap_mb} if plan.bucket_cap_mb else {}
+        self.ddp = DistributedDataParallel(task.model(), **cap)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-3, momentum=0.9)
+        self.trainer = from_config(self.ddp, self.opt, method.config, total_steps=plan.warmup + plan.steps)
+        self.times: list[float] = []
+        self.current: list[float] = []
+
+    def step(self, step: int) -> None:
+        if step == self.plan.warmup:
             dist.barrier()
-            trainer.traffic.reset()
+            self.trainer.traffic.reset()
         t0 = time.perf_counter()
-        loss = task.loss(ddp, step, rank, world_size)
-        opt.zero_grad(set_to_none=False)
+        loss = self.task.loss(self.ddp, step, self.rank, self.world_size)
+        self.opt.zero_grad(set_to_none=False)
         loss.backward()
-        rounds = trainer.clock.rounds
-        trainer.step()
-        if step >= plan.warmup:
-            current.append(time.perf_counter() - t0)
-            if trainer.clock.rounds > rounds or step == plan.warmup + plan.steps - 1:
-                times += [sum(current) / len(current)] * len(current)
-                current = []
-        if on_step is not None:
-            on_step(step + 1)
-    snap = trainer.traffic.snapshot()
-    trainer.finish()
-    return {
-        "label": method.label,
-        "kind": method.kind,
-        "note": "round-averaged steps",
-        "bucket_cap_mb": plan.bucket_cap_mb,
-        "step_seconds": times,
-        "bytes_sent": snap["bytes_sent"],
-        "collectives": snap["collectives"],
-        "compute_seconds": snap["compute_seconds"],
-    }
+        rounds = self.trainer.clock.rounds
+        self.trainer.step()
+        if step >= self.plan.warmup:
+            self.current.append(time.perf_counter() - t0)
+            if self.trainer.clock.rounds > rounds or step == self.plan.warmup + self.plan.steps - 1:
+                self.times += [sum(self.current) / len(self.current)] * len(self.current)
+                self.current = []
+
+    def result(self) -> dict[str, Any]:
+        snap = self.trainer.traffic.snapshot()
+        self.trainer.finish()
+        return {
+            "label": self.method.label,
+            "kind": self.method.kind,
+            "note": "round-averaged steps",
+            "bucket_cap_mb": self.plan.bucket_cap_mb,
+            "step_seconds": self.times,
+            "bytes_sent": snap["bytes_sent"],
+            "collectives": snap["collectives"],
+            "compute_seconds": snap["compute_seconds"],
+        }

@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
     parser.add_argument("--plot", metavar="PNG", help="write a bar chart of step time per method")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every row's model first, then run each step on every row in turn (for a machine whose speed drifts; "
+        "needs memory for all models at once)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -87,6 +93,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         warmup=args.warmup,
         bucket_cap_mb=args.bucket_cap_mb,
         progress=not args.quiet,
+        interleave=args.interleave,
     )
 
 
