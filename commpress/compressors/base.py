@@ -8,6 +8,7 @@ group, so the same code runs on torch.distributed, MPI and the in-process simula
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ class ParamSlot:
     shape: torch.Size
     offset: int
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 

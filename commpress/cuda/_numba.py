@@ -461,14 +461,16 @@ def _hits(flags, words, length, xs, base, count, cand, vals):
 
 
 @_jit
-def candidates(x, limit, first, cand, vals):
+def candidates(x, g, r, limit, first, cand, vals):
     """Write ``first + i`` and ``x[i]`` for each ``i`` with ``not |x[i]| < limit`` (NaN
     included) into ``cand`` and ``vals`` while they have room; return how many there are.
+    With ``g`` not empty, ``x = g + r`` (float32) first, in the same pass.
 
     The test runs on the bits (for floats >= 0 the integer order is the float order, and a NaN's
     bits exceed +inf's), first as a byte flag per element over a piece (vectorized), then
     eight flags at a time as one word whose set bytes give the hits. The values are kept so
-    the selection among the candidates never reads ``x`` again.
+    the selection among the candidates never reads ``x`` again; the sum is tested while
+    its piece is in cache, so it is not read back from memory.
     """
     xb = x.view(np.uint32)
     limit_bits = np.array([limit], np.float32).view(np.uint32)[0]
@@ -477,29 +479,14 @@ def candidates(x, limit, first, cand, vals):
     words = flags.view(np.uint64)
     for ps in range(0, x.size, _PIECE):
         pe = min(x.size, ps + _PIECE)
-        bits = xb[ps:pe]  # piece views: the loops vectorize
+        xs, bits = x[ps:pe], xb[ps:pe]  # piece views: the loops vectorize
+        if g.size:
+            gs, rs = g[ps:pe], r[ps:pe]
+            for i in range(pe - ps):
+                xs[i] = gs[i] + rs[i]
         for i in range(pe - ps):
             flags[i] = (bits[i] & _KEY_ABS) >= limit_bits
-        count = _hits(flags, words, pe - ps, x[ps:pe], first + ps, count, cand, vals)
-    return count
-
-
-@_jit
-def sum_candidates(g, r, out, limit, first, cand, vals):
-    """``out = g + r`` (float32) and, in the same pass, :func:`candidates` of ``out``."""
-    ob = out.view(np.uint32)
-    limit_bits = np.array([limit], np.float32).view(np.uint32)[0]
-    count = 0
-    flags = np.zeros(_PIECE, np.uint8)
-    words = flags.view(np.uint64)
-    for ps in range(0, out.size, _PIECE):
-        pe = min(out.size, ps + _PIECE)
-        o, gs, rs, bits = out[ps:pe], g[ps:pe], r[ps:pe], ob[ps:pe]  # piece views: the loops vectorize
-        for i in range(pe - ps):
-            o[i] = gs[i] + rs[i]
-        for i in range(pe - ps):
-            flags[i] = (bits[i] & _KEY_ABS) >= limit_bits
-        count = _hits(flags, words, pe - ps, o, first + ps, count, cand, vals)
+        count = _hits(flags, words, pe - ps, xs, first + ps, count, cand, vals)
     return count
 
 
@@ -607,11 +594,11 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
         limit_f = np.array([limit], np.uint32).view(np.float32)[0]
         cand = np.empty(2 * expect + 1024, np.int64)
         vals = np.empty(cand.size, np.float32)
-        count = sum_candidates(g, r, x, limit_f, 0, cand, vals) if fused else candidates(x, limit_f, 0, cand, vals)
+        count = candidates(x, g if fused else _NONE, r if fused else _NONE, limit_f, 0, cand, vals)
         fused = False  # x holds the sum now
         if count > cand.size:
             cand, vals = np.empty(count, np.int64), np.empty(count, np.float32)
-            candidates(x, limit_f, 0, cand, vals)
+            candidates(x, _NONE, _NONE, limit_f, 0, cand, vals)
         if count >= k:
             break
         widen += 1
@@ -806,13 +793,11 @@ def select_candidates(
 
     def body(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         cand, vals = np.empty(room, np.int64), np.empty(room, np.float32)
-        if g is None:
-            count = candidates(x[start:stop], limit, start, cand, vals)
-        else:
-            count = sum_candidates(g[start:stop], r[start:stop], x[start:stop], limit, start, cand, vals)
+        gs, rs = (_NONE, _NONE) if g is None else (g[start:stop], r[start:stop])
+        count = candidates(x[start:stop], gs, rs, limit, start, cand, vals)
         if count > room:  # more than the estimate: count known now, run again (on the sum)
             cand, vals = np.empty(count, np.int64), np.empty(count, np.float32)
-            candidates(x[start:stop], limit, start, cand, vals)
+            candidates(x[start:stop], _NONE, _NONE, limit, start, cand, vals)
         return cand[:count], vals[:count]
 
     found = _chunks.map_blocks(body, spans)
