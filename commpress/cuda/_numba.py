@@ -498,11 +498,11 @@ def magnitudes(x, out):
 
 
 @_jit
-def take_top_np(x, cand, vals, mags, kth, k, values, chosen):
+def take_top_np(x, cand, vals, mags, kth, k, first, values, chosen):
     """Of ``cand`` (increasing indices into float32 ``x``, values ``vals``, magnitudes
-    ``mags``), the ``k`` with magnitude above ``kth`` and, to make up ``k``, the first ties
-    at ``kth``: their values into ``values``, indices into ``chosen`` (int32), and zero
-    them in ``x``."""
+    ``mags``: floats, or the integer keys of :func:`_key`), the ``k`` with magnitude above
+    ``kth`` and, to make up ``k``, the first ties at ``kth``: their values into ``values``,
+    indices (+ ``first``) into ``chosen`` (int32), and zero them in ``x``."""
     need = k
     for j in range(cand.size):
         need -= mags[j] > kth  # what the ties must fill
@@ -514,7 +514,7 @@ def take_top_np(x, cand, vals, mags, kth, k, values, chosen):
                 need -= 1
             i = cand[j]
             values[o] = vals[j]
-            chosen[o] = i
+            chosen[o] = first + i
             x[i] = 0
             o += 1
 
@@ -607,21 +607,7 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
     ckeys = np.empty(count, np.uint32)
     for j in range(count):
         ckeys[j] = _key(vbits[j])
-    kth = kth_key(ckeys, k)
-    need = k
-    for j in range(count):
-        need -= ckeys[j] > kth  # what the ties must fill
-    o = 0
-    for j in range(count):
-        c = ckeys[j]
-        if c > kth or (c == kth and need > 0):
-            if not c > kth:
-                need -= 1
-            i = cand[j]
-            values[o] = vals[j]
-            chosen[o] = first + i
-            x[i] = 0
-            o += 1
+    take_top_np(x, cand, vals, ckeys, kth_key(ckeys, k), k, first, values, chosen)
 
 
 @_jit
@@ -834,7 +820,7 @@ def take_top(flat: torch.Tensor, candidates_: torch.Tensor, cvalues: torch.Tenso
     kth = np.partition(mags, cand.size - k)[cand.size - k]
     values = torch.empty(k, dtype=torch.float32)
     chosen = torch.empty(k, dtype=torch.int32)
-    take_top_np(x, cand, vals, mags, kth, k, _chunks.as_numpy(values), _chunks.as_numpy(chosen))
+    take_top_np(x, cand, vals, mags, kth, k, 0, _chunks.as_numpy(values), _chunks.as_numpy(chosen))
     return values, chosen
 
 
