@@ -490,19 +490,28 @@ def candidates(x, g, r, limit, first, cand, vals):
     return count
 
 
+@_inline
+def _key(bits):
+    """A magnitude's order as an integer: |x|'s bits (for floats >= 0 the integer order is the
+    float order), NaN given +inf's (as ``_magnitude``)."""
+    a = bits & _KEY_ABS
+    return a if a <= _KEY_INF else _KEY_INF
+
+
 @_jit
-def magnitudes(x, out):
-    """``out = |x|`` with NaN as +inf."""
+def keys(x, out):
+    """``out[i]`` = :func:`_key` of float32 ``x[i]``: its magnitude's order as an integer."""
+    xb = x.view(np.uint32)
     for i in range(x.size):
-        out[i] = _magnitude(x[i])
+        out[i] = _key(xb[i])
 
 
 @_jit
 def take_top_np(x, cand, vals, mags, kth, k, first, values, chosen):
-    """Of ``cand`` (increasing indices into float32 ``x``, values ``vals``, magnitudes
-    ``mags``: floats, or the integer keys of :func:`_key`), the ``k`` with magnitude above
-    ``kth`` and, to make up ``k``, the first ties at ``kth``: their values into ``values``,
-    indices (+ ``first``) into ``chosen`` (int32), and zero them in ``x``."""
+    """Of ``cand`` (increasing indices into float32 ``x``, values ``vals``, magnitudes as the
+    keys ``mags`` of :func:`_key`), the ``k`` with magnitude above ``kth`` and, to make up
+    ``k``, the first ties at ``kth``: their values into ``values``, indices (+ ``first``)
+    into ``chosen`` (int32), and zero them in ``x``."""
     need = k
     for j in range(cand.size):
         need -= mags[j] > kth  # what the ties must fill
@@ -519,17 +528,9 @@ def take_top_np(x, cand, vals, mags, kth, k, first, values, chosen):
             o += 1
 
 
-@_inline
-def _key(bits):
-    """A magnitude's order as an integer: |x|'s bits (for floats >= 0 the integer order is the
-    float order), NaN given +inf's (as ``_magnitude``)."""
-    a = bits & _KEY_ABS
-    return a if a <= _KEY_INF else _KEY_INF
-
-
 @_jit
-def kth_key(keys, k):
-    """The ``k``-th largest of the uint32 ``keys`` (1 <= k <= size): a radix select over bits
+def kth_key(items, k):
+    """The ``k``-th largest of the uint32 keys ``items`` (1 <= k <= size): a radix select over bits
     30-20, 19-9 and 8-0, each level counting only the keys that share the prefix found so far."""
     hist = np.empty(2048, np.int64)
     prefix = np.uint32(0)
@@ -538,8 +539,8 @@ def kth_key(keys, k):
         shift = np.uint32(20 if level == 0 else (9 if level == 1 else 0))
         bins = np.uint32(0x7FF if level < 2 else 0x1FF)
         hist[:] = 0
-        for j in range(keys.size):
-            v = keys[j]
+        for j in range(items.size):
+            v = items[j]
             if v & mask == prefix:
                 hist[(v >> shift) & bins] += 1
         b = np.int64(bins)
@@ -567,7 +568,6 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
     ``g`` not empty, ``x = g + r`` is computed first (fused into the candidates' pass when
     the threshold is sampled)."""
     n = x.size
-    xb = x.view(np.uint32)
     fused = g.size > 0
     exact = sample == 0 or sample >= n or k == n
     if fused and exact:
@@ -577,10 +577,9 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
     widen = 0
     while True:
         if exact:
-            keys = np.empty(n, np.uint32)
-            for i in range(n):
-                keys[i] = _key(xb[i])
-            limit = kth_key(keys, k)
+            all_keys = np.empty(n, np.uint32)
+            keys(x, all_keys)
+            limit = kth_key(all_keys, k)
             expect = k
         else:
             expect_f = k / n * sample * slack * 4.0**widen
@@ -591,7 +590,7 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
             else:
                 mags = sampled_magnitudes(g if fused else x, r if fused else _NONE, _derive(seed, widen), sample)
                 limit = kth_key(mags.view(np.uint32), rank)
-        limit_f = np.array([limit], np.uint32).view(np.float32)[0]
+        limit_f = np.array([limit], np.uint32).view(np.float32)[0]  # the magnitude of that key
         cand = np.empty(2 * expect + 1024, np.int64)
         vals = np.empty(cand.size, np.float32)
         count = candidates(x, g if fused else _NONE, r if fused else _NONE, limit_f, 0, cand, vals)
@@ -603,10 +602,8 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
             break
         widen += 1
     cand, vals = cand[:count], vals[:count]
-    vbits = vals.view(np.uint32)
     ckeys = np.empty(count, np.uint32)
-    for j in range(count):
-        ckeys[j] = _key(vbits[j])
+    keys(vals, ckeys)
     take_top_np(x, cand, vals, ckeys, kth_key(ckeys, k), k, first, values, chosen)
 
 
@@ -799,28 +796,31 @@ def sample_threshold(
     ``g + r`` with ``addends``)."""
     x, r = (flat, _NONE) if addends is None else (addends[0], _chunks.as_numpy(addends[1]))
     mags = sampled_magnitudes(_chunks.as_numpy(x), r, np.uint64(seed), sample)
-    return float(np.partition(mags, sample - rank)[sample - rank])  # numpy's introselect: far faster than numba's
+    return _as_float(kth_key(mags.view(np.uint32), rank))  # magnitudes: their bits are their keys
 
 
 def exact_threshold(flat: torch.Tensor, k: int) -> float:
     """The ``k``-th largest magnitude (NaN as +inf) of float32 ``flat``."""
     n = flat.numel()
-    src, mags = _chunks.as_numpy(flat), np.empty(n, np.float32)
-    _chunks.map_blocks(lambda s, e: magnitudes(src[s:e], mags[s:e]), _chunks.parts(n, 1))
-    mags.partition(n - k)  # in place
-    return float(mags[n - k])
+    src, all_keys = _chunks.as_numpy(flat), np.empty(n, np.uint32)
+    _chunks.map_blocks(lambda s, e: keys(src[s:e], all_keys[s:e]), _chunks.parts(n, 1))
+    return _as_float(kth_key(all_keys, k))
+
+
+def _as_float(key: np.uint32) -> float:
+    """The magnitude whose :func:`_key` is ``key``."""
+    return float(np.array([key], np.uint32).view(np.float32)[0])
 
 
 def take_top(flat: torch.Tensor, candidates_: torch.Tensor, cvalues: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int32 indices) of the ``k`` largest magnitudes among ``candidates_`` of float32
     ``flat`` (their values ``cvalues``; ties to the lower index), zeroed in ``flat``."""
     x, cand, vals = _chunks.as_numpy(flat), _chunks.as_numpy(candidates_), _chunks.as_numpy(cvalues)
-    mags = np.empty(vals.size, np.float32)
-    magnitudes(vals, mags)
-    kth = np.partition(mags, cand.size - k)[cand.size - k]
+    ckeys = np.empty(vals.size, np.uint32)
+    keys(vals, ckeys)
     values = torch.empty(k, dtype=torch.float32)
     chosen = torch.empty(k, dtype=torch.int32)
-    take_top_np(x, cand, vals, mags, kth, k, 0, _chunks.as_numpy(values), _chunks.as_numpy(chosen))
+    take_top_np(x, cand, vals, ckeys, kth_key(ckeys, k), k, 0, _chunks.as_numpy(values), _chunks.as_numpy(chosen))
     return values, chosen
 
 
