@@ -148,17 +148,7 @@ class _Run:
         if self.method is None:
             return {"step_seconds": self.times}
         assert self.traffic is not None
-        snap = self.traffic.snapshot()
-        return {
-            "label": self.method.label,
-            "kind": self.method.kind,
-            "note": self.method.note,
-            "bucket_cap_mb": self.cap,
-            "step_seconds": self.times,
-            "bytes_sent": snap["bytes_sent"],
-            "collectives": snap["collectives"],
-            "compute_seconds": snap["compute_seconds"],
-        }
+        return _method_row(self.method, self.method.note, self.cap, self.times, self.traffic)
 
 
 def _attach(
@@ -262,15 +252,21 @@ class _LocalSGDRun:
                 self.current = []
 
     def result(self) -> dict[str, Any]:
-        snap = self.trainer.traffic.snapshot()
+        row = _method_row(self.method, "round-averaged steps", self.plan.bucket_cap_mb, self.times, self.trainer.traffic)
         self.trainer.finish()
-        return {
-            "label": self.method.label,
-            "kind": self.method.kind,
-            "note": "round-averaged steps",
-            "bucket_cap_mb": self.plan.bucket_cap_mb,
-            "step_seconds": self.times,
-            "bytes_sent": snap["bytes_sent"],
-            "collectives": snap["collectives"],
-            "compute_seconds": snap["compute_seconds"],
-        }
+        return row
+
+
+def _method_row(method: BenchMethod, note: str, cap: float | None, times: list[float], traffic: Traffic) -> dict[str, Any]:
+    """A method's measurements as every rank reports them."""
+    snap = traffic.snapshot()
+    return {
+        "label": method.label,
+        "kind": method.kind,
+        "note": note,
+        "bucket_cap_mb": cap,
+        "step_seconds": times,
+        "bytes_sent": snap["bytes_sent"],
+        "collectives": snap["collectives"],
+        "compute_seconds": snap["compute_seconds"],
+    }
