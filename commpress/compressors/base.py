@@ -58,6 +58,9 @@ class Bucket:
     index: int
     buffer: torch.Tensor
     slots: Sequence[ParamSlot] = field(default_factory=tuple)
+    #: set by a reduction that knows from its decode whether the averaged buffer is finite
+    #: (True/False), so the hook need not read the whole buffer again; None: unknown
+    finite: bool | None = None
 
     def __post_init__(self) -> None:
         if self.buffer.dim() != 1:
@@ -97,6 +100,7 @@ def on_dense_copy(reduce: Callable[[Bucket, Context], Reduction], bucket: Bucket
     dense = Bucket(bucket.index, bucket.buffer.contiguous(), bucket.slots)
     yield from reduce(dense, ctx)
     bucket.buffer.copy_(dense.buffer)
+    bucket.finite = dense.finite
 
 
 @dataclass(frozen=True)

@@ -13,15 +13,18 @@ import torch
 __all__ = ["finite", "flags", "to_device", "to_host"]
 
 
-def finite(*tensors: torch.Tensor) -> torch.Tensor:
+def finite(*tensors: torch.Tensor, bound: float | None = None) -> torch.Tensor:
     """A 0-d bool tensor on the tensors' device: no Inf or NaN in any of them (empty ones
-    count as finite). One ``aminmax`` pass each: max and min propagate NaN and reach +-Inf,
-    several times cheaper on the CPU than ``isfinite(t).all()`` with its bool temporary."""
+    count as finite) and, with ``bound``, no element of magnitude above it. One ``aminmax``
+    pass each: max and min propagate NaN and reach +-Inf, several times cheaper on the CPU
+    than ``isfinite(t).all()`` with its bool temporary."""
     flag = torch.ones((), dtype=torch.bool, device=tensors[0].device)
     for t in tensors:
         if t.numel():
             lo, hi = torch.aminmax(t)
             flag = flag & torch.isfinite(lo) & torch.isfinite(hi)
+            if bound is not None:
+                flag = flag & (lo >= -bound) & (hi <= bound)
     return flag
 
 

@@ -87,9 +87,14 @@ class TernGradCompressor(Compressor):
         gathered = yield AllGather(ternary_quantize_pack_many(bucket.buffer, spans, shared, seeds, clip))
         (packed,) = unframe(gathered, [(torch.uint8, sum(_packed_len(s.numel) for s in slots))])
         ternary_unpack_accumulate_many(packed, shared.expand(ctx.world_size, -1), spans, bucket.buffer)
-        for (offset, numel), finite in zip(spans, host.flags(torch.isfinite(shared))):
-            if not finite:
+        # one host transfer: each scale finite, and all small enough that no rank sum overflows
+        *finite, bounded = host.flags(torch.cat([torch.isfinite(shared), host.finite(shared, bound=_sum_bound(ctx)).view(1)]))
+        for (offset, numel), ok in zip(spans, finite):
+            if not ok:
                 bucket.buffer.narrow(0, offset, numel).fill_(math.nan)
+        # decoded values are sums of world codes times a scale of at most max|g| (which the
+        # bucket's dtype holds), averaged: finite exactly when the scales are, if bounded
+        bucket.finite = False if not all(finite) else (True if bounded else None)
 
     def _local_scales(
         self, buffer: torch.Tensor, spans: list[tuple[int, int]]
@@ -114,6 +119,11 @@ class TernGradCompressor(Compressor):
         scale = torch.minimum(peak, bound)
         scale = torch.where(torch.isfinite(scale) & torch.isfinite(peak), scale, math.inf)
         return bound, peak, scale
+
+
+def _sum_bound(ctx: Context) -> float:
+    """The largest scale whose sum over the world's ranks stays finite in float32."""
+    return torch.finfo(torch.float32).max / ctx.world_size
 
 
 def _packed_len(n: int) -> int:

@@ -194,7 +194,19 @@ class TopKCompressor(Compressor):
         average = self._decode_whole(all_dense, dense_pieces)
         for slot, (_, offset, _) in zip(whole, dense_pieces):
             bucket.buffer.narrow(0, slot.offset, slot.numel).copy_(average.narrow(0, offset, slot.numel))
-        if finite and host.flags(host.finite(all_values, all_dense))[0]:  # not from a non-finite step: the old state stays
+        # the bucket is zeros, sums of world values / world and `average`: finite if the
+        # values and the average are, and bounded so that no sum overflows the bucket's dtype
+        limit = torch.finfo(bucket.buffer.dtype).max
+        received, bounded = host.flags(
+            torch.stack(
+                [
+                    host.finite(all_values, all_dense),
+                    host.finite(all_values, bound=limit / ctx.world_size) & host.finite(average, bound=limit),
+                ]
+            )
+        )
+        bucket.finite = True if bounded else (False if not received else None)
+        if finite and received:  # not from a non-finite step: the old state stays
             self._stage(pieces, acc, u, dense_pieces, average)
 
     def _accumulate(

@@ -97,19 +97,25 @@ class MethodGroups:
 
     def reduction(self, bucket: Bucket, ctx: Context) -> Reduction:
         """Each group's reduction of ``bucket`` in turn; a group that is not the whole
-        buffer works on a gathered copy that is scattered back afterwards."""
+        buffer works on a gathered copy that is scattered back afterwards. The bucket's
+        average is known finite when every group's is (see :attr:`Bucket.finite`)."""
+        known: list[bool | None] = []
         for part in self.parts(tuple(bucket.slots)):
             compressor = self.compressors[part.key]
             if part.whole:
-                yield from compressor.reduce(Bucket(bucket.index, bucket.buffer, part.slots), ctx)
+                local = Bucket(bucket.index, bucket.buffer, part.slots)
+                yield from compressor.reduce(local, ctx)
+                known.append(local.finite)
                 continue
             views = [bucket.buffer.narrow(0, s.offset, s.numel) for s in part.slots]
             local = Bucket.from_tensors(
                 bucket.index, [v.view(s.shape) for v, s in zip(views, part.slots)], [s.name for s in part.slots]
             )
             yield from compressor.reduce(local, ctx)
+            known.append(local.finite)
             for view, out in zip(views, _flat_views(local)):
                 view.copy_(out)
+        bucket.finite = _combined(known)
 
     def end_step(self, commit: bool) -> None:
         """Commit (or, for a non-finite step, discard) every group's staged state."""
@@ -122,6 +128,13 @@ class MethodGroups:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for key, c in self.compressors.items():
             c.load_state_dict(state.get(key, {}))
+
+
+def _combined(known: list[bool | None]) -> bool | None:
+    """Whether the parts' averages are all finite: False if one is not, None if one is unknown."""
+    if False in known:
+        return False
+    return True if known and None not in known else None
 
 
 def last_layer_names(model: nn.Module) -> list[str]:

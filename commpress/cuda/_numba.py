@@ -225,35 +225,56 @@ def ternary_pack_items(x, scales, bounds, seeds, x_at, out_at, item_segment, ite
             dst[:] = 0
 
 
+@_inline
+def _ranks_average(part, world, stride, div, out):
+    """``out[i]`` = ``part[i] + part[stride + i] + ...`` (``world`` rows, in rank order), / ``div``
+    if ``world > 1``; row 0 of ``part`` is overwritten with the sum."""
+    n = out.size
+    acc = part[:n]
+    for r in range(1, world):
+        row = part[r * stride : r * stride + n]
+        for i in range(n):
+            acc[i] += row[i]
+    if world > 1:
+        for i in range(n):
+            out[i] = acc[i] / div
+    else:
+        for i in range(n):
+            out[i] = acc[i]
+
+
 @_jit
 def ternary_decode(packed, scales, first, out):
     """``out[i]`` = sum over ranks (in order) of ``scales[r] * code_r(first + i)``, / world if > 1
-    (``first % 4 == 0``)."""
+    (``first % 4 == 0``). A piece at a time: each rank's bytes become their four values by one
+    16-byte table copy per byte, then the ranks' rows are summed in vector loops."""
     world = packed.shape[0]
     div = np.float32(world)
     value = np.zeros((world, 4), np.float32)  # code -> value, per rank
     for r in range(world):
         value[r, 1] = scales[r]
         value[r, 2] = -scales[r]
-    table = np.empty((world, 256, 4), np.float32)  # byte -> its four values, per rank
+    table = np.empty(world * 256 * 4, np.float32)  # (rank, byte) -> the byte's four values
     for r in range(world):
         for y in range(256):
             for t in range(4):
-                table[r, y, t] = value[r, (y >> (2 * t)) & 3]
+                table[(r * 256 + y) * 4 + t] = value[r, (y >> (2 * t)) & 3]
+    rows = table.view(np.complex128)  # one byte's four float32 values as one 16-byte item
+    part = np.empty(world * _PIECE, np.float32)  # the piece's values, one row per rank
+    items = part.view(np.complex128)
+    per = _PIECE >> 2  # bytes per piece
     base = first >> 2
     m = out.size
-    for b in range(m >> 2):
-        y = packed[0, base + b]
-        a0, a1, a2, a3 = table[0, y, 0], table[0, y, 1], table[0, y, 2], table[0, y, 3]
-        for r in range(1, world):
-            y = packed[r, base + b]
-            a0 += table[r, y, 0]
-            a1 += table[r, y, 1]
-            a2 += table[r, y, 2]
-            a3 += table[r, y, 3]
-        if world > 1:
-            a0, a1, a2, a3 = a0 / div, a1 / div, a2 / div, a3 / div
-        out[4 * b], out[4 * b + 1], out[4 * b + 2], out[4 * b + 3] = a0, a1, a2, a3
+    whole = m >> 2
+    for bs in range(0, whole, per):
+        be = min(whole, bs + per)
+        for r in range(world):
+            src = packed[r, base + bs : base + be]
+            dst = items[r * per : r * per + be - bs]
+            tab = rows[r * 256 : r * 256 + 256]
+            for b in range(src.size):
+                dst[b] = tab[src[b]]
+        _ranks_average(part, world, _PIECE, div, out[4 * bs : 4 * be])
     for i in range(m & ~3, m):
         shift = (i & 3) * 2
         acc = value[0, (packed[0, base + (i >> 2)] >> shift) & 3]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -147,15 +148,16 @@ class CommState:
             fut = self.adaptive.run(bucket, step)
         else:
             fut = self._backend.run(self.groups.reduction(bucket, ctx), buffer)
-        return fut.then(self._record_finite)
+        return fut.then(functools.partial(self._record_finite, bucket))
 
-    def _record_finite(self, fut: torch.futures.Future) -> torch.Tensor:
+    def _record_finite(self, bucket: Bucket, fut: torch.futures.Future) -> torch.Tensor:
         try:
             buffer = fut.value()
         except BaseException:
             self._finite.append(torch.tensor(False))  # a failed bucket discards the whole step
             raise
-        self._finite.append(host.finite(buffer))
+        # the reduction's own finding where it has one (no second pass over the buffer)
+        self._finite.append(host.finite(buffer) if bucket.finite is None else torch.tensor(bucket.finite))
         return buffer
 
     def end_step(self) -> None:

@@ -1,0 +1,145 @@
+"""Reductions that know from their decode whether the average is finite (``Bucket.finite``).
+
+TernGrad and Top-k report it, so the hook skips its own pass over the bucket. The report
+must never be wrong: when it is given it equals ``isfinite(average).all()``, on ordinary
+gradients it is given, and a step it calls non-finite is discarded like one the hook's
+check catches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commpress.comm import SimulatedWorld
+from commpress.compressors import Bucket, build, host
+from commpress.config.groups import _combined
+from commpress.hooks.state import CommState
+
+METHODS = [
+    ("terngrad", {}),
+    ("terngrad", {"clip_sigma": 0.0}),
+    ("topk", {"ratio": 0.05, "min_numel": 64}),
+    ("topk", {"ratio": 0.05, "value_dtype": "float16"}),
+    ("topk", {"ratio": 0.05, "dgc": True, "momentum": 0.9, "min_numel": 64}),
+]
+SIZES = (300, 40, 9)
+BIG = torch.finfo(torch.float32).max / 1.5  # two of these overflow a float32 sum
+
+
+def _grads(world: int, dtype: torch.dtype, spoil: str | None) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = [[torch.randn(n, generator=g).to(dtype) for n in SIZES] for _ in range(world)]
+    if spoil == "inf":
+        out[1][0][5] = float("inf")
+    elif spoil == "nan":
+        out[0][2][1] = float("nan")
+    elif spoil == "huge":  # finite gradients whose rank sum overflows float32 at element 0
+        for ranks in out:
+            ranks[0][0] = BIG
+    elif spoil == "huge-small":  # the same in a tensor Top-k sends whole (fewer than min_numel)
+        for ranks in out:
+            ranks[2][0] = BIG
+    return out
+
+
+def _reduce(method: str, params: dict, grads: list[list[torch.Tensor]], steps: int = 1) -> list[Bucket]:
+    world = len(grads)
+    sim = SimulatedWorld(world)
+    comps = sim.compressors(lambda: build(method, params))
+    for step in range(steps):
+        buckets = [Bucket.from_tensors(0, ts, [f"t{i}" for i in range(len(ts))]) for ts in grads]
+        sim.reduce(comps, buckets, step=step)
+        for c in comps:
+            c.end_step(True)
+    return buckets
+
+
+CASES = [(spoil, dtype) for spoil in (None, "inf", "nan") for dtype in (torch.float32, torch.float16, torch.bfloat16)]
+CASES += [("huge", torch.float32), ("huge-small", torch.float32)]  # a float32 overflow: float32 buckets only
+
+
+@pytest.mark.parametrize("method,params", METHODS)
+@pytest.mark.parametrize("spoil,dtype", CASES)
+def test_the_report_is_never_wrong(method, params, spoil, dtype):
+    buckets = _reduce(method, params, _grads(2, dtype, spoil))
+    for b in buckets:
+        truth = bool(torch.isfinite(b.buffer).all())
+        if b.finite is not None:
+            assert b.finite == truth
+        if spoil is None:
+            assert b.finite is True  # ordinary gradients: reported, so the hook skips its pass
+        if spoil in ("inf", "nan"):
+            assert b.finite is False and not truth
+        if spoil in ("huge", "huge-small"):
+            assert not truth and b.finite is None  # finite inputs, overflowing sums: left to the hook
+
+
+def test_top_k_values_that_overflow_a_half_bucket_are_not_reported_finite():
+    # float32 residuals grow past float16's range while the bucket holds float16: the
+    # average of the sent values may not fit the bucket, so the report must not be True
+    grads = [[torch.full((256,), 60000.0, dtype=torch.float16)] for _ in range(2)]
+    buckets = _reduce("topk", {"ratio": 0.01, "min_numel": 0}, grads, steps=3)
+    for b in buckets:
+        assert not torch.isfinite(b.buffer).all()  # 2 x 60000 sent from the residual: past float16's 65504
+        assert b.finite is None  # finite values that do not fit: left to the hook's check
+
+
+def test_parts_combine():
+    assert _combined([True, True]) is True
+    assert _combined([True, None]) is None
+    assert _combined([None, False]) is False
+    assert _combined([]) is None
+
+
+def _states(config: dict, world: int = 2) -> list[CommState]:
+    sim = SimulatedWorld(world)
+    return [CommState(config, backend=b) for b in sim.backends]
+
+
+def _step(states: list[CommState], grads: list[torch.Tensor]) -> None:
+    futs = [s.reduce(0, g) for s, g in zip(states, grads)]
+    for f in futs:
+        f.wait()
+
+
+@pytest.mark.parametrize("method", ["terngrad", "topk"])
+def test_the_hook_trusts_the_report_and_discards_a_reported_step(method, monkeypatch):
+    checked = []
+    original = host.finite
+
+    def counting(*tensors, **kwargs):
+        checked.extend(t.numel() for t in tensors)
+        return original(*tensors, **kwargs)
+
+    n = 5000
+    monkeypatch.setattr(host, "finite", counting)
+    states = _states({"method": method})
+    g = torch.Generator().manual_seed(3)
+    _step(states, [torch.randn(n, generator=g) for _ in states])
+    assert n not in checked  # the reduction knew: no pass over the averaged bucket
+    for s in states:
+        s.end_step()
+        assert s.step == 1
+    bad = [torch.randn(n, generator=g) for _ in states]
+    bad[1][10] = float("inf")
+    _step(states, bad)
+    for s in states:
+        s.end_step()
+        assert s.step == 1  # the non-finite step is discarded
+    assert n not in checked
+
+
+def test_the_hook_checks_itself_when_a_part_does_not_know(monkeypatch):
+    checked = []
+    original = host.finite
+
+    def counting(*tensors, **kwargs):
+        checked.extend(t.numel() for t in tensors)
+        return original(*tensors, **kwargs)
+
+    monkeypatch.setattr(host, "finite", counting)
+    states = _states({"method": "fp16"})
+    g = torch.Generator().manual_seed(4)
+    _step(states, [torch.randn(777, generator=g) for _ in states])
+    assert 777 in checked
