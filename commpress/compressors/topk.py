@@ -196,15 +196,10 @@ class TopKCompressor(Compressor):
             bucket.buffer.narrow(0, slot.offset, slot.numel).copy_(average.narrow(0, offset, slot.numel))
         # the bucket is zeros, sums of world values / world and `average`: finite if the
         # values and the average are, and bounded so that no sum overflows the bucket's dtype
+        # (which also makes every received value finite: a non-finite one reaches the average)
         limit = torch.finfo(bucket.buffer.dtype).max
-        received, bounded = host.flags(
-            torch.stack(
-                [
-                    host.finite(all_values, all_dense),
-                    host.finite(all_values, bound=limit / ctx.world_size) & host.finite(average, bound=limit),
-                ]
-            )
-        )
+        bounded = host.flags(host.finite(all_values, bound=limit / ctx.world_size) & host.finite(average, bound=limit))[0]
+        received = bounded or host.flags(host.finite(all_values, all_dense))[0]
         bucket.finite = True if bounded else (False if not received else None)
         if finite and received:  # not from a non-finite step: the old state stays
             self._stage(pieces, acc, u, dense_pieces, average)
