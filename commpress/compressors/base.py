@@ -58,8 +58,9 @@ class Bucket:
     index: int
     buffer: torch.Tensor
     slots: Sequence[ParamSlot] = field(default_factory=tuple)
-    #: set by a reduction that knows from its decode whether the averaged buffer is finite
-    #: (True/False), so the hook need not read the whole buffer again; None: unknown
+    #: set by a reduction that knows from its decode whether the average it wrote into the
+    #: slots is finite (True/False), so the hook need not read the buffer again; None:
+    #: unknown (the hook's buckets have slots that cover their whole buffer)
     finite: bool | None = None
 
     def __post_init__(self) -> None:
