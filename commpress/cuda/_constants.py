@@ -1,10 +1,14 @@
 """Numbers the CPU paths and the compiled kernels share: the SplitMix64 constants of the
-counter-based generator and the size of packed codes. A module of its own so the compiled
-kernels can use them without importing the dispatching modules (no import circle)."""
+counter-based generator, the size of packed codes and the sizes of Top-k's sampled
+threshold. A module of its own so the compiled kernels can use them without importing the
+dispatching modules (no import circle); the functions are plain arithmetic that numba
+compiles as they are."""
 
 from __future__ import annotations
 
-__all__ = ["GAMMA", "MASK64", "MIX1", "MIX2", "SEED_BASIS", "packed_size"]
+import math
+
+__all__ = ["GAMMA", "MASK64", "MIX1", "MIX2", "SEED_BASIS", "candidate_room", "packed_size", "sample_rank"]
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
@@ -16,3 +20,15 @@ SEED_BASIS = 0x6A09E667F3BCC908  # where derive_seed starts folding (sqrt(2) fra
 def packed_size(n: int, bits: int) -> int:
     """Bytes that ``n`` codes of ``bits`` bits occupy."""
     return (n * bits + 7) // 8
+
+
+def sample_rank(k: int, n: int, sample: int, slack: float, widen: int) -> int:
+    """Which largest of ``sample`` sampled magnitudes is Top-k's threshold: one that about
+    ``k * slack * 4**widen`` of the ``n`` entries reach, plus 4 sigma of sampling noise."""
+    expect = k / n * sample * slack * 4.0**widen
+    return math.ceil(expect + 4 * math.sqrt(expect) + 1)
+
+
+def candidate_room(k: int, slack: float, widen: int) -> int:
+    """About how many candidates that threshold leaves (it sizes their buffers)."""
+    return math.ceil(k * slack * 4.0**widen)

@@ -19,7 +19,7 @@ from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from . import _chunks
-from ._constants import GAMMA, MIX1, MIX2, SEED_BASIS, packed_size
+from ._constants import GAMMA, MIX1, MIX2, SEED_BASIS, candidate_room, packed_size, sample_rank
 
 __all__ = [
     "exact_threshold",
@@ -58,6 +58,8 @@ _PIECE = 4096  # elements per scratch piece (a multiple of 8: whole bytes at eve
 
 _jit = njit(nogil=True, cache=True, error_model="numpy")
 _inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
+_sample_rank = _inline(sample_rank)  # the Python path's own arithmetic, compiled
+_candidate_room = _inline(candidate_room)
 
 
 # ---- random numbers -------------------------------------------------------------------
@@ -603,9 +605,8 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
             limit = kth_key(all_keys, k)
             expect = k
         else:
-            expect_f = k / n * sample * slack * 4.0**widen
-            rank = np.int64(np.ceil(expect_f + 4 * np.sqrt(expect_f) + 1))
-            expect = np.int64(np.ceil(k * slack * 4.0**widen))
+            rank = _sample_rank(k, n, sample, slack, widen)
+            expect = _candidate_room(k, slack, widen)
             if rank >= sample:
                 limit = np.uint32(0)
             else:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import _backend, _checks, _chunks, rng
+from ._constants import candidate_room, sample_rank
 from .feedback import add_error
 
 __all__ = ["scatter_add_decode", "topk_select", "topk_select_many"]
@@ -43,17 +44,10 @@ def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(mag, nan=math.inf, posinf=math.inf)
 
 
-def _sample_rank(k: int, n: int, sample: int, widen: int) -> int:
-    """Which largest sampled magnitude is the threshold: about ``k * _SLACK * 4**widen`` of
-    the ``n`` entries reach it (plus 4 sigma of sampling noise)."""
-    expect = k / n * sample * _SLACK * 4**widen
-    return math.ceil(expect + 4 * math.sqrt(expect) + 1)
-
-
 def _sample_threshold(flat: torch.Tensor, k: int, sample: int, seed: int, widen: int) -> float:
     """A magnitude that about ``k * _SLACK * 4**widen`` of the entries reach, estimated from a sample."""
     n = flat.numel()
-    rank = _sample_rank(k, n, sample, widen)
+    rank = sample_rank(k, n, sample, _SLACK, widen)
     if rank >= sample:
         return -math.inf
     kernels = _backend.compiled()
@@ -140,7 +134,7 @@ def topk_select(
         widen = 0
         while True:
             threshold = _sample_threshold(flat, k, sample, rng.derive_seed(seed, widen), widen)
-            candidates, cvalues = _candidates(flat, threshold, math.ceil(k * _SLACK * 4**widen))
+            candidates, cvalues = _candidates(flat, threshold, candidate_room(k, _SLACK, widen))
             if candidates.numel() >= k:
                 break
             widen += 1
@@ -252,10 +246,10 @@ def _select_summed(
     kernels = _backend.compiled()
     n = part.numel()
     sample = default_sample(n)
-    rank = _sample_rank(k, n, sample, 0)
+    rank = sample_rank(k, n, sample, _SLACK, 0)
     if sample < n and k < n and rank < sample:
         threshold = kernels.sample_threshold(part, rng.derive_seed(seed, 0), sample, rank, (grad, error))
-        candidates, cvalues = kernels.select_candidates(part, threshold, math.ceil(k * _SLACK), (grad, error))
+        candidates, cvalues = kernels.select_candidates(part, threshold, candidate_room(k, _SLACK, 0), (grad, error))
         if candidates.numel() >= k:
             return kernels.take_top(part, candidates, cvalues, k)
     else:
