@@ -103,17 +103,23 @@ def _step(states: list[CommState], grads: list[torch.Tensor]) -> None:
         f.wait()
 
 
-@pytest.mark.parametrize("method", ["terngrad", "topk"])
-def test_the_hook_trusts_the_report_and_discards_a_reported_step(method, monkeypatch):
-    checked = []
+@pytest.fixture
+def checked(monkeypatch) -> list[int]:
+    """The sizes of every tensor ``host.finite`` is asked about from now on."""
+    sizes: list[int] = []
     original = host.finite
 
     def counting(*tensors, **kwargs):
-        checked.extend(t.numel() for t in tensors)
+        sizes.extend(t.numel() for t in tensors)
         return original(*tensors, **kwargs)
 
-    n = 5000
     monkeypatch.setattr(host, "finite", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("method", ["terngrad", "topk"])
+def test_the_hook_trusts_the_report_and_discards_a_reported_step(method, checked):
+    n = 5000
     states = _states({"method": method})
     g = torch.Generator().manual_seed(3)
     _step(states, [torch.randn(n, generator=g) for _ in states])
@@ -130,15 +136,7 @@ def test_the_hook_trusts_the_report_and_discards_a_reported_step(method, monkeyp
     assert n not in checked
 
 
-def test_the_hook_checks_itself_when_a_part_does_not_know(monkeypatch):
-    checked = []
-    original = host.finite
-
-    def counting(*tensors, **kwargs):
-        checked.extend(t.numel() for t in tensors)
-        return original(*tensors, **kwargs)
-
-    monkeypatch.setattr(host, "finite", counting)
+def test_the_hook_checks_itself_when_a_part_does_not_know(checked):
     states = _states({"method": "fp16"})
     g = torch.Generator().manual_seed(4)
     _step(states, [torch.randn(777, generator=g) for _ in states])
