@@ -132,3 +132,13 @@ def test_kernels_run_on_the_current_stream():
     side.synchronize()
     want = cc.quantize_pack(data(1 << 20) * 2.0, 8, 1024, 3)
     assert all(same_bits(a, b) for a, b in zip((packed, mins, scales), want))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_span_stats(dtype):
+    x = data(3_000_001, dtype)
+    x[2_000_000] = float("nan")
+    spans = [(0, 0), (1, 7), (10, 65536 + 3), (100_000, 1_500_000), (1_600_000, 1_400_001)]
+    peak, sumsq = cc.span_stats(x.cuda(), spans)
+    want_peak, want_sumsq = cc.span_stats(x, spans)
+    assert same_bits(peak, want_peak) and same_bits(sumsq.view(torch.int64), want_sumsq.view(torch.int64))

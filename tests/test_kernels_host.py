@@ -33,6 +33,8 @@ static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline double __dadd_rn(double a, double b) { return a + b; }
+static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float atomicAdd(float* p, float v) { float old = *p; *p = old + v; return old; }
@@ -48,7 +50,7 @@ def host_kernels(tmp_path_factory):
     (folder / "shim.h").write_text(SHIM)
     cmd = [CXX, "-O1", "-std=c++17", "-ffp-contract=off", "-mf16c", "-shared", "-fPIC", "-include", str(folder / "shim.h")]
     jobs = {}
-    for name in ("rng", "bitpack", "ternary", "quantize", "topk"):  # compiled concurrently
+    for name in ("rng", "bitpack", "ternary", "quantize", "topk", "stats"):  # compiled concurrently
         src = folder / f"{name}.cpp"
         src.write_text(_cupy.source(name))
         jobs[name] = subprocess.Popen([*cmd, "-o", str(folder / f"lib{name}.so"), str(src)], stderr=subprocess.PIPE, text=True)
@@ -168,3 +170,15 @@ def test_topk_compaction_and_scatter(on_host, dtype):
         out, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
         _launch.scatter_add_decode(values, idx, n, out, average)
         assert same_bits(out, cc.scatter_add_decode(values, idx, n, ref, average=average))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_span_stats(on_host, dtype):
+    x = data(3 * 16384 + 5003, dtype)
+    x[16400 + 20000] = float("nan")
+    spans = [(0, 0), (1, 7), (10, 16384 + 3), (16400, 2 * 16384 + 600), (9, 1)]
+    offsets, lengths = (np.array(v, np.int64) for v in zip(*spans))
+    peak, sumsq = _launch.span_stats(x, offsets, lengths)
+    want_peak, want_sumsq = cc.span_stats(x, spans)
+    assert same_bits(peak, want_peak) and same_bits(sumsq.view(torch.int64), want_sumsq.view(torch.int64))
+    assert torch.isnan(peak[3]) and torch.isnan(sumsq[3]) and peak[0] == 0 and sumsq[0] == 0

@@ -89,3 +89,13 @@ def test_pack_errors():
         pack_bits(torch.zeros(4), 2)
     with pytest.raises(ValueError, match="need 3"):
         unpack_bits(torch.zeros(2, dtype=torch.uint8), 2, 9)
+
+
+def test_derive_seeds_folds_a_common_prefix_once():
+    from commpress.cuda.rng import derive_seeds
+
+    last = [0, 1, 2**32 - 1, -1, 2**70]
+    assert derive_seeds((5, 1, 300), last) == [derive_seed(5, 1, 300, v) for v in last]
+    assert len(set(derive_seeds((5, 1, 300), [0, 1, 2]))) == 3
+    with pytest.raises(TypeError, match="takes ints"):
+        derive_seeds((5,), [1.0])

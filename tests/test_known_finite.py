@@ -71,8 +71,12 @@ def test_the_report_is_never_wrong(method, params, spoil, dtype):
             assert b.finite is True  # ordinary gradients: reported, so the hook skips its pass
         if spoil in ("inf", "nan"):
             assert b.finite is False and not truth
-        if spoil in ("huge", "huge-small"):
-            assert not truth and b.finite is None  # finite inputs, overflowing sums: left to the hook
+        if spoil in ("huge", "huge-small"):  # finite inputs; an overflowing sum is left to the hook
+            assert b.finite is (True if truth else None)
+            # TernGrad's clip at 2.5 root mean squares brings BIG into range in a tensor of 300
+            # elements (not of 9): there the sums stay finite
+            clipped = method == "terngrad" and params.get("clip_sigma", 2.5) > 0 and spoil == "huge"
+            assert truth == clipped
 
 
 def test_top_k_values_that_overflow_a_half_bucket_are_not_reported_finite():

@@ -13,6 +13,7 @@ communication, without a host transfer and without CuPy.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Sequence
@@ -21,10 +22,10 @@ import torch
 
 from commpress.compressors.base import Bucket, ParamSlot
 from commpress.cuda import derive_seed
-from commpress.cuda.rng import GAMMA, MIX1, MIX2
+from commpress.cuda.rng import GAMMA, MIX1, MIX2, derive_seeds
 from commpress.errors import ConfigError
 
-__all__ = ["check_seed", "shared_normal", "stream_starts", "tensor_key", "tensor_seed"]
+__all__ = ["check_seed", "shared_normal", "stream_starts", "tensor_key", "tensor_seeds"]
 
 
 def tensor_key(bucket: Bucket, slot: ParamSlot) -> str:
@@ -33,9 +34,16 @@ def tensor_key(bucket: Bucket, slot: ParamSlot) -> str:
     return f"flat{bucket.index}" if slot.name == "flat" else slot.name
 
 
-def tensor_seed(seed: int, rank: int, step: int, name: str) -> int:
-    """The counter-based generator's key for tensor ``name`` on ``rank`` at ``step``."""
-    return derive_seed(seed, rank, step, zlib.crc32(name.encode()))
+def tensor_seeds(seed: int, rank: int, step: int, bucket: Bucket, slots: Sequence[ParamSlot]) -> list[int]:
+    """The counter-based generator's key for each tensor of ``slots`` on ``rank`` at ``step``:
+    ``derive_seed(seed, rank, step, crc32(tensor_key))`` (the common part folded once)."""
+    return derive_seeds((seed, rank, step), [_crc(tensor_key(bucket, s)) for s in slots])
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _crc(name: str) -> int:
+    """A tensor name's CRC-32 (names repeat every step)."""
+    return zlib.crc32(name.encode())
 
 
 def check_seed(where: str, seed: int) -> None:

@@ -20,8 +20,8 @@ from commpress.compressors import host
 from commpress.compressors.base import AllGather, AllReduce, Bucket, Compressor, Context, Reduction, on_dense_copy
 from commpress.compressors.framing import unframe
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import check_seed, tensor_key, tensor_seed
-from commpress.cuda import ternary_quantize_pack_many, ternary_unpack_accumulate_many
+from commpress.compressors.seeding import check_seed, tensor_seeds
+from commpress.cuda import span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
 from commpress.errors import ConfigError
 
 __all__ = ["TernGradCompressor"]
@@ -83,7 +83,7 @@ class TernGradCompressor(Compressor):
         # bound is lower. A tensor whose shared scale is +Inf (Inf/NaN on some rank) gets
         # zero codes, and NaN after the decode.
         clip = torch.where(bounds < torch.minimum(peaks, shared), bounds, math.inf)
-        seeds = [tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, s)) for s in slots]
+        seeds = tensor_seeds(self.seed, ctx.rank, ctx.step, bucket, slots)
         gathered = yield AllGather(ternary_quantize_pack_many(bucket.buffer, spans, shared, seeds, clip))
         (packed,) = unframe(gathered, [(torch.uint8, sum(_packed_len(s.numel) for s in slots))])
         ternary_unpack_accumulate_many(packed, shared.expand(ctx.world_size, -1), spans, bucket.buffer)
@@ -104,16 +104,14 @@ class TernGradCompressor(Compressor):
 
         The bound is ``clip_sigma`` times the root mean square of the tensor (+Inf when
         clipping is off or the tensor is 0); the scale is max|g| after clipping, +Inf for a
-        tensor that holds Inf or NaN. Batched ops: a bucket holds many small tensors.
+        tensor that holds Inf or NaN. One pass over the bucket (:func:`commpress.cuda.span_stats`):
+        a bucket holds many small tensors, and a pass per tensor and statistic costs more.
         """
-        views = [buffer.narrow(0, offset, numel) for offset, numel in spans]
-        lo, hi = (torch.stack(ends).float() for ends in zip(*(torch.aminmax(v) for v in views)))
-        peak = torch.maximum(-lo, hi)  # NaN if the tensor holds one
+        peak, sumsq = span_stats(buffer, spans)  # one pass: max|g| (NaN if the tensor holds one), sum of g^2
         if self.clip_sigma:
-            norms = torch.stack(torch._foreach_norm(views, 2)).float()
-            numel = torch.tensor([n for _, n in spans], dtype=torch.float32, device=norms.device)
-            bound = self.clip_sigma * norms / numel.sqrt()
-            bound = torch.where(bound > 0, bound, math.inf)
+            numel = torch.tensor([n for _, n in spans], dtype=torch.float64, device=sumsq.device)
+            bound = (self.clip_sigma * (sumsq / numel).sqrt()).float()
+            bound = torch.where(bound > 0, bound, math.inf)  # 0, or NaN from a non-finite tensor: no clipping
         else:
             bound = torch.full_like(peak, math.inf)
         scale = torch.minimum(peak, bound)

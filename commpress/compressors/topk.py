@@ -35,7 +35,7 @@ from commpress.compressors.dgc import clip_local, correct, dense_momentum, mask
 from commpress.compressors.framing import frame, unframe
 from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import check_seed, tensor_key, tensor_seed
+from commpress.compressors.seeding import check_seed, tensor_key, tensor_seeds
 from commpress.cuda import scatter_add_decode, topk_select_many
 from commpress.errors import ConfigError
 
@@ -282,7 +282,7 @@ class TopKCompressor(Compressor):
             acc,
             [(s.offset, s.numel) for s in slots],
             counts,
-            [tensor_seed(self.seed, ctx.rank, ctx.step, tensor_key(bucket, s)) for s in slots],
+            tensor_seeds(self.seed, ctx.rank, ctx.step, bucket, slots),
             [self.selection == "exact" or (self.selection == "auto" and s.numel <= EXACT_MAX_NUMEL) for s in slots],
             grad=None if error is None else grad,
             error=error,

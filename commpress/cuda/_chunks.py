@@ -147,3 +147,18 @@ def whole_segments(lengths: np.ndarray) -> list[np.ndarray]:
     ends = np.cumsum(lengths)
     cuts = np.searchsorted(ends, int(ends[-1]) * np.arange(1, groups) // groups, side="right")
     return [g for g in np.split(np.arange(lengths.size, dtype=np.int64), np.unique(cuts)) if g.size]
+
+
+def check_spans(spans: Sequence[tuple[int, int]], numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths (int64) of ``spans`` (``(offset, length)`` pairs of ints), each
+    checked to lie in ``range(numel)``: ValueError naming the first that does not."""
+    bad = next((v for pair in spans for v in pair if type(v) is not int), None)  # bools and floats too
+    if bad is not None:
+        raise ValueError(f"spans hold {bad!r}; expected (offset, length) pairs of integers >= 0")
+    array = np.array(spans, dtype=np.int64).reshape(-1, 2)
+    offsets, lengths = array[:, 0].copy(), array[:, 1].copy()
+    wrong = (offsets < 0) | (lengths < 0) | (offsets + lengths > numel)
+    if wrong.any():
+        i = int(np.argmax(wrong))
+        raise ValueError(f"span ({offsets[i]}, {lengths[i]}) is not inside the {numel} elements of the buffer")
+    return offsets, lengths

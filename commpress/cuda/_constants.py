@@ -1,20 +1,35 @@
 """Numbers the CPU paths and the compiled kernels share: the SplitMix64 constants of the
-counter-based generator, the size of packed codes and the sizes of Top-k's sampled
-threshold. A module of its own so the compiled kernels can use them without importing the
-dispatching modules (no import circle); the functions are plain arithmetic that numba
-compiles as they are."""
+counter-based generator, the size of packed codes, the summation layout of the span
+statistics and the sizes of Top-k's sampled threshold. A module of its own so the compiled
+kernels can use them without importing the dispatching modules (no import circle); the
+functions are plain arithmetic that numba compiles as they are."""
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["GAMMA", "MASK64", "MIX1", "MIX2", "SEED_BASIS", "candidate_room", "packed_size", "sample_rank"]
+__all__ = [
+    "GAMMA",
+    "MASK64",
+    "MIX1",
+    "MIX2",
+    "SEED_BASIS",
+    "STATS_LANES",
+    "STATS_ROWS",
+    "candidate_room",
+    "packed_size",
+    "sample_rank",
+]
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 SEED_BASIS = 0x6A09E667F3BCC908  # where derive_seed starts folding (sqrt(2) fraction bits)
+# span_stats sums squares in lanes: a chunk of STATS_ROWS rows of STATS_LANES elements, lane j
+# of a chunk summing its rows' element j in order (see commpress/cuda/stats.py)
+STATS_LANES = 256
+STATS_ROWS = 64
 
 
 def packed_size(n: int, bits: int) -> int:

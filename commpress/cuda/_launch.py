@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ._constants import STATS_LANES, STATS_ROWS
 from ._cupy import launch
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # CP_F32, CP_F16, CP_BF16 in common.cuh
@@ -63,6 +64,29 @@ def ternary_unpack_accumulate(packed: torch.Tensor, scales: torch.Tensor, n: int
     args = (packed, scales, out, _code(out), np.int64(n), np.int64(m), np.int32(world))
     launch("ternary", "cp_ternary_unpack_accumulate", out.device, n, args)
     return out
+
+
+def span_stats(x: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(peak float32[T], sum of squares float64[T]) of the spans: per-chunk lanes, per-tensor lanes, totals."""
+    chunk = STATS_LANES * STATS_ROWS
+    per = -(-lengths // chunk)  # chunks per tensor
+    span_chunks = np.concatenate([np.zeros(1, np.int64), np.cumsum(per)])
+    count = int(span_chunks[-1])
+    tensor = np.repeat(np.arange(lengths.size), per)
+    first = offsets[tensor] + (np.arange(count) - span_chunks[:-1][tensor]) * chunk
+    end = np.minimum(first + chunk, (offsets + lengths)[tensor])
+    first_t, end_t, span_t = (torch.from_numpy(a.astype(np.int64)).to(x.device) for a in (first, end, span_chunks))
+    sums = torch.empty(count * STATS_LANES, dtype=torch.float64, device=x.device)
+    peaks = torch.empty(count * STATS_LANES, dtype=torch.int32, device=x.device)  # read as u32 bits
+    lanes, spans = np.int64(STATS_LANES), np.int64(lengths.size)
+    work = count * STATS_LANES
+    rows = np.int64(STATS_ROWS)
+    launch("stats", "cp_stats_chunks", x.device, work, (x, _code(x), first_t, end_t, np.int64(count), lanes, rows, sums, peaks))
+    launch("stats", "cp_stats_lanes", x.device, lengths.size * STATS_LANES, (span_t, spans, lanes, sums, peaks))
+    sumsq = torch.empty(lengths.size, dtype=torch.float64, device=x.device)
+    peak = torch.empty(lengths.size, dtype=torch.float32, device=x.device)
+    launch("stats", "cp_stats_total", x.device, lengths.size, (span_t, spans, lanes, sums, peaks, sumsq, peak))
+    return peak, sumsq
 
 
 def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

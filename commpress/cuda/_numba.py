@@ -19,7 +19,7 @@ from numba import njit
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from . import _chunks
-from ._constants import GAMMA, MIX1, MIX2, SEED_BASIS, candidate_room, packed_size, sample_rank
+from ._constants import GAMMA, MIX1, MIX2, SEED_BASIS, STATS_LANES, STATS_ROWS, candidate_room, packed_size, sample_rank
 
 __all__ = [
     "exact_threshold",
@@ -29,6 +29,7 @@ __all__ = [
     "sample_threshold",
     "scatter_add_decode",
     "select_candidates",
+    "span_stats",
     "take_top",
     "take_top_many",
     "ternary_quantize_pack",
@@ -53,6 +54,7 @@ _M23X2 = np.uint64(0x007FFFFF007FFFFF)  # the low 23 bits of both halves of a wo
 _ONEX2 = np.uint64(0x3F8000003F800000)  # 1.0f in both halves
 _KEY_INF = np.uint32(0x7F800000)  # +inf's bits: the largest top-k key (NaN is given it too)
 _KEY_ABS = np.uint32(0x7FFFFFFF)
+_LANES, _ROWS = STATS_LANES, STATS_ROWS
 _NONE = np.empty(0, np.float32)  # "no residual" for the kernels that may add one
 _PIECE = 4096  # elements per scratch piece (a multiple of 8: whole bytes at every bit width)
 
@@ -293,6 +295,55 @@ def ternary_decode_items(packed, scales, packed_at, out_at, item_segment, item_s
     for i in range(item_segment.size):
         t, s, e = item_segment[i], item_start[i], item_stop[i]
         ternary_decode(packed[:, packed_at[t] :], scales[t], s, out[out_at[t] + s : out_at[t] + e])
+
+
+# ---- span statistics --------------------------------------------------------------------
+
+
+@_inline
+def _stats_row(xs, bs, part, top):
+    """Add a row's squares to the lanes ``part`` and its magnitudes' bits to ``top``; a full
+    row is a loop of constant length (it vectorizes without a remainder)."""
+    if xs.size == _LANES:
+        for j in range(_LANES):
+            v = np.float64(xs[j])
+            part[j] += v * v
+            top[j] = max(top[j], bs[j] & _KEY_ABS)
+    else:
+        for j in range(xs.size):
+            v = np.float64(xs[j])
+            part[j] += v * v
+            top[j] = max(top[j], bs[j] & _KEY_ABS)
+
+
+@_jit
+def span_stats_items(x, xbits, offsets, lengths, items, peak, sumsq):
+    """For the tensors ``items`` (tensor ``t`` is ``x[offsets[t]:][:lengths[t]]``, float32):
+    the largest magnitude's bits into ``peak`` (uint32: for floats >= 0 the integer order is
+    the float order and a NaN's bits exceed +inf's, so a NaN wins) and the sum of squares
+    into ``sumsq`` (float64) in the order of ``stats.span_stats``. The lane loops are plain
+    element-wise loops over small arrays, so they vectorize without reassociation."""
+    lanes = np.empty(_LANES, np.float64)
+    part = np.empty(_LANES, np.float64)
+    top = np.empty(_LANES, np.uint32)
+    for t in items:
+        a, n = offsets[t], lengths[t]
+        lanes[:] = 0.0
+        top[:] = 0
+        for cs in range(0, n, _LANES * _ROWS):
+            ce = min(n, cs + _LANES * _ROWS)
+            part[:] = 0.0
+            for rs in range(a + cs, a + ce, _LANES):
+                _stats_row(x[rs : min(rs + _LANES, a + ce)], xbits[rs : rs + _LANES], part, top)
+            for j in range(_LANES):
+                lanes[j] += part[j]
+        total = 0.0
+        high = np.uint32(0)
+        for j in range(_LANES):
+            total += lanes[j]
+            high = max(high, top[j])
+        sumsq[t] = total
+        peak[t] = high
 
 
 # ---- b-bit bucket quantization (QSDP) ---------------------------------------------------
@@ -744,6 +795,16 @@ def ternary_unpack_accumulate_many(
     _chunks.map_blocks(lambda *item: ternary_decode_items(src, sc, packed_at, offsets, *item, dst), items)
     if acc is not flat:
         flat.copy_(acc)
+
+
+def span_stats(x: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(peak float32[T], sum of squares float64[T]) of the segments ``x[offsets[t]:][:lengths[t]]``;
+    whole tensors are spread over the threads."""
+    src = _chunks.as_numpy(x if x.dtype == torch.float32 else x.float())
+    peak, sumsq = np.zeros(offsets.size, np.uint32), np.zeros(offsets.size, np.float64)
+    run = lambda items: span_stats_items(src, src.view(np.uint32), offsets, lengths, items, peak, sumsq)  # noqa: E731
+    _chunks.map_blocks(run, [(items,) for items in _chunks.whole_segments(lengths)])
+    return peak.view(np.float32), sumsq
 
 
 def quantize_pack(

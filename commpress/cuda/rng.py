@@ -20,13 +20,15 @@ makes the CUDA port exact by construction.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from . import _backend, _chunks
 from ._constants import GAMMA, MASK64, MIX1, MIX2, SEED_BASIS
 
-__all__ = ["derive_seed", "uniform"]
+__all__ = ["derive_seed", "derive_seeds", "uniform"]
 
 _U64 = np.uint64
 _BASE = np.arange(_chunks.CHUNK // 2 + 1, dtype=np.uint64) * _U64(GAMMA)  # c * GAMMA for one block
@@ -52,6 +54,15 @@ def derive_seed(*values: int) -> int:
             raise TypeError(f"derive_seed takes ints, got {type(v).__name__}")
         h = mix64(((h ^ (v & MASK64)) + GAMMA) & MASK64)
     return h
+
+
+def derive_seeds(prefix: Sequence[int], last: Sequence[int]) -> list[int]:
+    """``[derive_seed(*prefix, v) for v in last]``, folding the common ``prefix`` once (a
+    key per tensor of a bucket: same user seed, rank and step, a different tensor)."""
+    h = derive_seed(*prefix)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in last):
+        raise TypeError(f"derive_seeds takes ints, got {[type(v).__name__ for v in last]}")
+    return [mix64(((h ^ (v & MASK64)) + GAMMA) & MASK64) for v in last]
 
 
 def _check_seed(seed: int) -> int:

@@ -14,21 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import _backend, _checks, bitpack, rng
+from . import _backend, _checks, _chunks, bitpack, rng
 from .ternary import ternary_quantize_pack, ternary_unpack_accumulate
 
 __all__ = ["ternary_quantize_pack_many", "ternary_unpack_accumulate_many"]
-
-
-def _spans(spans: Sequence[tuple[int, int]], numel: int) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and lengths (int64) of ``spans``, each checked to lie in ``range(numel)``."""
-    for offset, length in spans:
-        _checks.check_count("span offset", offset)
-        _checks.check_count("span length", length)
-        if offset + length > numel:
-            raise ValueError(f"span ({offset}, {length}) exceeds the {numel} elements of the buffer")
-    array = np.array(spans, dtype=np.int64).reshape(-1, 2)
-    return array[:, 0].copy(), array[:, 1].copy()
 
 
 def ternary_quantize_pack_many(
@@ -46,7 +35,7 @@ def ternary_quantize_pack_many(
     _checks.check_float("x", x)
     if x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"x must be a flat contiguous buffer, got shape {tuple(x.shape)}")
-    offsets, lengths = _spans(spans, x.numel())
+    offsets, lengths = _chunks.check_spans(spans, x.numel())
     count = len(offsets)
     _checks.check_dtype("scales", scales, torch.float32)
     _checks.check_shape("scales", scales, (count,))
@@ -87,7 +76,7 @@ def ternary_unpack_accumulate_many(
     _checks.check_float("out", out)
     if out.dim() != 1 or not out.is_contiguous():
         raise ValueError(f"out must be a flat contiguous buffer, got shape {tuple(out.shape)}")
-    offsets, lengths = _spans(spans, out.numel())
+    offsets, lengths = _chunks.check_spans(spans, out.numel())
     if packed.dim() != 2 or packed.shape[0] < 1:
         raise ValueError(f"packed must be 2-D [world >= 1, bytes], got shape {tuple(packed.shape)}")
     world = packed.shape[0]
