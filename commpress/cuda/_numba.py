@@ -193,8 +193,8 @@ def _ternary_codes(x, xbits, ones, scale, bound, codes):
     for t in range(x.size):
         a = abs(x[t])
         a = bound if a > bound else a
-        keep = np.uint8((ones[t] - _ONE) < a / scale)
-        codes[t] = keep << np.uint8(xbits[t] >> np.uint32(31))
+        keep = np.uint32((ones[t] - _ONE) < a / scale)
+        codes[t] = np.uint8(keep + (keep & (xbits[t] >> np.uint32(31))))  # 1 + sign when kept: in 32-bit lanes
 
 
 @_jit
