@@ -19,31 +19,6 @@ SIZES = [1, 7, 1001, 2 * CHUNK + 13]  # the last one splits into several spans o
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def both(monkeypatch):
-    """``both(fn)``: fn's result under the numba backend and under the numpy backend."""
-
-    def run(fn):
-        results = []
-        for name in ("numba", "numpy"):
-            monkeypatch.setenv(_backend.ENV, name)
-            _backend.reset()
-            assert cc.cpu_backend() == name
-            results.append(fn())
-        return results
-
-    yield run
-    _backend.reset()  # the environment is restored after this fixture; the next call reads it again
-
-
 def same_bits(a, b) -> bool:
     """Equal bit patterns (NaN == NaN, -0 != +0), tensors or tuples of them."""
     if isinstance(a, tuple | list):

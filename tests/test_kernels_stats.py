@@ -42,14 +42,6 @@ def backend(request, monkeypatch):
     _backend.reset()
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_exact_peak_and_sum_within_float64_rounding(backend, threads, dtype):
     x, spans = bucket(dtype)
@@ -63,18 +55,12 @@ def test_exact_peak_and_sum_within_float64_rounding(backend, threads, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_both_backends_give_the_same_bits(monkeypatch, threads, dtype):
+def test_both_backends_give_the_same_bits(both, threads, dtype):
     x, spans = bucket(dtype, seed=1)
     x[spans[8][0] + 5] = float("inf")  # a tensor with an Inf, one with a NaN, one with -0.0
     x[spans[9][0] + CHUNK + 3] = float("nan")
     x[spans[2][0]] = -0.0
-    results = []
-    for name in ("numba", "numpy"):
-        monkeypatch.setenv(_backend.ENV, name)
-        _backend.reset()
-        results.append(cc.span_stats(x, spans))
-    _backend.reset()
-    (peak_a, sum_a), (peak_b, sum_b) = results
+    (peak_a, sum_a), (peak_b, sum_b) = both(lambda: cc.span_stats(x, spans))
     assert torch.equal(peak_a.view(torch.int32), peak_b.view(torch.int32))
     assert torch.equal(sum_a.view(torch.int64), sum_b.view(torch.int64))
     # a non-finite tensor has a non-finite sum (NaN wins the peak too), the others stay finite
@@ -82,7 +68,7 @@ def test_both_backends_give_the_same_bits(monkeypatch, threads, dtype):
     assert torch.isfinite(sum_a[:8]).all()
 
 
-def test_the_documented_order():
+def test_the_documented_order(both):
     """The kernels sum exactly as the module says: rows, then chunks, then lanes, in order (on
     data where another order of the chunks gives other bits, so the order is what is tested)."""
     n = 3 * CHUNK + 1000
@@ -105,13 +91,8 @@ def test_the_documented_order():
         return out
 
     assert total([3, 2, 1, 0]) != total([0, 1, 2, 3])
-    for name in ("numba", "numpy"):
-        _backend.reset()
-        with pytest.MonkeyPatch.context() as m:
-            m.setenv(_backend.ENV, name)
-            _, sumsq = cc.span_stats(torch.from_numpy(x), [(0, n)])
-        assert sumsq.item() == total([0, 1, 2, 3])
-    _backend.reset()
+    for sumsq in both(lambda: cc.span_stats(torch.from_numpy(x), [(0, n)])[1].item()):
+        assert sumsq == total([0, 1, 2, 3])
 
 
 def test_large_values_do_not_overflow():
