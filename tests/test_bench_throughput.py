@@ -32,10 +32,12 @@ def test_every_row_on_every_thread_count():
     assert "100%" in text and "qsdp 4-bit B=64" in text
 
 
-def test_main_names_the_cpu_backend(capsys):
+def test_main_names_the_cpu_backend_and_openmp_wait(capsys, monkeypatch):
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
     throughput.main(["--numel", "4000", "--repeat", "1", "--threads", "1", "--methods", "terngrad", "--bucket-mb", "0.01"])
     out = capsys.readouterr().out
     assert out.startswith("CPU backend: numba ") and "4,000 float32 elements in 4 tensors, 2 buckets;" in out
+    assert "OpenMP wait: GOMP_SPINCOUNT=10000" in out.splitlines()[0]
     assert "terngrad" in out and "qsdp 8-bit B=1024" in out
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 import commpress.cuda as cc
+from commpress.cuda.openmp import wait_setting
 
 WORLD = 2  # ranks decoded by the accumulate ops
 BITS, BUCKET = 4, 1024
@@ -142,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.numel % BUCKET:
         parser.error(f"--numel must be a multiple of {BUCKET}")
     device = torch.device(args.device)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} torch threads"
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"CPU, {torch.get_num_threads()} torch threads, OpenMP wait: {wait_setting()}"
     rows = measure(args.numel, device, args.repeat)
     print(f"{args.numel:,} float32 elements on {where}, median of {args.repeat} interleaved rounds\n")
     print(table(rows))

@@ -27,6 +27,7 @@ import torch
 
 import commpress.cuda as cc
 from commpress.compressors import AllGather, AllReduce, Bucket, Compressor, Context, build
+from commpress.cuda.openmp import wait_setting
 from commpress.terminal import format_table
 
 __all__ = ["DEFAULT_METHODS", "DEFAULT_NUMEL", "equal_sizes", "measure", "table", "workload_sizes"]
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     what = f"workload {args.workload} at scale {args.scale}: " if args.workload else ""
     print(
         f"CPU backend: {backend}. {what}{sum(sizes):,} float32 elements in {len(sizes)} tensors, {buckets} "
-        f"bucket{'s' * (buckets != 1)}; decode of {args.world} ranks; median of {args.repeat} interleaved rounds\n"
+        f"bucket{'s' * (buckets != 1)}; decode of {args.world} ranks; median of {args.repeat} interleaved rounds; "
+        f"OpenMP wait: {wait_setting()}\n"
     )
     print(table(measure(sizes, args.threads, args.repeat, args.world, args.bucket_mb, methods)))
 

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from commpress.cuda.openmp import rank_env
+
 __all__ = ["RankFailed", "run_local"]
 
 
@@ -59,7 +61,9 @@ def run_local(
     initialized default process group; return their results in rank order.
 
     ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` with
-    the first failing rank's traceback, or on timeout.
+    the first failing rank's traceback, or on timeout. The ranks start with
+    ``GOMP_SPINCOUNT=10000`` unless the environment chooses how OpenMP workers wait
+    (:mod:`commpress.cuda.openmp`).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -71,8 +75,7 @@ def run_local(
         ctx.Process(target=_entry, args=(r, fn, world_size, store.port, backend, threads, args, results), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    _start(procs, rank_env())
     out: dict[int, Any] = {}
     try:
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
@@ -90,6 +93,22 @@ def run_local(
                 p.kill()
         del store
     return [out[r] for r in range(world_size)]
+
+
+def _start(procs: list[Any], env: dict[str, str]) -> None:
+    """Start ``procs`` with ``env`` added to the environment they inherit (spawned children
+    copy it at start; ours is restored afterwards)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _wait_for(results: Any, deadline: datetime.datetime, procs: list[Any], out: dict[int, Any]) -> bool:
