@@ -95,7 +95,7 @@ def test_bytes_per_step_match_the_formulas(runs):
     # under min_numel elements travel whole (4 bytes an element)
     expected = sum(8 * topk_count(0.01, n) if n >= DEFAULT_MIN_NUMEL else 4 * n for n in sizes)
     assert runs[0]["topk"].bytes_per_step == expected
-    # TernGrad: 2-bit codes, 4 per byte, plus one float32 scale per tensor (max all-reduce)
+    # TernGrad: 2-bit codes, 4 per byte, plus one float32 scale per tensor, in one all-gather
     assert runs[0]["terngrad"].bytes_per_step == sum(math.ceil(n / 4) + 4 for n in sizes)
 
 

@@ -234,9 +234,9 @@ def _topk(c: Any, slots: Sequence[ParamSlot], element_size: int) -> list[Transfe
 
 @register_wire_model("terngrad")
 def _terngrad(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
-    """A max all-reduce of one fp32 scale per tensor, then the 2-bit codes in one all-gather."""
+    """One all-gather: an fp32 scale and the 2-bit codes per tensor."""
     tensors = [s for s in slots if s.numel]
-    return [Transfer("all_reduce", 4 * len(tensors)), Transfer("all_gather", sum(packed_size(s.numel, 2) for s in tensors))]
+    return [Transfer("all_gather", sum(4 + packed_size(s.numel, 2) for s in tensors))]
 
 
 def _dry_run(method: str, params: Mapping[str, Any], slots: tuple[ParamSlot, ...], element_size: int, n: int) -> list[Transfer]:
