@@ -118,7 +118,3 @@ class TernGradCompressor(Compressor):
 def _sum_bound(ctx: Context) -> float:
     """The largest scale whose sum over the world's ranks stays finite in float32."""
     return torch.finfo(torch.float32).max / ctx.world_size
-
-
-def _packed_len(n: int) -> int:
-    return (n + 3) // 4
