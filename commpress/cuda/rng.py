@@ -50,9 +50,7 @@ def derive_seed(*values: int) -> int:
     """
     h = SEED_BASIS
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"derive_seed takes ints, got {type(v).__name__}")
-        h = mix64(((h ^ (v & MASK64)) + GAMMA) & MASK64)
+        h = _fold(h, v, "derive_seed")
     return h
 
 
@@ -60,9 +58,14 @@ def derive_seeds(prefix: Sequence[int], last: Sequence[int]) -> list[int]:
     """``[derive_seed(*prefix, v) for v in last]``, folding the common ``prefix`` once (a
     key per tensor of a bucket: same user seed, rank and step, a different tensor)."""
     h = derive_seed(*prefix)
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in last):
-        raise TypeError(f"derive_seeds takes ints, got {[type(v).__name__ for v in last]}")
-    return [mix64(((h ^ (v & MASK64)) + GAMMA) & MASK64) for v in last]
+    return [_fold(h, v, "derive_seeds") for v in last]
+
+
+def _fold(h: int, v: int, caller: str) -> int:
+    """One step of :func:`derive_seed`: the key so far ``h`` with the int ``v`` folded in."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{caller} takes ints, got {type(v).__name__}")
+    return mix64(((h ^ (v & MASK64)) + GAMMA) & MASK64)
 
 
 def _check_seed(seed: int) -> int:
