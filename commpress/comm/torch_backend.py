@@ -83,9 +83,7 @@ class TorchBackend(Backend):
         return self._members[scope]
 
     def allgather_object(self, obj: object) -> list[object]:
-        out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return allgather_object(obj, self.group)
 
     def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:
         group = self._comms[channel]
@@ -126,3 +124,10 @@ def _checked(result):
         return result()
 
     return done
+
+
+def allgather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank of ``group``'s ``obj`` (picklable), blocking: for set-up checks and checkpoints."""
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

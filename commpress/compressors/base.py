@@ -127,6 +127,10 @@ class Compressor(ABC):
     rounds: ClassVar[int] = 1
     #: Gradient dtypes this compressor accepts.
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    #: :meth:`state_dict` keys whose entries differ per rank (error feedback, residuals,
+    #: local momentum); every other entry is the same on every rank. Checkpoints use it to
+    #: refuse another rank's state and to carry state to a job of another world size.
+    per_rank_state: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -63,6 +63,8 @@ class LowRankCompressor(Compressor):
     and step). Plain steps before compression starts are the config's top-level
     ``start_iter``.
     """
+
+    per_rank_state: ClassVar[tuple[str, ...]] = ("error",)  # the factors are all-reduced: the same everywhere
 
     def __init__(
         self,

@@ -97,6 +97,7 @@ class TopKCompressor(Compressor):
 
     name: ClassVar[str] = "topk"
     rounds: ClassVar[int] = 1
+    per_rank_state: ClassVar[tuple[str, ...]] = ("residuals", "momentum", "velocity")
 
     def __init__(
         self,

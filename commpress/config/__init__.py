@@ -36,7 +36,7 @@ from commpress.config.tables import TABLES
 from commpress.errors import ConfigError
 from commpress.schema import check_keys
 
-__all__ = ["BACKENDS", "Config", "ConfigError", "Override", "digest_of", "parse_method_spec", "parse_settings"]
+__all__ = ["BACKENDS", "Config", "ConfigError", "Override", "config_diff", "digest_of", "parse_method_spec", "parse_settings"]
 
 BACKENDS = ("torch", "mpi")
 
@@ -222,6 +222,24 @@ def digest_of(data: Any) -> str:
     on settings without sending them."""
     text = json.dumps(data, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_diff(saved: Any, current: Any, path: str = "") -> list[str]:
+    """Each setting in which two configs as plain data (:meth:`Config.to_dict`) differ, as
+    ``"key: saved value (saved) vs current value (now)"``, nested keys dotted."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for key in sorted(set(saved) | set(current), key=str):
+            where = f"{path}.{key}" if path else str(key)
+            if key not in saved:
+                out.append(f"{where}: not set (saved) vs {current[key]!r} (now)")
+            elif key not in current:
+                out.append(f"{where}: {saved[key]!r} (saved) vs not set (now)")
+            else:
+                out.extend(config_diff(saved[key], current[key], where))
+        return out
+    same = json.dumps(saved, sort_keys=True, default=str) == json.dumps(current, sort_keys=True, default=str)
+    return [] if same else [f"{path or 'config'}: {saved!r} (saved) vs {current!r} (now)"]
 
 
 def parse_settings(text: str, where: str) -> list[tuple[str, Any]]:

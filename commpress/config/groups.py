@@ -11,7 +11,7 @@ more group, ``"last_layer"``, that averages it with ``none``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +44,11 @@ class MethodGroups:
     ``model`` is needed when a group's method has ``skip_last_layer = true``: that group's
     share of the model's last layer (:func:`last_layer_names`, named as
     ``model.named_parameters()`` names them) goes to the ``"last_layer"`` group instead,
-    averaged with ``none``.
+    averaged with ``none``. ``last_layer`` gives those names instead of a model (a hook
+    state restored from a pickle).
     """
 
-    def __init__(self, config: Config, model: nn.Module | None = None) -> None:
+    def __init__(self, config: Config, model: nn.Module | None = None, last_layer: Iterable[str] | None = None) -> None:
         self.config = config
         self.specs: dict[str, tuple[str, dict[str, Any]]] = {MAIN: (config.method, dict(config.params))}
         for i, ov in enumerate(config.overrides):
@@ -57,13 +58,13 @@ class MethodGroups:
         self.skipping = frozenset(key for key, c in self.compressors.items() if getattr(c, "skip_last_layer", False))
         self.last_layer: frozenset[str] = frozenset()
         if self.skipping:
-            if model is None:
+            if model is None and last_layer is None:
                 method = self.specs[min(self.skipping)][0]
                 raise ConfigError(
                     f"method {method!r}: skip_last_layer = true needs the model to find its last layer: pass "
                     "model= to CommState (commpress.register does); Local SGD averages one flat vector and cannot use it"
                 )
-            self.last_layer = frozenset(last_layer_names(model))
+            self.last_layer = frozenset(last_layer_names(model) if model is not None else last_layer)
             self.specs[LAST_LAYER] = ("none", {})
             self.compressors[LAST_LAYER] = build("none")
         self._parts: dict[tuple[ParamSlot, ...], tuple[Part, ...]] = {}

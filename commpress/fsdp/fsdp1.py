@@ -13,6 +13,8 @@ use PyTorch's default hooks, which is exactly plain FSDP. ``weight_bits`` is FSD
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -20,7 +22,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms._comm_hooks import default_hooks
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-from commpress.comm.torch_backend import require_initialized
+from commpress.comm import checkpoint
+from commpress.comm.torch_backend import allgather_object, require_initialized
 from commpress.comm.traffic import Traffic
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
 from commpress.cuda import derive_seed
@@ -74,11 +77,20 @@ class QuantizedState(_LazyState):
             self._wires[key] = Wire(Segments(n, ((0, n),)), self.config.grad_bits, self.config.bucket_size, dtype)
         return self._wires[key]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps}
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """The call counter, tagged with rank, world size and config (the same on every
+        rank; ``full=True``: every rank's part, a collective)."""
+        self.connect()
+        group = self.process_group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        part = checkpoint.tag({"steps": self.steps}, rank, world, self.steps, dataclasses.asdict(self.config))
+        return checkpoint.gather_job(functools.partial(allgather_object, group=group), part) if full else part
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps = int(state["steps"])
+        self.connect()
+        rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        what = "QuantizedState.load_state_dict"
+        self.steps = int(checkpoint.same_everywhere(state, rank, world, what, dataclasses.asdict(self.config))["steps"])
 
 
 def quantized_hook(state: QuantizedState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:

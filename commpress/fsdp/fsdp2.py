@@ -20,6 +20,7 @@ plain FSDP exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
+from commpress.comm import checkpoint
+from commpress.comm.torch_backend import allgather_object
 from commpress.comm.traffic import Traffic
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
 from commpress.cuda import derive_seed
@@ -194,11 +197,20 @@ class FSDP2State:
             out[side] = {k: sum(s[k] for s in snaps) for k in ("bytes_sent", "collectives", "compute_seconds")}
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": [u.steps for u in self.units]}
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """The units' step counters, tagged with rank, world size and config (the same on
+        every rank; ``full=True``: every rank's part, a collective)."""
+        steps = [u.steps for u in self.units]
+        part = checkpoint.tag({"steps": steps}, dist.get_rank(), dist.get_world_size(), max(steps, default=0), self._config())
+        return checkpoint.gather_job(allgather_object, part) if full else part
+
+    def _config(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.config)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        steps = list(state["steps"])
+        what = "FSDP2State.load_state_dict"
+        part = checkpoint.same_everywhere(state, dist.get_rank(), dist.get_world_size(), what, self._config())
+        steps = list(part["steps"])
         if len(steps) != len(self.units):
             raise ValueError(f"state has {len(steps)} FSDP units, this model has {len(self.units)}")
         for unit, step in zip(self.units, steps):

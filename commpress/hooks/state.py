@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed
 
-from commpress.comm import Backend, make_backend
+from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.compressors import Bucket, Context, ParamSlot, build, host
 from commpress.config import Config
@@ -33,6 +34,13 @@ class CommState:
     together when the next step starts, or discarded if any bucket's average was
     non-finite (GradScaler then skips the step): training continues exactly as if that
     step had not happened.
+
+    Checkpoints: :meth:`state_dict` is this rank's part (error feedback differs per
+    rank) and records rank, world size, step and config; ``state_dict(full=True)``
+    gathers the whole job's parts (every rank calls it) for a checkpoint saved on rank 0
+    only, and :meth:`load_state_dict` hands each rank its own part (see
+    :mod:`commpress.comm.checkpoint`). A state pickles like PyTorch's ``PowerSGDState``:
+    without its process group, reconnecting to the default group at first use.
     """
 
     def __init__(
@@ -51,11 +59,28 @@ class CommState:
                 )
         if self.config.overrides and model is None:
             raise ConfigError("config has overrides by parameter name: pass model= so names can be resolved")
-        self.groups = MethodGroups(self.config, model)
-        self._names: dict[int, str] = {}
+        groups = MethodGroups(self.config, model)
         if model is not None:
-            check_model(model, self.config, self.groups)
+            check_model(model, self.config, groups)
+        self._setup(groups, model, process_group, backend, None)
+        if model is not None:
             self._names = {id(p): n for n, p in model.named_parameters()}
+        if backend is not None or self.config.backend != "torch" or torch.distributed.is_initialized():
+            self.connect()  # fail early where we can; lazy only before init_process_group
+
+    def _setup(
+        self,
+        groups: MethodGroups,
+        model: torch.nn.Module | None,
+        process_group: Any,
+        backend: Backend | None,
+        bind: list[tuple[str, tuple[int, ...]]] | None,
+    ) -> None:
+        self.groups = groups
+        self._names: dict[int, str] = {}
+        #: (name, shape) of every parameter in the order buckets first held them
+        self._order: dict[str, tuple[int, ...]] = {}
+        self._bind = bind  # a pickled state's order: parameters are named by it
         self._model = model
         self._process_group = process_group
         self._backend = backend
@@ -65,9 +90,10 @@ class CommState:
         self._layouts: dict[int, tuple[tuple[int, ...], tuple[ParamSlot, ...]]] = {}
         self._step_open = False  # a bucket of the current step has been seen
         self._finite: list[torch.Tensor] = []  # one flag per bucket of the open step
+        self._in_flight = 0  # reductions whose completion callback has not run yet
+        self._done = threading.Condition()  # guards _finite and _in_flight (callbacks run on comm threads)
         self._saved: Mapping[str, Any] | None = None  # loaded before connect()
-        if backend is not None or self.config.backend != "torch" or torch.distributed.is_initialized():
-            self.connect()  # fail early where we can; lazy only before init_process_group
+        self._check_resume = True  # ranks compare step and config at the first reduction
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -128,6 +154,9 @@ class CommState:
         if first_bucket:
             self.end_step()
         self.connect()
+        if first_bucket and self._check_resume and self._backend.can_block:
+            checkpoint.check_resume(self._backend, self.step, self.config.digest(), "the DDP hook state (CommState)")
+            self._check_resume = False
         # DDP rebuilds its buckets after the first step: re-derive when the members change.
         members = tuple(id(p) for p in params) if params is not None else (buffer.numel(),)
         cached = self._layouts.get(index)
@@ -140,6 +169,8 @@ class CommState:
             self.step += 1
         bucket = Bucket(index, buffer, slots)
         ctx = Context(rank=self.rank, world_size=self.world_size, step=step)
+        with self._done:
+            self._in_flight += 1
         if step < self.config.start_iter:
             fut = self._backend.run(self._warmup.reduce(bucket, ctx), buffer)
         elif self.adaptive is not None:
@@ -153,62 +184,140 @@ class CommState:
     def _record_finite(self, bucket: Bucket, fut: torch.futures.Future) -> torch.Tensor:
         try:
             buffer = fut.value()
+            # the reduction's own finding where it has one (no second pass over the buffer)
+            flag = host.finite(buffer) if bucket.finite is None else torch.tensor(bucket.finite)
         except BaseException:
-            self._finite.append(torch.tensor(False))  # a failed bucket discards the whole step
+            flag = torch.tensor(False)  # a failed bucket discards the whole step
             raise
-        # the reduction's own finding where it has one (no second pass over the buffer)
-        self._finite.append(host.finite(buffer) if bucket.finite is None else torch.tensor(bucket.finite))
+        finally:
+            with self._done:
+                self._finite.append(flag)
+                self._in_flight -= 1
+                self._done.notify_all()
         return buffer
 
     def end_step(self) -> None:
         """Commit the finished step's state changes, or discard them (and the step) if any
-        bucket's average was non-finite. Runs by itself when the next step starts."""
-        if not self._finite:
-            return
-        flags, self._finite = self._finite, []
-        finite = step_was_finite(flags)
-        self.groups.end_step(finite)
-        if not finite:
-            self.step -= 1
+        bucket's average was non-finite. Runs by itself when the next step starts.
+
+        Waits for reductions still in flight (their callbacks run on communication
+        threads); a step whose last bucket never started (an exception during backward)
+        is discarded, as if it had not happened."""
+        with self._done:
+            if self._in_flight and self._backend is not None and not self._backend.can_block:
+                raise RuntimeError("end_step with reductions in flight in a one-process world: they would never finish")
+            self._done.wait_for(lambda: self._in_flight == 0)
+            flags, self._finite = self._finite, []
+            if self._step_open:
+                self._step_open = False
+                self.groups.end_step(False)
+                return
+        if flags:
+            finite = step_was_finite(flags)
+            self.groups.end_step(finite)
+            if not finite:
+                self.step -= 1
 
     def _slots(self, buffer: torch.Tensor, params: Sequence[torch.Tensor] | None) -> tuple[ParamSlot, ...]:
         if params is None:
             return (ParamSlot("flat", buffer.shape, 0),)
         slots, offset = [], 0
         for p in params:
-            # without a model: names in order of first appearance, the same on every rank
-            name = self._names.setdefault(id(p), f"param{len(self._names)}")
+            name = self._name_of(p)
             slots.append(ParamSlot(name, p.shape, offset))
             offset += p.numel()
         if offset != buffer.numel():
             raise ValueError(f"bucket parameters hold {offset} elements, its buffer {buffer.numel()}")
         return tuple(slots)
 
+    def _name_of(self, p: torch.Tensor) -> str:
+        """The model's name of ``p``; without a model, a name by order of first appearance
+        (the same on every rank); in a state restored from a pickle, the name the pickled
+        state gave the parameter that appeared at that place (checked by shape)."""
+        name = self._names.get(id(p))
+        if name is None:
+            i = len(self._names)
+            if self._bind is None:
+                name = f"param{i}"
+            elif i >= len(self._bind) or tuple(self._bind[i][1]) != tuple(p.shape):
+                expected = "no more parameters" if i >= len(self._bind) else f"{self._bind[i][0]!r} of shape {self._bind[i][1]}"
+                raise ValueError(
+                    f"this CommState was unpickled from a run whose parameter number {i} (in bucket order) was "
+                    f"{expected}; this model's has shape {tuple(p.shape)}: register the hook of the same model, or build "
+                    "a new state with commpress.register and load its state_dict()"
+                )
+            else:
+                name = self._bind[i][0]
+            self._names[id(p)] = name
+        self._order.setdefault(name, tuple(p.shape))
+        return name
+
     # ---- checkpoints -------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Step counter and every compressor's committed state, for checkpoints."""
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """This rank's part: step counter and every compressor's committed state, tagged
+        with rank, world size and config (plain data: ``torch.load(..., weights_only=True)``
+        reads it). ``full=True``: every rank's part (a collective: call it on every rank,
+        then save it from rank 0 alone)."""
         self.end_step()
-        state = {"step": self.step, "config_digest": self.config.digest(), "compressors": self.groups.state_dict()}
+        part: dict[str, Any] = {"compressors": self.groups.state_dict()}
         if self.adaptive is not None:
-            state["adaptive"] = self.adaptive.state_dict()
-        return state
+            part["adaptive"] = self.adaptive.state_dict()
+        backend = self.backend if full else self._backend
+        where = (backend.rank, backend.world_size) if backend is not None else (None, None)
+        part = checkpoint.tag(part, *where, self.step, self.config.to_dict())
+        return checkpoint.gather_job(backend.allgather_object, part) if full else part
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the config must be the one the state was saved with."""
-        if state.get("config_digest") != self.config.digest():
-            raise ConfigError(
-                f"checkpoint was saved with config {state.get('config_digest')}, this state has "
-                f"{self.config.digest()}: load it with the same config"
-            )
-        if "adaptive" in state and self.adaptive is None:
-            self._saved = state  # the bandwidth layer exists once connected
+        """Restore :meth:`state_dict`: this rank's own part, or its part of a whole-job
+        state (also from a job of another world size: see :mod:`commpress.comm.checkpoint`).
+        The config must be the one the state was saved with; another rank's part with
+        per-rank entries is refused. Before the process group exists the state waits for
+        the first reduction."""
+        if self._backend is None:
+            self._saved = state
             return
-        self._finite = []
-        self.step = int(state["step"])
+        what = "CommState.load_state_dict"
+        part = checkpoint.own_part(state, self.rank, self.world_size, what, self._holds_per_rank, self._combine)
+        checkpoint.check_config(part["config"], self.config.to_dict(), what)
+        self.end_step()
+        self.step = int(part["step"])
         if self.adaptive is not None:  # first: it rebuilds the compressors of the saved plan
-            self.adaptive.load_state_dict(state["adaptive"])
-        self.groups.load_state_dict(state["compressors"])
+            self.adaptive.load_state_dict(part["adaptive"])
+        self.groups.load_state_dict(part["compressors"])
+        self._check_resume = True
+
+    def _holds_per_rank(self, part: Mapping[str, Any]) -> bool:
+        parked = part.get("adaptive", {}).get("parked")
+        return bool(parked) or checkpoint.compressors_per_rank(self.groups.compressors, part["compressors"])
+
+    def _combine(self, shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scale: float) -> dict[str, Any]:
+        if "adaptive" in shared:
+            raise ConfigError(
+                f"this job has {self.world_size} ranks, the state was saved by {shared['world_size']}: the "
+                "bandwidth layer's plan was measured for that job's links; resume it with the same world size, or "
+                "without the saved state (the layer measures again)"
+            )
+        combined = [p["compressors"] for p in parts]
+        compressors = checkpoint.combine_compressors(self.groups.compressors, shared["compressors"], combined, scale)
+        return {**shared, "rank": self.rank, "world_size": self.world_size, "compressors": compressors}
+
+    # ---- pickling (PyTorch's hook states pickle without their process group) -------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        connected = self._backend is not None
+        return {
+            "config": self.config,
+            "state": self.state_dict() if connected else self._saved,
+            "order": list(self._order.items()) or self._bind or [],
+            "last_layer": sorted(self.groups.last_layer),
+        }
+
+    def __setstate__(self, data: Mapping[str, Any]) -> None:
+        self.config = data["config"]
+        groups = MethodGroups(self.config, last_layer=data["last_layer"])
+        self._setup(groups, None, None, None, [(n, tuple(s)) for n, s in data["order"]])
+        self._saved = data["state"]  # loaded, with its rank checked, when this state connects
 
 
 def step_was_finite(flags: Sequence[torch.Tensor]) -> bool:

@@ -139,10 +139,10 @@ class CO2(LocalSGD):
         step = torch.linalg.vector_norm(stale, dtype=torch.float64).item()
         return max(1.0, mean_gap / step) if step > 0 else 1.0
 
-    def state_dict(self) -> dict[str, Any]:
+    def _part(self) -> dict[str, Any]:
         """Adds the outer momentum and the average in flight (waited for, so a restored run
         applies the same values at its next sync)."""
-        state = super().state_dict()
+        state = super()._part()
         state["momentum"] = self.momentum.clone()
         pending = None
         if self._pending is not None:
@@ -154,8 +154,8 @@ class CO2(LocalSGD):
         state["pending"] = pending
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        super().load_state_dict(state)
+    def _load_part(self, state: Mapping[str, Any]) -> None:
+        super()._load_part(state)
         self.momentum.copy_(state["momentum"])
         pending = state["pending"]
         self._pending = None

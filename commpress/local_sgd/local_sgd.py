@@ -12,9 +12,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from commpress.comm import Traffic
+from commpress.comm import Traffic, checkpoint
 from commpress.comm.agreement import agree_on_settings
 from commpress.compressors import host
+from commpress.config import digest_of
+from commpress.config.groups import MAIN
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.ddp import skip_gradient_allreduce
 from commpress.local_sgd.flat import FlatModel
@@ -80,10 +82,12 @@ class LocalSGD:
             averager = ParameterAverager(averager or "none", process_group=process_group)
         self.averager = averager
         in_process = not self.averager.backend.can_block  # no blocking set-up (class docstring)
+        #: what every rank must share, and a checkpoint must have been saved with
+        self.settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
+        self.settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
         if not in_process:
-            settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
-            settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
-            agree_on_settings(settings, self.name, "torch" if dist.is_initialized() else "mpi", process_group)
+            agree_on_settings(self.settings, self.name, "torch" if dist.is_initialized() else "mpi", process_group)
+        self._check_resume = False  # after a load: ranks compare step and settings at the next averaging
         self.flat = FlatModel(model, buffers=average_buffers)
         #: the last average, identical on every rank; rounds average differences from it
         self.anchor = self.flat.read()
@@ -114,6 +118,9 @@ class LocalSGD:
         self.clock.begin_step(float(self.optimizer.param_groups[0]["lr"]))
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         if self.clock.end_step():
+            if self._check_resume and self.averager.backend.can_block:
+                checkpoint.check_resume(self.averager.backend, self.clock.step, digest_of(self.settings), self.name)
+            self._check_resume = False
             self.sync()
         return loss
 
@@ -133,12 +140,41 @@ class LocalSGD:
         if self.clock.in_round:
             self.sync()
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
         """Step and round counters, H, the anchor and the averager's state (save the
-        model and the optimizer alongside, as usual)."""
+        model and the optimizer alongside, as usual), tagged with this rank, the world size
+        and the settings; ``full=True``: every rank's (a collective; see
+        :meth:`commpress.CommState.state_dict`)."""
+        backend = self.averager.backend
+        part = checkpoint.tag(self._part(), backend.rank, backend.world_size, self.clock.step, self.settings)
+        return checkpoint.gather_job(backend.allgather_object, part) if full else part
+
+    def _part(self) -> dict[str, Any]:
         return {"clock": self.clock.state_dict(), "anchor": self.anchor.clone(), "averager": self.averager.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.clock.load_state_dict(state["clock"])
-        self.anchor.copy_(state["anchor"])
-        self.averager.load_state_dict(state["averager"])
+        """Restore this rank's part, or its part of a whole-job state (see
+        :mod:`commpress.comm.checkpoint`); the settings must be the saved ones."""
+        what = f"{self.name}: load_state_dict"
+        part = checkpoint.own_part(state, self.averager.rank, self.averager.world_size, what, self._holds_per_rank, self._combine)
+        checkpoint.check_config(part["config"], self.settings, what)
+        self._load_part(part)
+        self._check_resume = True
+
+    def _load_part(self, part: Mapping[str, Any]) -> None:
+        self.clock.load_state_dict(part["clock"])
+        self.anchor.copy_(part["anchor"])
+        self.averager.load_state_dict(part["averager"])
+
+    def _holds_per_rank(self, part: Mapping[str, Any]) -> bool:
+        return checkpoint.compressors_per_rank(self.averager.groups.compressors, {MAIN: part["averager"]["compressor"]})
+
+    def _combine(self, shared: Mapping[str, Any], parts: list[Mapping[str, Any]], scale: float) -> dict[str, Any]:
+        """The anchor, counters and outer state are the same on every rank; the averager's
+        per-rank entries are combined (see :mod:`commpress.comm.checkpoint`)."""
+        states = [{MAIN: p["averager"]["compressor"]} for p in parts]
+        compressors = checkpoint.combine_compressors(
+            self.averager.groups.compressors, {MAIN: shared["averager"]["compressor"]}, states, scale
+        )
+        averager = {**shared["averager"], "compressor": compressors[MAIN]}
+        return {**shared, "rank": self.averager.rank, "world_size": self.averager.world_size, "averager": averager}

@@ -7,6 +7,7 @@ the embedding and each linear layer of :class:`CharMLP` are their own FSDP unit.
 from __future__ import annotations
 
 import copy
+import io
 import statistics
 import time
 from collections.abc import Callable
@@ -76,6 +77,14 @@ def _full_params(model: torch.nn.Module, version: int) -> list[torch.Tensor]:
         return [p.detach().clone() for p in model.parameters()]
 
 
+def _through_file(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` written with ``torch.save`` and read back as plain data only."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def train_fsdp(
     config: Any = None,
     steps: int = 50,
@@ -99,7 +108,9 @@ def train_fsdp(
     ``torch.bfloat16``: weights gathered and computed with, gradients reduced in bf16; the
     master shards and the optimizer stay float32). SGD with momentum, cosine schedule; the
     held-out loss is measured with full-precision weights. ``restart_at`` (FSDP2): at that step, save
-    model, optimizer and commpress state, rebuild everything fresh and load them."""
+    model, optimizer and commpress state (the whole job's, as a rank-0 checkpoint holds it,
+    through ``torch.save`` and ``torch.load(weights_only=True)``), rebuild everything fresh
+    and load them."""
     rank, world = dist.get_rank(), dist.get_world_size()
     task = task or CharTask(batch_size=64)
     if restart_at is not None and version != 2:
@@ -124,7 +135,9 @@ def train_fsdp(
     losses, times, spent = [], [], {}
     for step in range(steps):
         if step == restart_at:
-            saved = copy.deepcopy((wrapped.state_dict(), opt.state_dict(), state.state_dict() if state else None))
+            saved = copy.deepcopy(
+                (wrapped.state_dict(), opt.state_dict(), _through_file(state.state_dict(full=True)) if state else None)
+            )
             spent = _totals(state)
             wrapped, state, opt = build()
             wrapped.load_state_dict(saved[0])
