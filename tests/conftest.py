@@ -1,10 +1,10 @@
-"""Fixtures the CPU kernel tests share: the thread count and the CPU backend."""
+"""Fixtures the CPU kernel tests share: the thread count and the oracle."""
 
+import kernel_oracle
 import pytest
 import torch
 
-import commpress.cuda as cc
-from commpress.cuda import _backend
+import commpress.kernels as cc
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -17,17 +17,6 @@ def threads(request):
 
 
 @pytest.fixture
-def both(monkeypatch):
-    """``both(fn)``: fn's result under the numba backend and under the numpy backend."""
-
-    def run(fn):
-        results = []
-        for name in ("numba", "numpy"):
-            monkeypatch.setenv(_backend.ENV, name)
-            _backend.reset()
-            assert cc.cpu_backend() == name
-            results.append(fn())
-        return results
-
-    yield run
-    _backend.reset()  # the environment is restored after this fixture; the next call reads it again
+def both():
+    """``both(fn)``: ``[fn(commpress.kernels), fn(kernel_oracle)]``, the kernels' result and the oracle's."""
+    return lambda fn: [fn(cc), fn(kernel_oracle)]

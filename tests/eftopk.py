@@ -8,13 +8,21 @@ encoding), so the planner sets its ratio from the links."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from commpress.adaptive.ratios import register_ratio_mapping
-from commpress.adaptive.traffic import Transfer, register_wire_model
-from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction, register_compressor
+from commpress.compressors import (
+    AllReduce,
+    Bucket,
+    Compressor,
+    Context,
+    ParamSlot,
+    Reduction,
+    Transfer,
+    register_compressor,
+)
 from commpress.errors import ConfigError
 
 
@@ -48,13 +56,10 @@ class EFTopK(Compressor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {i: r.clone() for i, r in state.get("residuals", {}).items()}
 
+    def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
+        return {"ratio": ratio}
 
-@register_ratio_mapping("test-eftopk")
-def _ratio(ratio: float, params: dict[str, Any], shapes: Any) -> dict[str, Any]:
-    return {**params, "ratio": ratio}
-
-
-@register_wire_model("test-eftopk")
-def _wire(c: EFTopK, slots: Any, element_size: int) -> list[Transfer]:
-    numel = sum(s.numel for s in slots)
-    return [Transfer("all_reduce", 4 * max(1, math.ceil(c.ratio * numel)))]
+    def transfers(self, slots: Sequence[ParamSlot], element_size: int = 4) -> tuple[Transfer, ...]:
+        """Priced per bucket (k of the whole bucket), not per tensor: overrides the sum."""
+        numel = sum(s.numel for s in slots)
+        return (Transfer("all_reduce", 4 * max(1, math.ceil(self.ratio * numel))),)

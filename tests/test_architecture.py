@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "commpress"
 
 LAYERS = [
     {"errors", "schema", "terminal"},
-    {"cuda"},
+    {"kernels"},
     {"compressors"},
     {"config"},
     {"comm"},
@@ -102,3 +102,17 @@ def test_no_import_circles():
 def test_the_library_never_imports_the_commands():
     importers = sorted(m for m, targets in GRAPH.items() if any(t.startswith("commpress.cli") for t in targets))
     assert all(m.startswith(("commpress.cli", "commpress.__main__")) for m in importers), importers
+
+
+def test_kernel_implementations_import_no_front_end():
+    """``kernels/cpu`` (numba) and ``kernels/cuda`` (CuPy) are the two implementations; the
+    front ends in ``kernels/`` check arguments and dispatch between them. An implementation
+    imports its own package and the shared constants, never a front end or the other one."""
+    wrong = {}
+    for impl in ("commpress.kernels.cpu", "commpress.kernels.cuda"):
+        for module, targets in GRAPH.items():
+            if module == impl or module.startswith(f"{impl}."):
+                allowed = {t for t in targets if t == impl or t.startswith(f"{impl}.")} | {"commpress.kernels._constants"}
+                if targets - allowed:
+                    wrong[module] = sorted(targets - allowed)
+    assert not wrong, wrong

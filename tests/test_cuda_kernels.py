@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import commpress.cuda as cc
+import commpress.kernels as cc
 
 pytestmark = [
     pytest.mark.cuda,

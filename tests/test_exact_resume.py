@@ -9,13 +9,13 @@ import copy
 
 import pytest
 import torch
+from kernel_oracle import mix64 as mix64_reference
 from lowrank_helpers import NAMES, SHAPES, one_thread  # noqa: F401  (autouse: one thread for tiny LAPACK calls)
 
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, Context, build
 from commpress.compressors.lowrank_plan import LowRankPlan
 from commpress.compressors.seeding import mix64, shared_normal, stream_starts
-from commpress.cuda.rng import mix64 as mix64_reference
 
 WORLD = 3
 # DDP's initial layout (one bucket, parameters in order) and its rebuilt one (three

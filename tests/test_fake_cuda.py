@@ -23,13 +23,12 @@ through the host seams).
 Not covered: numbers (fake tensors hold none; the CPU tests check values). The host reads
 go through :mod:`commpress.compressors.host`, patched here (flags read as all true, a
 restored tensor becomes an empty one on the device). TernGrad and Top-k run their CUDA
-kernels through CuPy: here ``commpress.cuda._launch.launch`` is replaced by a recorder, so
+kernels through CuPy: here ``commpress.kernels.cuda._launch.launch`` is replaced by a recorder, so
 the tests check that every kernel front-end is reached with CUDA tensors and that no CPU
-path runs (``_chunks.map_blocks`` raises), not the kernels themselves. Top-k's selection
-and decode also read data on the host (the sampled threshold, the index range check):
-the compressor's ``topk_select`` and ``scatter_add_decode`` are replaced by stand-ins that
-check their arguments and call the CUDA front-ends of ``_launch`` directly, so those two
-data-dependent parts are not run.
+kernel runs (``_chunks.map_blocks`` raises), not the kernels themselves. Top-k's selection
+also reads data on the host (the sampled threshold): ``topk_select`` is replaced by a
+stand-in that checks its arguments and calls the CUDA compaction of ``_launch`` directly,
+so that data-dependent part is not run. The decode reads nothing back: it runs as it is.
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from commpress.compressors import AllGather, AllReduce, Bucket, Context, available, build, host
-from commpress.cuda import _chunks, _launch
+from commpress.kernels.cpu import _chunks
+from commpress.kernels.cuda import _launch
 
 CUDA = torch.device("cuda", 0)
 SHAPES = [(12, 10), (12,), (12, 10), (8, 3, 2, 2), (12, 10), (3,), (2, 2), (20, 6)]
@@ -70,7 +70,7 @@ def fake_cuda(monkeypatch):
         return torch.empty(t.shape, dtype=t.dtype, device=device)
 
     def no_cpu_path(*args, **kwargs):
-        raise AssertionError("a CUDA tensor took a CPU path of commpress.cuda")
+        raise AssertionError("a CUDA tensor took a CPU kernel of commpress.kernels")
 
     def copy_(self, src, non_blocking=False):
         assert self.device == src.device, f"copy_ from {src.device} to {self.device} outside commpress.compressors.host"
@@ -81,22 +81,15 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(host, "flags", lambda t: [True] * t.numel())
     monkeypatch.setattr(host, "to_device", to_device)
     monkeypatch.setattr(_chunks, "map_blocks", no_cpu_path)
-    monkeypatch.setattr("commpress.cuda.topk.topk_select", _topk_select)
-    monkeypatch.setattr("commpress.compressors.topk.scatter_add_decode", _scatter_add_decode)
+    monkeypatch.setattr("commpress.kernels.topk.topk_select", _topk_select)
     with FakeTensorMode():
         yield seen
 
 
 def _topk_select(acc, k, exact=False, sample=None, seed=0):
-    """Stand-in of commpress.cuda.topk_select: the first k entries, through the CUDA front-end."""
+    """Stand-in of commpress.kernels.topk_select: the first k entries, through the CUDA front-end."""
     assert acc.device == CUDA and acc.is_contiguous()
     return _launch.gather_and_zero(acc.view(-1), torch.arange(k, device=acc.device))
-
-
-def _scatter_add_decode(values, indices, n, out, average=True):
-    """Stand-in of commpress.cuda.scatter_add_decode without its host-side index check."""
-    assert values.device == indices.device == out.device == CUDA and indices.dtype == torch.int32
-    return _launch.scatter_add_decode(values, indices, n, out, average)
 
 
 def _drive(comps, buckets, step: int) -> None:

@@ -59,7 +59,7 @@ def installed(tmp_path_factory) -> Path:
 def test_wheel_carries_the_package_data(installed):
     (wheel,) = installed.parent.joinpath("dist").glob("commpress-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    wanted = [*(ROOT / "commpress/cuda/kernels").glob("*.cu*"), *(ROOT / "commpress/workloads/shapes").glob("*.json")]
+    wanted = [*(ROOT / "commpress/kernels/cuda").glob("*.cu*"), *(ROOT / "commpress/workloads/shapes").glob("*.json")]
     assert wanted
     missing = [str(p.relative_to(ROOT)) for p in wanted if str(p.relative_to(ROOT)) not in names]
     assert not missing, f"not in the wheel: {missing}"

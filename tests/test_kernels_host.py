@@ -1,19 +1,20 @@
 """The CUDA kernels' logic on this machine: each ``.cu`` is compiled as plain C++ (one thread,
 one block; a small shim stands in for the CUDA built-ins) and driven through the real CUDA
-front-ends of ``commpress/cuda/_launch.py`` with CPU tensors, then compared with the CPU
-path bit for bit. This checks indexing, packing, rounding order and the launchers' argument
+front-ends of ``commpress/kernels/cuda/_launch.py`` with CPU tensors, then compared with the CPU
+kernels bit for bit. This checks indexing, packing, rounding order and the launchers' argument
 lists without a GPU; the real-device comparison is ``test_cuda_kernels.py``."""
 
 import ctypes
 import shutil
 import subprocess
 
+import kernel_oracle
 import numpy as np
 import pytest
 import torch
 
-import commpress.cuda as cc
-from commpress.cuda import _cupy, _launch, rng
+import commpress.kernels as cc
+from commpress.kernels.cuda import _cupy, _launch
 
 CXX = shutil.which("g++") or shutil.which("c++")
 
@@ -108,7 +109,7 @@ def test_rng_and_bitpack(on_host):
             assert same_bits(packed, cc.pack_bits(codes, bits))
             assert same_bits(_launch.unpack_bits(packed, bits, n), cc.unpack_bits(packed, bits, n))
     idx = _launch.sample_indices(5, 100, 12345, cpu)
-    draws = torch.from_numpy(rng.bits32(5, 100).astype(np.int64))
+    draws = torch.from_numpy(kernel_oracle.bits32(5, 100).astype(np.int64))
     assert torch.equal(idx, (draws * 12345) >> 32)
 
 
@@ -170,6 +171,27 @@ def test_topk_compaction_and_scatter(on_host, dtype):
         out, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
         _launch.scatter_add_decode(values, idx, n, out, average)
         assert same_bits(out, cc.scatter_add_decode(values, idx, n, ref, average=average))
+    bad = idx.clone()
+    bad[1, 5], bad[2, 0] = n, -1  # skipped by the CUDA decode (the CPU's raises)
+    kept = torch.ones_like(values, dtype=torch.bool)
+    kept[1, 5] = kept[2, 0] = False
+    out, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+    _launch.scatter_add_decode(values, bad, n, out, False)
+    assert same_bits(out, cc.scatter_add_decode(torch.where(kept, values, 0), torch.where(kept, idx, 0), n, ref, average=False))
+
+
+def test_topk_selection_of_the_cuda_path(on_host, monkeypatch):
+    """The front end's selection with the CUDA implementation (torch ops around the sample's
+    indices and the compaction kernel) picks the oracle's entries, sampled or exact."""
+    monkeypatch.setattr("commpress.kernels.topk._device", lambda flat: _launch)
+    for n, k in ((5003, 97), (70000, 700), (70000, 1)):
+        acc = data(n, seed=n)
+        acc[11] = float("nan")
+        for exact in (False, True):
+            ours, want = acc.clone(), acc.clone()
+            values, idx = cc.topk_select(ours, k, exact=exact, seed=3)
+            want_values, want_idx = kernel_oracle.topk_select(want, k)
+            assert same_bits(values, want_values) and torch.equal(idx, want_idx) and same_bits(ours, want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from commpress.cuda import _cupy
+from commpress.kernels.cuda import _cupy
 
-KERNELS = Path(_cupy.__file__).parent / "kernels"
+KERNELS = Path(_cupy.__file__).parent
 SOURCES = sorted(p.stem for p in KERNELS.glob("*.cu"))
 NVCC = shutil.which("nvcc")
 
@@ -35,7 +35,7 @@ def test_kernel_sources_compile_for_sm80_and_sm90(tmp_path):
 
 
 def test_launchers_name_existing_kernels():
-    launcher = (KERNELS.parent / "_launch.py").read_text()
+    launcher = (KERNELS / "_launch.py").read_text()
     calls = re.findall(r'launch\(\s*"(\w+)",\s*"(\w+)"', launcher)
     assert len(calls) >= 12
     for module, function in calls:
@@ -45,8 +45,8 @@ def test_launchers_name_existing_kernels():
 def test_kernel_sources_are_package_data():
     pyproject = tomllib.loads((KERNELS.parents[2] / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["commpress"]
-    for path in KERNELS.iterdir():
-        rel = f"cuda/kernels/{path.name}"
+    for path in [*KERNELS.glob("*.cu"), *KERNELS.glob("*.cuh")]:
+        rel = f"kernels/cuda/{path.name}"
         assert any(fnmatch(rel, pattern) for pattern in patterns), rel
 
 

@@ -1,9 +1,9 @@
-"""CPU path of commpress.cuda: b-bit bucketed quantization with stochastic rounding."""
+"""CPU kernels of commpress.kernels: b-bit bucketed quantization with stochastic rounding."""
 
 import pytest
 import torch
 
-from commpress.cuda import dequantize, derive_seed, quantize_pack, uniform, unpack_accumulate, unpack_bits
+from commpress.kernels import dequantize, derive_seed, quantize_pack, uniform, unpack_accumulate, unpack_bits
 
 
 def ref_quantize(x: torch.Tensor, bits: int, bucket: int, seed: int):

@@ -1,11 +1,12 @@
-"""CPU path of commpress.cuda: the counter-based generator and the bit packing format."""
+"""CPU kernels of commpress.kernels: the counter-based generator and the bit packing format."""
 
+import kernel_oracle
 import numpy as np
 import pytest
 import torch
 
-from commpress.cuda import derive_seed, pack_bits, packed_size, uniform, unpack_bits
-from commpress.cuda._chunks import CHUNK
+from commpress.kernels import derive_seed, pack_bits, packed_size, uniform, unpack_bits
+from commpress.kernels.cpu._chunks import CHUNK
 
 M64 = (1 << 64) - 1
 
@@ -92,10 +93,31 @@ def test_pack_errors():
 
 
 def test_derive_seeds_folds_a_common_prefix_once():
-    from commpress.cuda.rng import derive_seeds
+    from commpress.kernels.rng import derive_seeds
 
     last = [0, 1, 2**32 - 1, -1, 2**70]
     assert derive_seeds((5, 1, 300), last) == [derive_seed(5, 1, 300, v) for v in last]
     assert len(set(derive_seeds((5, 1, 300), [0, 1, 2]))) == 3
     with pytest.raises(TypeError, match="takes ints"):
         derive_seeds((5,), [1.0])
+
+
+def test_every_splitmix64_agrees_with_the_definition():
+    """SplitMix64 is written once per runtime: compiled for the CPU (numba; it also folds the
+    keys of derive_seed), in CUDA (``common.cuh``: test_kernels_host.py and test_cuda_kernels.py
+    compare its uniforms and sample indices with the CPU's) and in torch integer ops (the
+    low-rank methods' shared factors). Each agrees with the definition in Python integers."""
+    from commpress.compressors.seeding import mix64 as torch_mix64
+    from commpress.kernels.cpu import rng as cpu_rng
+
+    gen = np.random.default_rng(5)
+    words = [0, 1, 2**63 - 1, 2**63, M64, 0x0123456789ABCDEF, *(int(w) for w in gen.integers(0, 2**64, 50, dtype=np.uint64))]
+    want = [kernel_oracle.mix64(w) for w in words]
+    assert [int(cpu_rng.mix(np.uint64(w))) for w in words] == want
+    signed = torch.tensor([w - 2**64 if w >= 2**63 else w for w in words], dtype=torch.int64)
+    assert [v & M64 for v in torch_mix64(signed).tolist()] == want
+    for values in [(), (0,), (1, 2, 3), (-1, 2**70, M64), tuple(words[:12])]:
+        assert derive_seed(*values) == kernel_oracle.derive_seed(*values)
+    seed = derive_seed(9)
+    assert np.array_equal(uniform(seed, 1001, 77).numpy(), kernel_oracle.uniform(seed, 1001, 77).numpy())
+    assert all(int(cpu_rng.word(np.uint64(seed), np.uint64(c))) == kernel_oracle.words(seed, c, 1)[0] for c in (0, 5, 2**40))

@@ -1,7 +1,7 @@
 """``span_stats``: every tensor's largest magnitude and sum of squares, in one pass.
 
 The sum has a defined order (chunks of rows x lanes, in float64), so the compiled kernel and
-the numpy path give the same bits; both are checked against exact references: the largest
+the oracle give the same bits; both are checked against exact references: the largest
 magnitude against ``abs().max()``, the sum against ``math.fsum`` (correctly rounded). A
 float64 sum of at most ``n`` non-negative terms is within ``n * 2**-53`` of the exact sum,
 relatively; the tensors here hold at most 70,000 elements, so 1e-11 bounds the difference.
@@ -9,13 +9,13 @@ relatively; the tensors here hold at most 70,000 elements, so 1e-11 bounds the d
 
 import math
 
+import kernel_oracle
 import numpy as np
 import pytest
 import torch
 
-import commpress.cuda as cc
-from commpress.cuda import _backend
-from commpress.cuda._constants import STATS_LANES, STATS_ROWS
+import commpress.kernels as cc
+from commpress.kernels._constants import STATS_LANES, STATS_ROWS
 
 CHUNK = STATS_LANES * STATS_ROWS
 # around a row and a chunk, several chunks, and empty and tiny tensors
@@ -34,18 +34,15 @@ def bucket(dtype: torch.dtype, seed: int = 0, lead: int = 3) -> tuple[torch.Tens
     return x, spans
 
 
-@pytest.fixture(params=["numba", "numpy"])
-def backend(request, monkeypatch):
-    monkeypatch.setenv(_backend.ENV, request.param)
-    _backend.reset()
-    yield request.param
-    _backend.reset()
+@pytest.fixture(params=["kernels", "oracle"])
+def ops(request):
+    return cc if request.param == "kernels" else kernel_oracle
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_exact_peak_and_sum_within_float64_rounding(backend, threads, dtype):
+def test_exact_peak_and_sum_within_float64_rounding(ops, threads, dtype):
     x, spans = bucket(dtype)
-    peak, sumsq = cc.span_stats(x, spans)
+    peak, sumsq = ops.span_stats(x, spans)
     assert peak.dtype == torch.float32 and sumsq.dtype == torch.float64 and peak.shape == sumsq.shape == (len(spans),)
     for t, (o, n) in enumerate(spans):
         values = x[o : o + n].double()
@@ -55,12 +52,12 @@ def test_exact_peak_and_sum_within_float64_rounding(backend, threads, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_both_backends_give_the_same_bits(both, threads, dtype):
+def test_kernels_and_oracle_give_the_same_bits(both, threads, dtype):
     x, spans = bucket(dtype, seed=1)
     x[spans[8][0] + 5] = float("inf")  # a tensor with an Inf, one with a NaN, one with -0.0
     x[spans[9][0] + CHUNK + 3] = float("nan")
     x[spans[2][0]] = -0.0
-    (peak_a, sum_a), (peak_b, sum_b) = both(lambda: cc.span_stats(x, spans))
+    (peak_a, sum_a), (peak_b, sum_b) = both(lambda ops: ops.span_stats(x, spans))
     assert torch.equal(peak_a.view(torch.int32), peak_b.view(torch.int32))
     assert torch.equal(sum_a.view(torch.int64), sum_b.view(torch.int64))
     # a non-finite tensor has a non-finite sum (NaN wins the peak too), the others stay finite
@@ -91,7 +88,7 @@ def test_the_documented_order(both):
         return out
 
     assert total([3, 2, 1, 0]) != total([0, 1, 2, 3])
-    for sumsq in both(lambda: cc.span_stats(torch.from_numpy(x), [(0, n)])[1].item()):
+    for sumsq in both(lambda ops: ops.span_stats(torch.from_numpy(x), [(0, n)])[1].item()):
         assert sumsq == total([0, 1, 2, 3])
 
 

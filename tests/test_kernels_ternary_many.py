@@ -1,28 +1,15 @@
-"""The batched TernGrad ops are the per-tensor ops applied span by span, bit for bit, on both CPU backends."""
+"""The batched TernGrad ops are the per-tensor ops applied span by span, bit for bit, on one and two threads."""
 
 import pytest
 import torch
-from test_kernels_backends import same_bits
+from test_kernels_oracle import same_bits
 
-import commpress.cuda as cc
-from commpress.cuda import _backend
-from commpress.cuda._chunks import CHUNK
+import commpress.kernels as cc
+from commpress.kernels.cpu._chunks import CHUNK
 
 # (offset, numel): gaps between spans, odd lengths, a span of 0, one long span (several work items)
 SPANS = [(0, 5), (7, 1), (8, 0), (8, 38), (50, 3 * CHUNK + 7), (50 + 3 * CHUNK + 7, 768)]
 NUMEL = SPANS[-1][0] + SPANS[-1][1] + 11
-
-
-@pytest.fixture(params=["numba-1", "numba-2", "numpy-2"])
-def backend(request, monkeypatch):
-    name, threads = request.param.split("-")
-    monkeypatch.setenv(_backend.ENV, name)
-    _backend.reset()
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(threads))
-    yield name
-    torch.set_num_threads(before)
-    _backend.reset()
 
 
 def buffer(seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -32,7 +19,7 @@ def buffer(seed: int, dtype=torch.float32) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_quantize_many_is_the_per_tensor_quantizer(backend, dtype):
+def test_quantize_many_is_the_per_tensor_quantizer(threads, dtype):
     x = buffer(1, dtype)
     scales = torch.tensor([2.0, 0.0, 1.0, float("inf"), 5.0, float("nan")])  # 0, inf, NaN: zero codes
     bounds = torch.tensor([1.0, 1.0, float("inf"), 0.5, 0.0, 2.0])
@@ -48,7 +35,7 @@ def test_quantize_many_is_the_per_tensor_quantizer(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unpack_many_is_the_per_tensor_decode(backend, dtype):
+def test_unpack_many_is_the_per_tensor_decode(threads, dtype):
     world = 3
     payloads = [cc.ternary_quantize_pack_many(buffer(r), SPANS, torch.full((6,), 4.0), [r, 1, 2, 3, 4, 5]) for r in range(world)]
     packed = torch.stack(payloads)

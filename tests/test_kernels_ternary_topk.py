@@ -1,9 +1,9 @@
-"""CPU path of commpress.cuda: TernGrad quantization, top-k selection, error feedback."""
+"""CPU kernels of commpress.kernels: TernGrad quantization, top-k selection, error feedback."""
 
 import pytest
 import torch
 
-from commpress.cuda import (
+from commpress.kernels import (
     add_error,
     derive_seed,
     scatter_add_decode,
@@ -14,7 +14,7 @@ from commpress.cuda import (
     unpack_bits,
     update_error,
 )
-from commpress.cuda._chunks import CHUNK
+from commpress.kernels.cpu._chunks import CHUNK
 
 
 def ref_ternary_codes(x: torch.Tensor, scale: float, seed: int) -> torch.Tensor:
@@ -149,7 +149,7 @@ def test_topk_edge_cases():
 
 def test_topk_lowers_a_threshold_that_was_too_high(monkeypatch):
     """With the sample aimed at far too few candidates the search must widen and still be exact."""
-    import commpress.cuda.topk as topk_module
+    import commpress.kernels.topk as topk_module
 
     monkeypatch.setattr(topk_module, "_SLACK", 1e-4)
     acc = torch.randn(20000, generator=torch.Generator().manual_seed(11))
@@ -193,7 +193,7 @@ def test_error_feedback_round_trip():
 
 
 def test_default_sample_grows_with_the_tensor_and_changes_no_result():
-    from commpress.cuda.topk import default_sample
+    from commpress.kernels.topk import default_sample
 
     assert [default_sample(n) for n in (10, 1 << 20, 1 << 22, 1 << 30)] == [4096, 4096, 16384, 32768]
     x = torch.randn(1 << 21, generator=torch.Generator().manual_seed(3))

@@ -1,14 +1,14 @@
 """The batched Top-k selection is the per-tensor selection applied span by span, bit for bit,
-on both CPU backends and thread counts (one thread: every tensor in the compiled batch; two:
-the largest tensor takes the per-tensor call that splits it over the threads)."""
+on one and two threads (one thread: every tensor in the compiled batch; two: the largest
+tensor takes the per-tensor call that splits it over the threads), and the oracle's."""
 
+import kernel_oracle
 import pytest
 import torch
-from test_kernels_backends import same_bits
-from test_kernels_ternary_many import backend  # noqa: F401  (fixture)
+from test_kernels_oracle import same_bits
 
-import commpress.cuda as cc
-from commpress.cuda._chunks import CHUNK
+import commpress.kernels as cc
+from commpress.kernels.cpu._chunks import CHUNK
 
 # (offset, numel, k): a gap, one-element and empty tensors, k = n, a tensor of several
 # blocks (sampled threshold), small ones (exact), one over half the buffer
@@ -35,7 +35,7 @@ def per_tensor(x, spans, seeds, exact):
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_many_is_the_per_tensor_selection(backend, exact):  # noqa: F811
+def test_many_is_the_per_tensor_selection(threads, exact):
     spans = [*SPANS, BIG]
     seeds = [3, 2**64 - 1, 0, 5, 6, 7, 8]
     flags = [exact or n <= 768 for _, n, _ in spans]
@@ -47,16 +47,20 @@ def test_many_is_the_per_tensor_selection(backend, exact):  # noqa: F811
         assert same_bits(values, want_values) and same_bits(x, expect)  # the picks zeroed alike
         assert indices.dtype == torch.int32 and indices.numel() == sum(k for *_, k in spans)
         assert bool(torch.isnan(values).any()) and bool((values == float("-inf")).any())  # NaN and inf rank first
+        oracle = buffer(seed)
+        picks = kernel_oracle.topk_select_many(oracle, [(o, n) for o, n, _ in spans], [k for *_, k in spans], seeds, flags)
+        assert same_bits(picks, (values, indices))
+        assert same_bits(oracle, x)
 
 
 @pytest.mark.parametrize("slack", [None, 0.05])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_many_with_error_feedback_is_add_then_select(backend, grad_dtype, slack, monkeypatch):  # noqa: F811
+def test_many_with_error_feedback_is_add_then_select(threads, grad_dtype, slack, monkeypatch):
     """``grad`` and ``error`` given: each span first becomes add_error(grad, error) (fused into the
     selection's pass on the compiled path), the rest of acc stays as it was. A slack of 0.05 aims
     the sampled threshold at too few candidates, so the threshold must widen after the fused pass."""
     if slack is not None:
-        monkeypatch.setattr("commpress.cuda.topk._SLACK", slack)
+        monkeypatch.setattr("commpress.kernels.topk._SLACK", slack)
     spans = [*SPANS, BIG]
     seeds = [3, 2**64 - 1, 0, 5, 6, 7, 8]
     flags = [n <= 768 for _, n, _ in spans]
@@ -74,7 +78,7 @@ def test_many_with_error_feedback_is_add_then_select(backend, grad_dtype, slack,
     assert float(acc[SPANS[-1][0] + 768]) == 5.0  # a gap between spans: untouched
 
 
-def test_many_picks_the_largest_magnitudes(backend):  # noqa: F811
+def test_many_picks_the_largest_magnitudes(threads):
     """Against torch.topk on tie-free data: the same set per tensor, in increasing index order."""
     x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(4))
     spans = [(o, n, k) for o, n, k in [*SPANS, BIG] if n]

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from commpress.comm.launch import run_local
-from commpress.cuda.openmp import RANK_SPIN_COUNT, rank_env, wait_setting
+from commpress.kernels.cpu.openmp import RANK_SPIN_COUNT, rank_env, wait_setting
 
 _NAMES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 

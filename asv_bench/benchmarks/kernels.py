@@ -1,4 +1,4 @@
-"""asv benchmarks of the commpress.cuda ops (CPU always, CUDA when a device is present).
+"""asv benchmarks of the commpress.kernels ops (CPU always, CUDA when a device is present).
 
 Each op runs on one float32 buffer of NUMEL elements; ``copy`` is the plain-copy reference
 to read the others against (same bytes). ``python -m commpress.bench.kernels`` prints the same
@@ -36,7 +36,7 @@ class _Op:
 
 
 class Kernels(_Op):
-    """Each commpress.cuda op."""
+    """Each commpress.kernels op."""
 
     params = (DEVICES, OPS)
 

@@ -16,12 +16,12 @@ A shaped link (a token bucket of ``b`` bytes, refilled at ``beta``) lets ``b`` b
 through at line rate after the pause between steps, and refills during each message's
 latency (by at most ``b``): ``t = M alpha + max(0, W - b - M min(b, beta alpha)) / beta``.
 
-Which collectives a method issues, and their sizes, come from the method's own logic
-(:func:`register_wire_model`: PowerSGD's and ACP-SGD's ``min_compression_rate`` rule which
-tensors are compressed, Top-k's ``min_numel`` and ``topk_count`` which entries are sent);
-a method without a wire model is run once on the in-process simulated world and its
-collectives recorded. The hierarchical layout is cut exactly as the reduction cuts it
-(:func:`~commpress.adaptive.hierarchical.shard_ranges`).
+Which collectives a method issues, and their sizes, the compressor says itself
+(:meth:`~commpress.compressors.base.Compressor.transfers`, a sum over the bucket's tensors:
+PowerSGD's and ACP-SGD's ``min_compression_rate`` rule which tensors are compressed, Top-k's
+``min_numel`` and ``topk_count`` which entries are sent); a method that does not is run
+once on the in-process simulated world and its collectives recorded. The hierarchical
+layout is cut exactly as the reduction cuts it (:func:`~commpress.adaptive.hierarchical.shard_ranges`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from __future__ import annotations
 import functools
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -39,12 +39,8 @@ from commpress.adaptive.groups import Hierarchy
 from commpress.adaptive.hierarchical import Place, shard_ranges, shard_slots
 from commpress.adaptive.topology import Topology
 from commpress.comm.simulated import SimulatedWorld
-from commpress.compressors import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, build
-from commpress.compressors.collectives import ReduceScatter
-from commpress.compressors.lowrank_plan import matrix_shape
-from commpress.compressors.topk import topk_count
+from commpress.compressors import Bucket, Context, ParamSlot, Reduction, Transfer, build
 from commpress.config.groups import MAIN
-from commpress.cuda import packed_size
 
 __all__ = [
     "GroupTraffic",
@@ -59,36 +55,10 @@ __all__ = [
     "group_shapes",
     "method_transfers",
     "predict",
-    "register_wire_model",
 ]
 
-Kind = Literal["all_reduce", "all_gather", "all_to_all"]
 Methods = Mapping[str, tuple[str, Mapping[str, Any]]]
-#: ``fn(compressor, slots, element_size) -> transfers``: the collectives ``compressor``
-#: issues for one bucket holding ``slots`` (gradients of ``element_size`` bytes).
-WireModel = Callable[[Compressor, Sequence[ParamSlot], int], list["Transfer"]]
-_MODELS: dict[str, WireModel] = {}
 _MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One collective as one rank issues it: its kind and its input's bytes."""
-
-    kind: Kind
-    nbytes: float
-
-    def wire_bytes(self, n: int) -> float:
-        """Bytes this rank sends in a group of ``n`` ranks."""
-        if n < 2:
-            return 0.0
-        return {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "all_to_all": (n - 1) / n}[self.kind] * self.nbytes
-
-    def messages(self, n: int) -> int:
-        """Messages one after another (each pays the latency once)."""
-        if n < 2 or not self.nbytes:
-            return 0
-        return 2 * (n - 1) if self.kind == "all_reduce" else n - 1
 
 
 @dataclass(frozen=True)
@@ -149,94 +119,25 @@ class GroupTraffic:
 # what a method sends
 
 
-def register_wire_model(method: str) -> Callable[[WireModel], WireModel]:
-    """Decorator: ``fn(compressor, slots, element_size) -> [Transfer]`` gives the collectives
-    ``method`` issues for one bucket (built-in methods have one; others are run once)."""
-
-    def deco(fn: WireModel) -> WireModel:
-        _MODELS[method] = fn
-        _cached.cache_clear()
-        return fn
-
-    return deco
-
-
 def method_transfers(
     method: str, params: Mapping[str, Any], slots: Sequence[ParamSlot], element_size: int = 4, group_size: int = 2
 ) -> tuple[Transfer, ...]:
     """The collectives ``method`` with ``params`` issues for a bucket of ``slots`` in a
-    group of ``group_size`` ranks."""
+    group of ``group_size`` ranks: the compressor's own
+    :meth:`~commpress.compressors.base.Compressor.transfers`, or, for one that does not
+    model them, what it issues when run once."""
     return _cached(method, json.dumps(dict(params), sort_keys=True), tuple(slots), element_size, group_size)
 
 
 @functools.lru_cache(maxsize=4096)
 def _cached(method: str, params: str, slots: tuple[ParamSlot, ...], element_size: int, n: int) -> tuple[Transfer, ...]:
-    if not slots or not _numel(slots):
+    if not slots or not sum(s.numel for s in slots):
         return ()
     kwargs = json.loads(params)
-    model = _MODELS.get(method)
-    if model is None:
+    modelled = build(method, kwargs).transfers(slots, element_size)
+    if modelled is None:
         return tuple(_dry_run(method, kwargs, slots, element_size, n))
-    return tuple(t for t in model(build(method, kwargs), slots, element_size) if t.nbytes)
-
-
-def _numel(slots: Sequence[ParamSlot]) -> int:
-    return sum(s.numel for s in slots)
-
-
-@register_wire_model("none")
-def _dense(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
-    return [Transfer("all_reduce", _numel(slots) * element_size)]
-
-
-@register_wire_model("fp16")
-@register_wire_model("bf16")
-def _half(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
-    return [Transfer("all_reduce", _numel(slots) * 2)]
-
-
-def _low_rank(c: Any, slots: Sequence[ParamSlot]) -> tuple[int, int, int]:
-    """(P, Q, uncompressed) element counts of a bucket, by :func:`matrix_shape`'s rule (as
-    :meth:`LowRankPlan.build` decides), without building the plan's index tensors."""
-    p = q = dense = 0
-    for s in slots:
-        shape = matrix_shape(s, c.rank, c.min_compression_rate)
-        if shape is None:
-            dense += s.numel
-        else:
-            r = min(c.rank, *shape)
-            p, q = p + shape[0] * r, q + shape[1] * r
-    return p, q, dense
-
-
-@register_wire_model("powersgd")
-def _powersgd(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
-    """P factors plus the uncompressed elements (fp32) in one all-reduce, Q factors in another."""
-    p, q, dense = _low_rank(c, slots)
-    out = [Transfer("all_reduce", 4 * (p + dense))]
-    return [*out, Transfer("all_reduce", 4 * q)] if q else out
-
-
-@register_wire_model("acpsgd")
-def _acpsgd(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
-    """P and Q factors on alternate steps, with the uncompressed elements: their mean per step."""
-    p, q, dense = _low_rank(c, slots)
-    return [Transfer("all_reduce", 4 * ((p + q) / 2 + dense))]
-
-
-@register_wire_model("topk")
-def _topk(c: Any, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
-    """One all-gather: an int32 index and a value per kept entry, tensors under ``min_numel`` whole in fp32."""
-    k = sum(topk_count(c.ratio, s.numel) for s in slots if s.numel >= c.min_numel)
-    whole = sum(s.numel for s in slots if s.numel < c.min_numel)
-    return [Transfer("all_gather", k * (4 + c.value_dtype.itemsize) + 4 * whole)]
-
-
-@register_wire_model("terngrad")
-def _terngrad(c: Compressor, slots: Sequence[ParamSlot], element_size: int) -> list[Transfer]:
-    """One all-gather: an fp32 scale and the 2-bit codes per tensor."""
-    tensors = [s for s in slots if s.numel]
-    return [Transfer("all_gather", sum(4 + packed_size(s.numel, 2) for s in tensors))]
+    return tuple(t for t in modelled if t.nbytes)
 
 
 def _dry_run(method: str, params: Mapping[str, Any], slots: tuple[ParamSlot, ...], element_size: int, n: int) -> list[Transfer]:
@@ -248,8 +149,7 @@ def _dry_run(method: str, params: Mapping[str, Any], slots: tuple[ParamSlot, ...
     seen: list[Any] = []
     reductions = [build(method, params).reduce(b, Context(rank=r, world_size=n, step=0)) for r, b in enumerate(buckets)]
     SimulatedWorld(n).run([_recorded(reductions[0], seen), *reductions[1:]])
-    kinds = {AllGather: "all_gather", ReduceScatter: "all_to_all"}
-    return [Transfer(kinds.get(type(req), "all_reduce"), req.nbytes) for req in seen if req.nbytes]
+    return [Transfer.of(req) for req in seen if req.nbytes]
 
 
 def _recorded(reduction: Reduction, seen: list[Any]) -> Reduction:

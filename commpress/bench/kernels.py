@@ -1,4 +1,4 @@
-"""Throughput of the commpress.cuda ops next to a plain copy and to the same op in plain torch.
+"""Throughput of the commpress.kernels ops next to a plain copy and to the same op in plain torch.
 
     python -m commpress.bench.kernels [--device cpu|cuda] [--numel 25165824] [--repeat 7]
 
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-import commpress.cuda as cc
-from commpress.cuda.openmp import wait_setting
+import commpress.kernels as cc
+from commpress.kernels.cpu.openmp import wait_setting
 
 WORLD = 2  # ranks decoded by the accumulate ops
 BITS, BUCKET = 4, 1024

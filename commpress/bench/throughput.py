@@ -7,7 +7,7 @@ Each method's ``reduce`` runs on one rank with the collectives answered locally,
 work is timed in two phases: *compress* is everything before its last collective, the one
 that carries the payload (scales, clipping, selection, packing, framing), *decompress*
 everything after it (unframing and decoding ``--world`` ranks' payloads into the bucket). The QSDP rows time the quantizer of
-:mod:`commpress.cuda` itself (``quantize_pack``, then ``unpack_accumulate`` of ``--world``
+:mod:`commpress.kernels` itself (``quantize_pack``, then ``unpack_accumulate`` of ``--world``
 payloads). GB/s counts the float32 gradient (4 bytes per element) per second; ``vs copy``
 divides by ``dst.copy_(src)`` of the same buffer, the memory-bandwidth ceiling. Rounds are
 interleaved (each round runs every row once, after one untimed warm-up round) and medians
@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-import commpress.cuda as cc
+import commpress.kernels as cc
 from commpress.compressors import AllGather, AllReduce, Bucket, Compressor, Context, build
-from commpress.cuda.openmp import wait_setting
+from commpress.kernels.cpu.openmp import wait_setting
 from commpress.terminal import format_table
 
 __all__ = ["DEFAULT_METHODS", "DEFAULT_NUMEL", "equal_sizes", "measure", "table", "workload_sizes"]
@@ -239,9 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     sizes = workload_sizes(args.workload, args.scale) if args.workload else equal_sizes(args.numel, args.tensors)
     methods = [s.strip() for s in args.methods.split(";") if s.strip()]
-    backend = cc.cpu_backend()
-    if backend == "numba":
-        backend = f"numba {importlib.metadata.version('numba')}"
+    backend = f"numba {importlib.metadata.version('numba')}"  # the CPU kernels are compiled by numba
     buckets = len(_buckets(sizes, int(args.bucket_mb * 2**20)))
     what = f"workload {args.workload} at scale {args.scale}: " if args.workload else ""
     print(

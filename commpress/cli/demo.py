@@ -3,17 +3,20 @@
 Next-character prediction on Python's own standard-library sources (no downloads), DDP
 on gloo (CPU), the same seed and data for every method. The table shows bytes each rank
 sends per step, the compression ratio against ``none``, the median step time, the
-held-out loss at the end and its gap to ``none``.
+held-out loss at the end and its gap to ``none``. ``--json`` also writes every row with its
+loss at full precision.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from commpress.cli.args import integer
+from commpress.cli.bench import check_output_path
 from commpress.config import Config, parse_method_spec
 from commpress.errors import ConfigError
 from commpress.terminal import Progress, format_table
@@ -52,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods",
         default=None,
         help="semicolon-separated method specs, e.g. 'none;powersgd:rank=2' (default: every demo row)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the rows (label, bytes_per_step, step_seconds, eval_loss at full precision) as JSON",
     )
 
 
@@ -98,9 +106,15 @@ def run(args: argparse.Namespace) -> int:
     from commpress.comm.launch import run_local
 
     rows = rows_from_specs(args.methods) if args.methods is not None else DEMO_ROWS
+    if args.json is not None:
+        check_output_path("--json", args.json)
     print(f"commpress demo: {args.ranks} ranks on gloo/CPU, {args.steps} steps per method", file=sys.stderr)
     results = run_local(_rank_main, args.ranks, rows, args.steps)[0]
     print(render(results))
+    if args.json is not None:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)  # floats as repr: they read back bit for bit
+            f.write("\n")
     return 0
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from commpress.cuda.openmp import rank_env
+from commpress.kernels.cpu.openmp import rank_env
 
 __all__ = ["RankFailed", "run_local"]
 
@@ -63,7 +63,7 @@ def run_local(
     ``fn`` must be importable (a module-level function). Raises :class:`RankFailed` with
     the first failing rank's traceback, or on timeout. The ranks start with
     ``GOMP_SPINCOUNT=10000`` unless the environment chooses how OpenMP workers wait
-    (:mod:`commpress.cuda.openmp`).
+    (:mod:`commpress.kernels.cpu.openmp`).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

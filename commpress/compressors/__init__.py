@@ -1,10 +1,12 @@
-"""Pure compression algorithms, each a generator over collectives (see ``base``)."""
+"""Pure compression algorithms, each a generator over collectives (see ``base``).
 
-from commpress.compressors import acpsgd as _acpsgd  # noqa: F401  (registers ACP-SGD)
-from commpress.compressors import allreduce as _allreduce  # noqa: F401  (registers built-ins)
-from commpress.compressors import powersgd as _powersgd  # noqa: F401  (registers PowerSGD)
-from commpress.compressors import terngrad as _terngrad  # noqa: F401
-from commpress.compressors import topk as _topk  # noqa: F401
+Every module of this package is imported here, so a compressor registers itself
+(``@register_compressor``) by being a file of the package: adding one touches that file only.
+"""
+
+import importlib as _importlib
+import pkgutil as _pkgutil
+
 from commpress.compressors.base import (
     AllGather,
     AllReduce,
@@ -14,8 +16,12 @@ from commpress.compressors.base import (
     Context,
     ParamSlot,
     Reduction,
+    Transfer,
 )
 from commpress.compressors.registry import available, build, check_params, compressor_class, register_compressor
+
+for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
+    _importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = [
     "AllGather",
@@ -26,6 +32,7 @@ __all__ = [
     "Context",
     "ParamSlot",
     "Reduction",
+    "Transfer",
     "available",
     "build",
     "check_params",

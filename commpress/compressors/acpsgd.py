@@ -8,11 +8,12 @@ the warm start, and one error buffer carries what either step left out.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 
-from commpress.compressors.base import AllReduce, Bucket, Context, Reduction
+from commpress.compressors.base import AllReduce, Bucket, Context, ParamSlot, Reduction, Transfer
 from commpress.compressors.lowrank import LowRankCompressor
 from commpress.compressors.lowrank_plan import orthonormalize
 from commpress.compressors.registry import register_compressor
@@ -31,6 +32,19 @@ class ACPSGDCompressor(LowRankCompressor):
 
     name: ClassVar[str] = "acpsgd"
     rounds: ClassVar[int] = 1
+
+    def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
+        """P and Q factors on alternate steps (their mean per step; without ``warm_start``
+        P every step), with the uncompressed elements (fp32)."""
+        factors = self.factor_numels(slot)
+        if factors is None:
+            return (Transfer("all_reduce", 4.0 * slot.numel),)
+        return (Transfer("all_reduce", 4.0 * (sum(factors) / 2 if self.warm_start else factors[0])),)
+
+    def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
+        """P or Q per step, alternating: twice PowerSGD's rank; without ``warm_start``, P
+        every step (bound: :meth:`LowRankCompressor._rank_for_ratio`)."""
+        return self._rank_for_ratio(ratio, slots, lambda n, m: (n + m) / 2 if self.warm_start else n)
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         step = self._begin(bucket)

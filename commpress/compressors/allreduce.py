@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from commpress.compressors.base import AllReduce, Bucket, Compressor, Context, Reduction
+from commpress.compressors.base import AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer
 from commpress.compressors.registry import register_compressor
 
 __all__ = ["BF16Compressor", "FP16Compressor", "NoneCompressor"]
@@ -29,6 +29,10 @@ class NoneCompressor(Compressor):
         if summed is not bucket.buffer:
             bucket.buffer.copy_(summed)
 
+    def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
+        """Every element in the gradients' own dtype, in one all-reduce."""
+        return (Transfer("all_reduce", slot.numel * element_size),)
+
 
 class _CastCompressor(Compressor):
     """All-reduce in a narrower floating dtype, averaging before the cast to avoid overflow."""
@@ -42,6 +46,10 @@ class _CastCompressor(Compressor):
         wire = bucket.buffer.div(ctx.world_size).to(self.wire_dtype)
         summed = yield AllReduce(wire)
         bucket.buffer.copy_(summed)
+
+    def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
+        """Every element in the wire dtype, in one all-reduce."""
+        return (Transfer("all_reduce", slot.numel * self.wire_dtype.itemsize),)
 
 
 @register_compressor

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter, Reduction
+from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter, Reduction, Transfer
 
 __all__ = [
     "AllGather",
@@ -29,6 +29,7 @@ __all__ = [
     "ParamSlot",
     "ReduceScatter",
     "Reduction",
+    "Transfer",
     "on_dense_copy",
 ]
 
@@ -166,3 +167,41 @@ class Compressor(ABC):
         """Restore what :meth:`state_dict` returned."""
         if state:
             raise ValueError(f"compressor {self.name!r} holds no state, got keys {sorted(state)}")
+
+    # ---- what the method sends, its knob, its state when the knob moves ---------------
+
+    def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...] | None:
+        """What ``slot`` (gradients of ``element_size`` bytes) adds to each collective one
+        :meth:`reduce` issues: one :class:`Transfer` per collective, in order, the same kinds
+        for every slot (zero bytes where it adds nothing; a mean over steps where the method
+        alternates). The default, None: not modelled, so the traffic model runs the method
+        once and records its collectives."""
+        return None
+
+    def transfers(self, slots: Sequence[ParamSlot], element_size: int = 4) -> tuple[Transfer, ...] | None:
+        """The collectives one :meth:`reduce` of a bucket holding ``slots`` issues, with this
+        rank's input bytes: per collective, the sum over the slots of
+        :meth:`slot_transfers` (collectives of no bytes left out); None where a slot is not
+        modelled."""
+        per_slot = [self.slot_transfers(s, element_size) for s in slots]
+        if any(t is None for t in per_slot):
+            return None
+        kinds = [t.kind for t in per_slot[0]] if per_slot else []
+        if any([t.kind for t in ts] != kinds for ts in per_slot):
+            raise ValueError(f"compressor {self.name!r}: slot_transfers gives other collectives for other slots")
+        totals = [sum(ts[i].nbytes for ts in per_slot) for i in range(len(kinds))]
+        return tuple(Transfer(kind, nbytes) for kind, nbytes in zip(kinds, totals, strict=True) if nbytes)
+
+    def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
+        """The parameters to change so that ``slots`` carry about ``ratio`` (in (0, 1)) of
+        their float32 bytes: the method's knob (Top-k's ``ratio``, the low-rank ``rank``),
+        whose bound on the bytes each method states. The default, ``{}``: no knob, the
+        configured setting at every ratio. Given one slot, it is that tensor's own setting
+        (a per-tensor plan); the mapping only has to grow with ``ratio``."""
+        return {}
+
+    def adapt_state(self, state: dict[str, Any], previous: Compressor) -> dict[str, Any]:
+        """``state``, saved by ``previous`` (this method with other parameters), made
+        loadable by this instance. The default: unchanged (state that does not depend on
+        the parameters)."""
+        return state

@@ -4,6 +4,10 @@ A compressor yields :class:`AllReduce` or :class:`AllGather` over the whole grou
 ``"world"``); the hierarchical reduction also yields :class:`ReduceScatter` and collectives
 scoped to the ranks of one fast domain (``"domain"``) or to one rank per domain
 (``"cross"``). A backend maps every scope to the communicator holding this rank's peers.
+
+A :class:`Transfer` describes a collective by its kind and size alone: what a
+compressor's wire model (:meth:`~commpress.compressors.base.Compressor.transfers`) and the
+traffic model speak in.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["SCOPES", "AllGather", "AllReduce", "Collective", "ReduceScatter", "Reduction", "in_scope"]
+__all__ = ["SCOPES", "AllGather", "AllReduce", "Collective", "ReduceScatter", "Reduction", "Transfer", "in_scope"]
 
 #: Scopes a collective may span: every rank, the ranks of this rank's fast domain, or the
 #: ranks of this rank's cross-domain group (one per domain).
@@ -66,6 +70,38 @@ class ReduceScatter:
 Collective = AllReduce | AllGather | ReduceScatter
 # What ``reduce`` is: yields collectives, receives their results, returns nothing.
 Reduction = Generator[Collective, Any, None]
+
+
+Kind = Literal["all_reduce", "all_gather", "all_to_all"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective as one rank issues it: its kind and its input's bytes (what a
+    backend's ``Traffic`` counts). A :class:`ReduceScatter` is an ``"all_to_all"``."""
+
+    kind: Kind
+    nbytes: float
+
+    @classmethod
+    def of(cls, request: Collective) -> Transfer:
+        """The transfer of a collective a reduction yields."""
+        kinds: dict[type, Kind] = {AllGather: "all_gather", ReduceScatter: "all_to_all"}
+        return cls(kinds.get(type(request), "all_reduce"), request.nbytes)
+
+    def wire_bytes(self, n: int) -> float:
+        """Bytes this rank sends in a group of ``n`` ranks, by gloo's algorithms: ring
+        all-reduce ``2(n-1)/n`` of the input, ring all-gather ``n-1`` times it, all-to-all
+        ``(n-1)/n`` of it."""
+        if n < 2:
+            return 0.0
+        return {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "all_to_all": (n - 1) / n}[self.kind] * self.nbytes
+
+    def messages(self, n: int) -> int:
+        """Messages one after another (each pays the latency once)."""
+        if n < 2 or not self.nbytes:
+            return 0
+        return 2 * (n - 1) if self.kind == "all_reduce" else n - 1
 
 
 def in_scope(reduction: Reduction, scope: Scope) -> Reduction:

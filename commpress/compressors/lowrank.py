@@ -10,7 +10,7 @@ stages its changes; :meth:`Compressor.end_step` commits or drops them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -18,7 +18,7 @@ import torch
 
 from commpress.compressors import host
 from commpress.compressors.base import Bucket, Compressor, ParamSlot
-from commpress.compressors.lowrank_plan import LowRankPlan, orthonormalize
+from commpress.compressors.lowrank_plan import LowRankPlan, matrix_shape, orthonormalize
 from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.seeding import check_seed, shared_normal, stream_starts, tensor_key
 from commpress.errors import ConfigError
@@ -204,6 +204,37 @@ class LowRankCompressor(Compressor):
             self._memory.stage("error", lay.errors, step.m_buffer)
         for name in lay.names:
             self._memory.stage_count(name, step.steps + 1)
+
+    # ---- bytes, the rank for a ratio, state across ranks --------------------------------
+
+    def factor_numels(self, slot: ParamSlot) -> tuple[int, int] | None:
+        """(P, Q) elements of ``slot`` as :meth:`LowRankPlan.build` compresses it (an n x m
+        matrix at rank min(rank, n, m): n r and m r), or None: it is sent uncompressed."""
+        shape = matrix_shape(slot, self.rank, self.min_compression_rate)
+        if shape is None:
+            return None
+        r = min(self.rank, *shape)
+        return shape[0] * r, shape[1] * r
+
+    def _rank_for_ratio(self, ratio: float, slots: Sequence[ParamSlot], sent: Callable[[int, int], float]) -> dict[str, Any]:
+        """The rank whose factors carry ``ratio`` of the matrices' numbers, for a method that
+        sends ``sent(n, m)`` numbers per unit of rank of an n x m matrix per step (P and Q:
+        n + m): the largest r >= 1 with ``r sum(sent(n, m)) <= ratio sum(n m)``, over every
+        tensor of two or more dimensions (an n x rest matrix) as if compressed at rank r.
+        The bytes then reach the ratio within one rank's step on those matrices (or exceed
+        it at rank 1); matrices that ``min_compression_rate`` or a rank above min(n, m)
+        leave uncompressed send more."""
+        mats = [(s.shape[0], math.prod(s.shape[1:])) for s in slots if len(s.shape) >= 2]
+        full = sum(n * m for n, m in mats)
+        per_rank = sum(sent(n, m) for n, m in mats)
+        return {"rank": max(1, math.floor(ratio * full / per_rank)) if per_rank else 1}
+
+    def adapt_state(self, state: dict[str, Any], previous: Compressor) -> dict[str, Any]:
+        """A new rank keeps every parameter's error buffer (error feedback) and restarts the
+        warm start: the saved factors have the old rank's width."""
+        if getattr(previous, "rank", None) == self.rank:
+            return state
+        return {**state, "q": {}, "p": {}}
 
     # ---- steps and checkpoints ---------------------------------------------------------
 

@@ -5,11 +5,12 @@ bucket: all P factors (plus the uncompressed elements) in one, all Q factors in 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 
-from commpress.compressors.base import AllReduce, Bucket, Context, Reduction
+from commpress.compressors.base import AllReduce, Bucket, Context, ParamSlot, Reduction, Transfer
 from commpress.compressors.lowrank import LowRankCompressor
 from commpress.compressors.lowrank_plan import orthonormalize
 from commpress.compressors.registry import register_compressor
@@ -27,6 +28,16 @@ class PowerSGDCompressor(LowRankCompressor):
 
     name: ClassVar[str] = "powersgd"
     rounds: ClassVar[int] = 2
+
+    def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
+        """P factors plus the uncompressed elements (fp32) in one all-reduce, Q factors in another."""
+        factors = self.factor_numels(slot)
+        p, q = factors if factors is not None else (slot.numel, 0)
+        return (Transfer("all_reduce", 4 * p), Transfer("all_reduce", 4 * q))
+
+    def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
+        """P and Q every step (bound: :meth:`LowRankCompressor._rank_for_ratio`)."""
+        return self._rank_for_ratio(ratio, slots, lambda n, m: n + m)
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         step = self._begin(bucket)

@@ -7,7 +7,7 @@ reproducible; ranks and steps draw independent numbers where the method wants th
 
 :func:`shared_normal` draws the random factors the low-rank methods share across ranks:
 computed on the gradient's device with integer torch operations (SplitMix64, the
-generator of :mod:`commpress.cuda.rng`), so every rank gets the same numbers without
+generator of :mod:`commpress.kernels.rng`), so every rank gets the same numbers without
 communication, without a host transfer and without CuPy.
 """
 
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import torch
 
 from commpress.compressors.base import Bucket, ParamSlot
-from commpress.cuda import derive_seed
-from commpress.cuda.rng import GAMMA, MIX1, MIX2, derive_seeds
 from commpress.errors import ConfigError
+from commpress.kernels import derive_seed
+from commpress.kernels.rng import GAMMA, MIX1, MIX2, derive_seeds
 
 __all__ = ["check_seed", "shared_normal", "stream_starts", "tensor_key", "tensor_seeds"]
 

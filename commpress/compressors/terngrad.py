@@ -19,11 +19,11 @@ from typing import ClassVar
 import torch
 
 from commpress.compressors import host
-from commpress.compressors.base import AllGather, Bucket, Compressor, Context, Reduction, on_dense_copy
+from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, on_dense_copy
 from commpress.compressors.framing import frame, unframe
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_seeds
-from commpress.cuda import span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
+from commpress.cuda import packed_size, span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
 from commpress.errors import ConfigError
 
 __all__ = ["TernGradCompressor"]
@@ -96,6 +96,10 @@ class TernGradCompressor(Compressor):
         # decoded values are sums of world codes times scales of at most max|g| (which the
         # bucket's dtype holds), averaged: finite exactly when the scales are, if bounded
         bucket.finite = False if not all(finite) else (True if bounded else None)
+
+    def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
+        """One all-gather: the tensor's float32 scale and its 2-bit codes (none for an empty tensor)."""
+        return (Transfer("all_gather", 4 + packed_size(slot.numel, 2) if slot.numel else 0),)
 
     def _local_scales(self, buffer: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
         """Per tensor (``spans`` of ``buffer``) on this rank, float32[T]: the scale, max|g|

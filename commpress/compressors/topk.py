@@ -25,12 +25,13 @@ tensors' k, d the elements of the tensors sent whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from commpress.compressors import host
-from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, on_dense_copy
+from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, on_dense_copy
 from commpress.compressors.dgc import clip_local, correct, dense_momentum, mask
 from commpress.compressors.framing import frame, unframe
 from commpress.compressors.memory import ErrorMemory, Piece
@@ -155,6 +156,19 @@ class TopKCompressor(Compressor):
         if step >= self.warmup_steps:
             return self.ratio
         return max(self.ratio, self.warmup_ratio * (self.ratio / self.warmup_ratio) ** (step / self.warmup_steps))
+
+    def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
+        """One all-gather: an int32 index and a value per kept entry, or a tensor under
+        ``min_numel`` whole in float32 (the ratio after any warm-up)."""
+        if slot.numel < self.min_numel:
+            return (Transfer("all_gather", 4 * slot.numel),)
+        return (Transfer("all_gather", topk_count(self.ratio, slot.numel) * (4 + self.value_dtype.itemsize)),)
+
+    def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
+        """The ``ratio`` whose (index, value) pairs carry ``ratio`` of float32's bytes: each
+        tensor Top-k compresses then sends at least ``ratio`` of its float32 bytes and less
+        than one entry (4 + value bytes) more; the same for every tensor."""
+        return {"ratio": min(1.0, ratio * 4 / (self.value_dtype.itemsize + 4))}
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)

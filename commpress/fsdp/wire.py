@@ -2,7 +2,7 @@
 
 A flat shard of ``n`` elements (FSDP's concatenation of per-parameter shards) is split into
 *quantized* ranges and *raw* ranges (excluded parameters). The quantized elements, taken in
-order, are encoded by the b-bit stochastic quantizer of :mod:`commpress.cuda` in buckets of
+order, are encoded by the b-bit stochastic quantizer of :mod:`commpress.kernels` in buckets of
 ``bucket_size`` elements; one payload is laid out as::
 
     scales (float32 x nb) | mins (float32 x nb) | raw elements (shard dtype) | packed codes | pad
@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-from commpress.cuda import dequantize, quantize_pack, unpack_accumulate
+from commpress.kernels import dequantize, quantize_pack, unpack_accumulate
 
 __all__ = ["Segments", "Wire"]
 

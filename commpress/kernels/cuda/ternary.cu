@@ -1,5 +1,5 @@
 // TernGrad: stochastic ternary quantize + pack (4 codes per byte), and the fused
-// unpack + scale + accumulate over ranks + average. Mirrors commpress/cuda/ternary.py.
+// unpack + scale + accumulate over ranks + average. Mirrors commpress/kernels/ternary.py.
 #include "common.cuh"
 
 // One thread per output byte. Code 1: +, code 2: -, 0: dropped; keep iff u < |x| / scale.

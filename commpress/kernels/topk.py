@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
 
-from . import _backend, _checks, _chunks, rng
+from . import _checks
 from ._constants import candidate_room, sample_rank
+from .cuda import _launch
 from .feedback import add_error
+from .rng import check_seed, derive_seed
 
 __all__ = ["scatter_add_decode", "topk_select", "topk_select_many"]
 
@@ -37,62 +40,16 @@ def default_sample(n: int) -> int:
 _SLACK = 1.25  # aim the threshold at 25% more candidates than k, plus 4 sigma of sampling noise
 
 
-def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
-    mag = acc.abs()
-    if mag.dtype != torch.float32:
-        mag = mag.float()
-    return torch.nan_to_num_(mag, nan=math.inf, posinf=math.inf)
-
-
-def _sample_threshold(flat: torch.Tensor, k: int, sample: int, seed: int, widen: int) -> float:
-    """A magnitude that about ``k * _SLACK * 4**widen`` of the entries reach, estimated from a sample."""
-    n = flat.numel()
-    rank = sample_rank(k, n, sample, _SLACK, widen)
-    if rank >= sample:
-        return -math.inf
-    kernels = _backend.compiled()
+def _device(flat: torch.Tensor) -> ModuleType:
+    """The implementation for ``flat``'s device. Both give ``exact_threshold(flat, k)``,
+    ``sample_threshold(flat, seed, sample, rank)``, ``select_candidates(flat, threshold,
+    expect)`` (increasing indices not below the threshold, and their values where the
+    implementation collects them) and ``take_top(flat, candidates, values, k)``."""
     if flat.is_cuda:
-        from . import _launch
+        return _launch
+    from .cpu import topk as cpu
 
-        idx = _launch.sample_indices(seed, sample, n, flat.device)
-    elif kernels is not None and flat.dtype == torch.float32:
-        return kernels.sample_threshold(flat, seed, sample, rank)
-    else:  # index j = floor(draw_j * n / 2**32), as the CUDA kernel computes it
-        idx = torch.from_numpy(((rng.bits32(seed, sample).astype(np.uint64) * np.uint64(n)) >> np.uint64(32)).astype(np.int64))
-    return torch.kthvalue(_magnitudes(flat[idx]), sample - rank + 1).values.item()
-
-
-def _candidates(flat: torch.Tensor, threshold: float, expect: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Increasing indices of the entries whose magnitude is not below ``threshold`` (NaN
-    included), and their values where the compiled kernel collects them (else None);
-    ``expect``, about how many there are, sizes the CPU kernel's buffers."""
-    if flat.is_cuda:
-        return torch.nonzero(~(_magnitudes(flat) < threshold)).view(-1), None
-    kernels = _backend.compiled()
-    if kernels is not None and flat.dtype == torch.float32:
-        return kernels.select_candidates(flat, threshold, expect)
-    limit = np.float32(threshold)
-
-    def body(start: int, stop: int) -> np.ndarray:
-        mag = np.abs(_chunks.float32_block(flat, start, stop))
-        return np.flatnonzero(~(mag < limit)) + start  # `not <` keeps NaN
-
-    found = _chunks.map_blocks(body, list(_chunks.spans(flat.numel())))
-    return torch.from_numpy(np.concatenate(found) if found else np.empty(0, np.int64)), None
-
-
-def _exact_k(flat: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
-    """Of ``candidates`` (increasing indices, at least k), the k largest magnitudes, ties to lower index."""
-    cmag = _magnitudes(flat[candidates])
-    count = cmag.numel()
-    if count == k:
-        return candidates
-    kth = torch.kthvalue(cmag, count - k + 1).values
-    above = cmag > kth
-    ties = cmag == kth
-    need = k - int(above.sum())
-    keep = above | (ties & (torch.cumsum(ties, 0) <= need))
-    return candidates[keep]
+    return cpu
 
 
 def topk_select(
@@ -110,7 +67,7 @@ def topk_select(
     _checks.check_count("k", k)
     if sample is not None:
         _checks.check_count("sample", sample, 1)
-    seed = rng._check_seed(seed)
+    seed = check_seed(seed)
     if not acc.is_contiguous():
         raise ValueError("acc must be contiguous (it is zeroed in place)")
     flat = acc.view(-1)
@@ -121,33 +78,35 @@ def topk_select(
         raise ValueError(f"acc has {n} elements; int32 indices allow at most {2**31 - 1}")
     if k == 0:
         return flat.new_empty(0), torch.empty(0, dtype=torch.int32, device=acc.device)
+    if not flat.is_cuda and flat.dtype != torch.float32:
+        return _select_converted(flat, k, exact, sample, seed)
     sample = default_sample(n) if sample is None else sample
-    kernels = _backend.compiled()
-    compiled = kernels is not None and flat.dtype == torch.float32 and not flat.is_cuda
+    impl = _device(flat)
     if exact or sample >= n or k == n:
-        if compiled:  # noqa: SIM108  (as one line it is too long)
-            threshold = kernels.exact_threshold(flat, k)
-        else:
-            threshold = torch.kthvalue(_magnitudes(flat), n - k + 1).values.item()
-        candidates, cvalues = _candidates(flat, threshold, k)
+        candidates, cvalues = impl.select_candidates(flat, impl.exact_threshold(flat, k), k)
     else:
         widen = 0
-        while True:
-            threshold = _sample_threshold(flat, k, sample, rng.derive_seed(seed, widen), widen)
-            candidates, cvalues = _candidates(flat, threshold, candidate_room(k, _SLACK, widen))
+        while True:  # a threshold that about k * _SLACK * 4**widen entries reach, from the sample
+            rank = sample_rank(k, n, sample, _SLACK, widen)
+            threshold = -math.inf if rank >= sample else impl.sample_threshold(flat, derive_seed(seed, widen), sample, rank)
+            candidates, cvalues = impl.select_candidates(flat, threshold, candidate_room(k, _SLACK, widen))
             if candidates.numel() >= k:
                 break
             widen += 1
-    if compiled:
-        return kernels.take_top(flat, candidates, cvalues, k)
-    chosen = _exact_k(flat, candidates, k)
-    if flat.is_cuda:
-        from . import _launch
+    return impl.take_top(flat, candidates, cvalues, k)
 
-        return _launch.gather_and_zero(flat, chosen)
-    values = flat[chosen]
-    flat[chosen] = 0
-    return values, chosen.to(torch.int32)
+
+def _select_converted(
+    flat: torch.Tensor, k: int, exact: bool, sample: int | None, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_select` of a half-precision CPU tensor: the selection runs on a float32
+    copy (float32 holds its magnitudes exactly, so the chosen entries are the same), the
+    values are read from ``flat`` and zeroed there."""
+    _, chosen = topk_select(flat.float(), k, exact=exact, sample=sample, seed=seed)
+    where = chosen.long()
+    values = flat.index_select(0, where)
+    flat.index_fill_(0, where, 0)
+    return values, chosen
 
 
 def topk_select_many(
@@ -197,9 +156,8 @@ def topk_select_many(
     out_at = np.cumsum(counts, dtype=np.int64) - np.asarray(counts, np.int64)
     values = acc.new_empty(int(sum(counts)))
     indices = torch.empty(values.numel(), dtype=torch.int32, device=acc.device)
-    kernels = _backend.compiled()
     threads = torch.get_num_threads()
-    compiled = kernels is not None and acc.dtype == torch.float32 and not acc.is_cuda
+    compiled = acc.dtype == torch.float32 and not acc.is_cuda  # the CPU kernels' batched selection
     if grad is not None and not (compiled and grad.dtype == torch.float32):  # no fused pass: add first
         for offset, numel in spans:
             add_error(grad.narrow(0, offset, numel), error.narrow(0, offset, numel), out=acc.narrow(0, offset, numel))
@@ -222,14 +180,16 @@ def topk_select_many(
         values.narrow(0, int(out_at[t]), k).copy_(v)
         indices.narrow(0, int(out_at[t]), k).copy_(i + offset)
     if batch:
-        kernels.take_top_many(
+        from .cpu import topk as cpu
+
+        cpu.take_top_many(
             acc,
             None if grad is None else (grad, error),
             np.array([spans[t][0] for t in batch], np.int64),
             np.array([spans[t][1] for t in batch], np.int64),
             np.array([counts[t] for t in batch], np.int64),
             np.array([0 if exact[t] else default_sample(spans[t][1]) for t in batch], np.int64),
-            np.array([rng._check_seed(seeds[t]) for t in batch], np.uint64),
+            np.array([check_seed(seeds[t]) for t in batch], np.uint64),
             out_at[batch],
             _SLACK,
             values,
@@ -243,15 +203,16 @@ def _select_summed(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``topk_select(part, k, seed=seed)`` after ``part = grad + error`` (float32, compiled CPU
     path), the sum taken by the threads in the pass that finds the candidates."""
-    kernels = _backend.compiled()
+    from .cpu import topk as cpu
+
     n = part.numel()
     sample = default_sample(n)
     rank = sample_rank(k, n, sample, _SLACK, 0)
     if sample < n and k < n and rank < sample:
-        threshold = kernels.sample_threshold(part, rng.derive_seed(seed, 0), sample, rank, (grad, error))
-        candidates, cvalues = kernels.select_candidates(part, threshold, candidate_room(k, _SLACK, 0), (grad, error))
+        threshold = cpu.sample_threshold(part, derive_seed(seed, 0), sample, rank, (grad, error))
+        candidates, cvalues = cpu.select_candidates(part, threshold, candidate_room(k, _SLACK, 0), (grad, error))
         if candidates.numel() >= k:
-            return kernels.take_top(part, candidates, cvalues, k)
+            return cpu.take_top(part, candidates, cvalues, k)
     else:
         add_error(grad, error, out=part)
     return topk_select(part, k, seed=seed)  # part holds the sum; the threshold widens as usual
@@ -264,7 +225,9 @@ def scatter_add_decode(
 
     ``values`` is float[world, k], ``indices`` int32[world, k] (distinct within a rank, as
     :func:`topk_select` gives them; indices shared by ranks add up). ``out`` (``n`` elements,
-    float32/float16/bfloat16) is overwritten and returned.
+    float32/float16/bfloat16) is overwritten and returned. Indices outside ``[0, n)`` raise
+    ValueError on the CPU; on CUDA, where reading their range would wait for the device at
+    every decode, the kernel skips them.
     """
     _checks.check_float("values", values)
     _checks.check_dtype("indices", indices, torch.int32)
@@ -276,25 +239,13 @@ def scatter_add_decode(
     if out.numel() != n or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous tensor of {n} elements, got shape {tuple(out.shape)}")
     _checks.check_same_device(values=values, indices=indices, out=out)
-    world = values.shape[0]
+    if out.is_cuda:
+        return _launch.scatter_add_decode(values.contiguous(), indices.contiguous(), n, out, average)
     if indices.numel():
         low, high = torch.aminmax(indices)
         if int(low) < 0 or int(high) >= n:
             raise ValueError(f"indices must lie in [0, {n}), got [{int(low)}, {int(high)}]")
-    if out.is_cuda:
-        from . import _launch
+    from .cpu import topk as cpu
 
-        return _launch.scatter_add_decode(values.contiguous(), indices.contiguous(), n, out, average)
-    kernels = _backend.compiled()
-    if kernels is not None:
-        kernels.scatter_add_decode(values, indices, n, out, average)
-        return out
-    flat = out.view(-1)
-    acc = torch.zeros(n, dtype=torch.float32) if flat.dtype != torch.float32 else flat.zero_()
-    for r in range(world):
-        acc.index_add_(0, indices[r].long(), values[r].float())
-    if average and world > 1:
-        acc.div_(world)
-    if acc is not flat:
-        flat.copy_(acc)
+    cpu.scatter_add_decode(values, indices, n, out, average)
     return out

@@ -3,8 +3,8 @@
 A bucket holds many tensors, most of them small (biases, norms): one call per tensor costs
 more in Python and dispatch than the work inside it. These functions take the bucket and
 the tensors' ``(offset, numel)`` spans and are defined as the per-tensor functions applied
-to each span, so the bits are the same: on the CPU one compiled pass covers every span (the
-numpy path and CUDA loop over the per-tensor functions).
+to each span, so the bits are the same: on the CPU one compiled pass covers every span (CUDA
+loops over the per-tensor functions).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import _backend, _checks, _chunks, bitpack, rng
+from . import _checks
+from ._constants import packed_size
+from .rng import check_seed
 from .ternary import ternary_quantize_pack, ternary_unpack_accumulate
 
 __all__ = ["ternary_quantize_pack_many", "ternary_unpack_accumulate_many"]
@@ -35,20 +37,19 @@ def ternary_quantize_pack_many(
     _checks.check_float("x", x)
     if x.dim() != 1 or not x.is_contiguous():
         raise ValueError(f"x must be a flat contiguous buffer, got shape {tuple(x.shape)}")
-    offsets, lengths = _chunks.check_spans(spans, x.numel())
+    offsets, lengths = _checks.check_spans(spans, x.numel())
     count = len(offsets)
     _checks.check_dtype("scales", scales, torch.float32)
     _checks.check_shape("scales", scales, (count,))
     if len(seeds) != count:
         raise ValueError(f"seeds has {len(seeds)} entries for {count} spans")
-    seeds = [rng._check_seed(s) for s in seeds]
+    seeds = [check_seed(s) for s in seeds]
     if bounds is not None:
         _checks.check_dtype("bounds", bounds, torch.float32)
         _checks.check_shape("bounds", bounds, (count,))
         _checks.check_same_device(x=x, scales=scales, bounds=bounds)
     _checks.check_same_device(x=x, scales=scales)
-    kernels = _backend.compiled()
-    if x.is_cuda or kernels is None:
+    if x.is_cuda:
         scale, bound = scales.unbind(), [None] * count if bounds is None else bounds.unbind()
         pieces = [
             ternary_quantize_pack(x.narrow(0, o, n), scale[t], seeds[t], bound[t])
@@ -59,7 +60,9 @@ def ternary_quantize_pack_many(
     if not (bound >= 0).all():
         raise ValueError(f"bounds must be numbers >= 0 (inf: no clipping), got {bound[~(bound >= 0)].tolist()}")
     scale = scales.contiguous().numpy()
-    return kernels.ternary_quantize_pack_many(x, offsets, lengths, scale, bound, np.array(seeds, dtype=np.uint64))
+    from .cpu import ternary as cpu
+
+    return cpu.ternary_quantize_pack_many(x, offsets, lengths, scale, bound, np.array(seeds, dtype=np.uint64))
 
 
 def ternary_unpack_accumulate_many(
@@ -76,16 +79,15 @@ def ternary_unpack_accumulate_many(
     _checks.check_float("out", out)
     if out.dim() != 1 or not out.is_contiguous():
         raise ValueError(f"out must be a flat contiguous buffer, got shape {tuple(out.shape)}")
-    offsets, lengths = _chunks.check_spans(spans, out.numel())
+    offsets, lengths = _checks.check_spans(spans, out.numel())
     if packed.dim() != 2 or packed.shape[0] < 1:
         raise ValueError(f"packed must be 2-D [world >= 1, bytes], got shape {tuple(packed.shape)}")
     world = packed.shape[0]
-    nbytes = [bitpack.packed_size(int(n), 2) for n in lengths]
+    nbytes = [packed_size(int(n), 2) for n in lengths]
     _checks.check_shape("packed", packed, (world, sum(nbytes)))
     _checks.check_shape("scales", scales, (world, len(offsets)))
     _checks.check_same_device(packed=packed, scales=scales, out=out)
-    kernels = _backend.compiled()
-    if out.is_cuda or kernels is None:
+    if out.is_cuda:
         # per tensor: its rows of every rank and its scale of every rank, stacked (dense, as the kernel reads them)
         rows = [row.split(nbytes) for row in packed.unbind(0)]
         per_rank_scales = [row.unbind() for row in scales.unbind(0)]
@@ -94,5 +96,7 @@ def ternary_unpack_accumulate_many(
             scale = torch.stack([row[t] for row in per_rank_scales])
             ternary_unpack_accumulate(payloads, scale, n, out.narrow(0, o, n))
         return out
-    kernels.ternary_unpack_accumulate_many(packed.contiguous(), scales, offsets, lengths, out)
+    from .cpu import ternary as cpu
+
+    cpu.ternary_unpack_accumulate_many(packed.contiguous(), scales, offsets, lengths, out)
     return out

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -50,3 +53,18 @@ def check_count(name: str, value: int, low: int = 0) -> None:
     """ValueError unless ``value`` is an int >= ``low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+
+
+def check_spans(spans: Sequence[tuple[int, int]], numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths (int64) of ``spans`` (``(offset, length)`` pairs of ints), each
+    checked to lie in ``range(numel)``: ValueError naming the first that does not."""
+    bad = next((v for pair in spans for v in pair if type(v) is not int), None)  # bools and floats too
+    if bad is not None:
+        raise ValueError(f"spans hold {bad!r}; expected (offset, length) pairs of integers >= 0")
+    array = np.array(spans, dtype=np.int64).reshape(-1, 2)
+    offsets, lengths = array[:, 0].copy(), array[:, 1].copy()
+    wrong = (offsets < 0) | (lengths < 0) | (offsets + lengths > numel)
+    if wrong.any():
+        i = int(np.argmax(wrong))
+        raise ValueError(f"span ({offsets[i]}, {lengths[i]}) is not inside the {numel} elements of the buffer")
+    return offsets, lengths

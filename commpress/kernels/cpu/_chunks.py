@@ -1,9 +1,10 @@
-"""Chunked execution of the CPU paths.
+"""How the CPU kernels split their work over threads, and how tensors reach them as numpy arrays.
 
-Each CPU op runs a short sequence of numpy ufuncs over blocks of ``CHUNK`` elements, so the
-intermediates stay in the L2 cache instead of streaming through memory once per step. numpy
-(not torch) because its ufuncs have uint64 logical shifts and a few microseconds less
-overhead per call, which dominates at this block size.
+A compiled kernel works on one span of its input (numpy views of the tensors, no copies);
+a call is cut into a few large spans per thread (:func:`parts`, :func:`segment_items`,
+:func:`whole_segments`) that run on commpress's own pool of ``torch.get_num_threads()``
+threads (:func:`map_blocks`). Half-precision inputs reach a kernel as float32 blocks of
+``CHUNK`` elements, so they need no full-size copy.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-if sys.byteorder != "little":  # the bit packing reinterprets bytes as little-endian words
-    raise ImportError("commpress.cuda CPU paths need a little-endian machine")
+if sys.byteorder != "little":  # the kernels read a uint64 word as its two uint32 draws, low first
+    raise ImportError("commpress.kernels CPU kernels need a little-endian machine")
 
-# Elements per block: a multiple of 8 (whole bytes for every bit width); 64 Ki elements
-# keep every intermediate of an fp32 block (<= 512 KiB) inside a 2 MiB L2 cache.
+# Elements per block: a multiple of 8 (whole bytes for every bit width); 64 Ki elements keep
+# a float32 block of a half-precision input (256 KiB) inside a 2 MiB L2 cache, and no span
+# of :func:`parts` is shorter.
 CHUNK = 1 << 16
 
 
@@ -70,18 +72,13 @@ def map_blocks(body: Callable[..., object], blocks: Sequence[tuple]) -> list:
     """``[body(*block) for each block]`` (usually ``(start, stop)``), spread over torch's
     intra-op thread count.
 
-    numpy's ufuncs and the compiled kernels release the GIL, so blocks run in parallel; the
+    The compiled kernels release the GIL, so blocks run in parallel; the
     bodies write disjoint slices of their outputs.
     """
     pool = _executor() if len(blocks) > 1 else None
     if pool is None:
         return [body(*block) for block in blocks]
     return list(pool.map(lambda block: body(*block), blocks))
-
-
-def run(n: int, body: Callable[[int, int], None], chunk: int = CHUNK) -> None:
-    """Call ``body(start, stop)`` for every block of ``range(n)`` (in parallel, see map_blocks)."""
-    map_blocks(body, list(spans(n, chunk)))
 
 
 # Parts per worker thread: a few, so that a thread slowed by other load does not hold up the call.
@@ -99,6 +96,18 @@ def parts(n: int, align: int, minimum: int = CHUNK) -> list[tuple[int, int]]:
     step = -(-n // count)
     step = max(align, -(-step // align) * align)
     return list(spans(n, step)) if n else []
+
+
+def float32_out(out: torch.Tensor, start: int, stop: int, fill: Callable[[int, np.ndarray], None]) -> None:
+    """Run ``fill(first, float32 array)`` for ``out[start:stop]``: in place for float32, else
+    through a float32 block per ``CHUNK`` rounded into out's dtype."""
+    if out.dtype == torch.float32:
+        fill(start, as_numpy(out[start:stop]))
+        return
+    for s, e in spans(stop - start):
+        block = np.empty(e - s, np.float32)
+        fill(start + s, block)
+        write_block(out, start + s, block)
 
 
 def float32_pieces(x: torch.Tensor, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
@@ -147,18 +156,3 @@ def whole_segments(lengths: np.ndarray) -> list[np.ndarray]:
     ends = np.cumsum(lengths)
     cuts = np.searchsorted(ends, int(ends[-1]) * np.arange(1, groups) // groups, side="right")
     return [g for g in np.split(np.arange(lengths.size, dtype=np.int64), np.unique(cuts)) if g.size]
-
-
-def check_spans(spans: Sequence[tuple[int, int]], numel: int) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and lengths (int64) of ``spans`` (``(offset, length)`` pairs of ints), each
-    checked to lie in ``range(numel)``: ValueError naming the first that does not."""
-    bad = next((v for pair in spans for v in pair if type(v) is not int), None)  # bools and floats too
-    if bad is not None:
-        raise ValueError(f"spans hold {bad!r}; expected (offset, length) pairs of integers >= 0")
-    array = np.array(spans, dtype=np.int64).reshape(-1, 2)
-    offsets, lengths = array[:, 0].copy(), array[:, 1].copy()
-    wrong = (offsets < 0) | (lengths < 0) | (offsets + lengths > numel)
-    if wrong.any():
-        i = int(np.argmax(wrong))
-        raise ValueError(f"span ({offsets[i]}, {lengths[i]}) is not inside the {numel} elements of the buffer")
-    return offsets, lengths

@@ -18,9 +18,13 @@ extern "C" __global__ void cp_gather_and_zero(void* acc, int dtype, const i64* i
 }
 
 // acc[idx[j]] += values[j] for one rank; launched once per rank, in rank order, on one stream.
-// Indices within a rank are distinct, so every element sees its additions in rank order.
-extern "C" __global__ void cp_scatter_add_rank(const void* values, int dtype, const int* idx, i64 k, float* acc) {
-    CP_GRID_STRIDE(j, k) { atomicAdd(acc + idx[j], cp_load(values, dtype, j)); }
+// Indices within a rank are distinct, so every element sees its additions in rank order. An
+// index outside [0, n) is skipped (the host does not read the range: that would wait for the device).
+extern "C" __global__ void cp_scatter_add_rank(const void* values, int dtype, const int* idx, i64 k, i64 n, float* acc) {
+    CP_GRID_STRIDE(j, k) {
+        int i = idx[j];
+        if (i >= 0 && i < n) atomicAdd(acc + i, cp_load(values, dtype, j));
+    }
 }
 
 // out[i] = acc[i] / divisor (divisor > 1) or acc[i], rounded to out's dtype.

@@ -35,7 +35,7 @@ def require_cupy() -> Any:
         import cupy
     except ImportError as exc:
         raise RuntimeError(
-            f"CUDA tensors in commpress.cuda need CuPy: pip install {extra} (commpress's cuda12/cuda13 extra; torch "
+            f"CUDA tensors in commpress.kernels need CuPy: pip install {extra} (commpress's cuda12/cuda13 extra; torch "
             f"here uses CUDA {torch.version.cuda})"
         ) from exc
     cupy_major = cupy.cuda.runtime.runtimeGetVersion() // 1000
@@ -49,8 +49,8 @@ def require_cupy() -> Any:
 
 
 def source(name: str) -> str:
-    """The text of ``kernels/<name>.cu`` with its local headers inlined (so CuPy's cache key covers them)."""
-    folder = resources.files("commpress.cuda") / "kernels"
+    """The text of ``<name>.cu`` (beside this module) with its local headers inlined (so CuPy's cache key covers them)."""
+    folder = resources.files("commpress.kernels.cuda")
     text = (folder / f"{name}.cu").read_text()
     return _INCLUDE.sub(lambda m: (folder / m.group(1)).read_text(), text)
 
@@ -65,7 +65,7 @@ def _module(name: str, device_index: int) -> Any:
 
 
 def kernel(module: str, function: str, device: torch.device) -> Any:
-    """The compiled kernel ``function`` of ``kernels/<module>.cu`` for ``device``."""
+    """The compiled kernel ``function`` of ``<module>.cu`` for ``device``."""
     return _module(module, device.index if device.index is not None else torch.cuda.current_device()).get_function(function)
 
 

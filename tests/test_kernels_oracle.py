@@ -1,19 +1,16 @@
-"""The compiled CPU kernels (numba) give the bits of the numpy path, and the backend is chosen loudly.
+"""The compiled CPU kernels (numba) give the bits of the oracle (``kernel_oracle``).
 
-Every op runs under both backends on odd sizes, stream offsets, every bit width and dtype,
-special values (NaN, +-0, Inf, ties), on one thread and on two (several spans per call).
-The numpy path is itself checked against the definitions in the other kernel tests.
+Every op runs through :mod:`commpress.kernels` and through the oracle on odd sizes, stream
+offsets, every bit width and dtype, special values (NaN, +-0, Inf, ties), on one thread and
+on two (several spans per call). The CUDA kernels are compared with the CPU kernels in
+``test_kernels_host.py`` (their sources on this machine) and ``test_cuda_kernels.py`` (a GPU).
 """
-
-import sys
 
 import pytest
 import torch
 
-import commpress.cuda as cc
-from commpress.cuda import _backend
-from commpress.cuda._chunks import CHUNK
-from commpress.errors import ConfigError
+import commpress.kernels as cc
+from commpress.kernels.cpu._chunks import CHUNK
 
 SIZES = [1, 7, 1001, 2 * CHUNK + 13]  # the last one splits into several spans on two threads
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -43,16 +40,16 @@ def data(n: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
 def test_uniform(both, threads):
     for n in [0, *SIZES]:
         for offset in (0, 1, 77, 2**40 + 1):
-            assert same_bits(*both(lambda: cc.uniform(123, n, offset)))  # noqa: B023
+            assert same_bits(*both(lambda ops: ops.uniform(123, n, offset)))  # noqa: B023
 
 
 def test_pack_and_unpack(both, threads):
     for n in SIZES:
         codes = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
         for bits in (1, 2, 4, 8):
-            packed, packed_np = both(lambda: cc.pack_bits(codes, bits))  # noqa: B023
+            packed, packed_np = both(lambda ops: ops.pack_bits(codes, bits))  # noqa: B023
             assert same_bits(packed, packed_np)
-            assert same_bits(*both(lambda: cc.unpack_bits(packed, bits, n)))  # noqa: B023
+            assert same_bits(*both(lambda ops: ops.unpack_bits(packed, bits, n)))  # noqa: B023
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,13 +59,14 @@ def test_ternary(both, threads, dtype):
         finite = x.float().nan_to_num(0.0, 0.0, 0.0)
         scale = finite.abs().max() * 0.9  # some elements above the scale: always kept
         for bound in (None, scale * 0.5, torch.tensor(0.0), torch.tensor(float("inf"))):
-            assert same_bits(*both(lambda: cc.ternary_quantize_pack(x, scale, 77, bound)))  # noqa: B023
+            assert same_bits(*both(lambda ops: ops.ternary_quantize_pack(x, scale, 77, bound)))  # noqa: B023
         world = 3
         packed = torch.stack([cc.ternary_quantize_pack(x, scale, r) for r in range(world)])
         scales = torch.tensor([scale.item(), 0.0, -2.5])
         for out_dtype in DTYPES:
             for w in (1, world):
-                results = both(lambda: cc.ternary_unpack_accumulate(packed[:w], scales[:w], n, torch.empty(n, dtype=out_dtype)))  # noqa: B023
+                out = torch.empty(n, dtype=out_dtype)
+                results = both(lambda ops: ops.ternary_unpack_accumulate(packed[:w], scales[:w], n, out.clone()))  # noqa: B023
                 assert same_bits(*results)
 
 
@@ -80,7 +78,7 @@ def test_quantize(both, threads, bits):
                 xs = [data(n, r, dtype) for r in range(3)]
                 if n > 200:
                     xs[1][74:111] = 0.5  # constant buckets
-                (p, lo, sc), (p_np, lo_np, sc_np) = both(lambda: cc.quantize_pack(xs[0], bits, bucket, 5))  # noqa: B023
+                (p, lo, sc), (p_np, lo_np, sc_np) = both(lambda ops: ops.quantize_pack(xs[0], bits, bucket, 5))  # noqa: B023
                 assert same_bits(p, p_np)
                 for a, b in ((lo, lo_np), (sc, sc_np)):  # the bits of a NaN are unspecified
                     assert same_bits(a.nan_to_num(9.0), b.nan_to_num(9.0))
@@ -89,9 +87,9 @@ def test_quantize(both, threads, bits):
                 for average in (True, False):
                     for w in (1, 3):
 
-                        def decode(w=w, average=average, bucket=bucket, packed=packed, mins=mins, scales=scales, n=n):
+                        def decode(ops, w=w, average=average, bucket=bucket, packed=packed, mins=mins, scales=scales, n=n):
                             out = torch.empty(n)
-                            return cc.unpack_accumulate(packed[:w], mins[:w], scales[:w], bits, bucket, n, out, average=average)
+                            return ops.unpack_accumulate(packed[:w], mins[:w], scales[:w], bits, bucket, n, out, average=average)
 
                         out = both(decode)
                         assert same_bits(out[0].nan_to_num(9.0), out[1].nan_to_num(9.0))
@@ -112,9 +110,9 @@ def test_topk(both, threads, exact):
     for acc in cases:
         for k in (1, 97, n // 100, n - 1):
 
-            def select(acc=acc, k=k):
+            def select(ops, acc=acc, k=k):
                 work = acc.clone()
-                values, idx = cc.topk_select(work, k, exact=exact, seed=k)
+                values, idx = ops.topk_select(work, k, exact=exact, seed=k)
                 return values, idx, work
 
             assert same_bits(*both(select))
@@ -130,12 +128,12 @@ def test_scatter_add_decode(both, threads):
         for average in (True, False):
             for w in (1, world):
 
-                def decode(w=w, average=average, out_dtype=out_dtype):
-                    return cc.scatter_add_decode(values[:w], idx[:w], n, torch.full((n,), 5.0, dtype=out_dtype), average=average)
+                def decode(ops, w=w, average=average, out_dtype=out_dtype):
+                    return ops.scatter_add_decode(values[:w], idx[:w], n, torch.full((n,), 5.0, dtype=out_dtype), average=average)
 
                 assert same_bits(*both(decode))
     halves = values.half()
-    assert same_bits(*both(lambda: cc.scatter_add_decode(halves, idx, n, torch.empty(n))))
+    assert same_bits(*both(lambda ops: ops.scatter_add_decode(halves, idx, n, torch.empty(n))))
 
 
 def test_ternary_bound_must_be_a_number_at_least_zero():
@@ -145,28 +143,3 @@ def test_ternary_bound_must_be_a_number_at_least_zero():
             cc.ternary_quantize_pack(x, torch.tensor(1.0), 0, torch.tensor(bad))
     with pytest.raises(TypeError, match="bound"):
         cc.ternary_quantize_pack(x, torch.tensor(1.0), 0, torch.tensor(1.0, dtype=torch.float64))
-
-
-def test_backend_choice(monkeypatch):
-    monkeypatch.setenv(_backend.ENV, "fortran")
-    _backend.reset()
-    with pytest.raises(
-        ConfigError, match=r"COMMPRESS_CPU_BACKEND='fortran' is not accepted; accepted values: auto, numba, numpy"
-    ):
-        cc.cpu_backend()
-    monkeypatch.setenv(_backend.ENV, "auto")
-    _backend.reset()
-    assert cc.cpu_backend() == "numba"  # numba is a dependency: the default
-    monkeypatch.setitem(sys.modules, "commpress.cuda._numba", None)  # as if numba could not be imported
-    monkeypatch.delattr(cc, "_numba")
-    _backend.reset()
-    with pytest.warns(RuntimeWarning, match="the CPU kernels run the numpy path"):
-        assert cc.cpu_backend() == "numpy"
-    codes = torch.arange(9, dtype=torch.uint8)
-    assert torch.equal(cc.unpack_bits(cc.pack_bits(codes, 4), 4, 9), codes)  # and the numpy path runs
-    monkeypatch.setenv(_backend.ENV, "numba")
-    _backend.reset()
-    with pytest.raises(RuntimeError, match="COMMPRESS_CPU_BACKEND=numba but numba cannot be imported"):
-        cc.cpu_backend()
-    monkeypatch.undo()
-    _backend.reset()

@@ -1,14 +1,14 @@
-"""Hot-path kernels of the compressors, with a CPU path that is their exact oracle.
+"""The compressors' hot-path kernels: one front end per op, a CUDA and a CPU implementation.
 
-Every function takes torch tensors and dispatches on their device: CPU tensors run compiled
-numba loops (one fused pass per span; vectorized numpy code in cache-sized blocks where numba
-is missing, see :func:`cpu_backend`), CUDA tensors run CuPy kernels (compiled from the ``.cu``
-sources in ``kernels/``) on torch's current stream. Both produce the same
-bits for the same inputs and seed, so a CPU rank and a GPU rank can exchange payloads.
-Only this package imports CuPy, and only when a CUDA tensor arrives.
+Every function takes torch tensors, checks its arguments and dispatches on their device:
+CUDA tensors run the CuPy kernels of :mod:`commpress.kernels.cuda` (compiled from its
+``.cu`` sources) on torch's current stream; CPU tensors run the compiled numba loops of
+:mod:`commpress.kernels.cpu` (one fused pass per span, spread over torch's thread count).
+Both produce the same bits for the same inputs and seed, so a CPU rank and a GPU rank can
+exchange payloads. Only :mod:`commpress.kernels.cuda` imports CuPy, and only when a CUDA
+tensor arrives; numba is imported when the first CPU tensor (or seed) arrives.
 """
 
-from ._backend import cpu_backend
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .feedback import add_error, update_error
 from .quantize import dequantize, quantize_pack, unpack_accumulate
@@ -20,7 +20,6 @@ from .topk import scatter_add_decode, topk_select, topk_select_many
 
 __all__ = [
     "add_error",
-    "cpu_backend",
     "dequantize",
     "derive_seed",
     "pack_bits",

@@ -1,14 +1,19 @@
-"""CUDA front-ends: allocate outputs with torch, run the kernels of ``kernels/*.cu`` through CuPy.
+"""The CUDA side of every op: allocate outputs with torch, run the kernels of the ``.cu`` sources through CuPy.
 
-Called by the public functions after their argument checks, only for CUDA tensors.
+Called by the front ends of :mod:`commpress.kernels` after their argument checks, only for
+CUDA tensors. Top-k's selection is torch operations around two kernels (the sample's
+indices, the compaction of the chosen entries).
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-from ._constants import STATS_LANES, STATS_ROWS
+from commpress.kernels._constants import STATS_LANES, STATS_ROWS
+
 from ._cupy import launch
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # CP_F32, CP_F16, CP_BF16 in common.cuh
@@ -115,6 +120,45 @@ def unpack_accumulate(
     return out
 
 
+def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
+    """float32 magnitudes of ``acc``, NaN as +inf (as ``torch.topk`` orders them)."""
+    mag = acc.abs()
+    if mag.dtype != torch.float32:
+        mag = mag.float()
+    return torch.nan_to_num_(mag, nan=math.inf, posinf=math.inf)
+
+
+def exact_threshold(flat: torch.Tensor, k: int) -> float:
+    """The ``k``-th largest magnitude of ``flat``."""
+    return torch.kthvalue(_magnitudes(flat), flat.numel() - k + 1).values.item()
+
+
+def sample_threshold(flat: torch.Tensor, seed: int, sample: int, rank: int) -> float:
+    """The ``rank``-th largest magnitude among ``sample`` entries of ``flat``: entry ``j`` is
+    ``floor(draw_j * n / 2**32)``, with draw ``j`` of stream ``seed``."""
+    idx = sample_indices(seed, sample, flat.numel(), flat.device)
+    return torch.kthvalue(_magnitudes(flat[idx]), sample - rank + 1).values.item()
+
+
+def select_candidates(flat: torch.Tensor, threshold: float, expect: int) -> tuple[torch.Tensor, None]:
+    """Increasing indices of the entries whose magnitude is not below ``threshold`` (NaN included)."""
+    return torch.nonzero(~(_magnitudes(flat) < threshold)).view(-1), None
+
+
+def take_top(flat: torch.Tensor, candidates: torch.Tensor, cvalues: None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of ``candidates`` (increasing indices, at least k), the k largest magnitudes, ties to the
+    lower index: their values and int32 indices, zeroed in ``flat``."""
+    cmag = _magnitudes(flat[candidates])
+    chosen = candidates
+    if cmag.numel() > k:
+        kth = torch.kthvalue(cmag, cmag.numel() - k + 1).values
+        above = cmag > kth
+        ties = cmag == kth
+        need = k - int(above.sum())
+        chosen = candidates[above | (ties & (torch.cumsum(ties, 0) <= need))]
+    return gather_and_zero(flat, chosen)
+
+
 def gather_and_zero(acc: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """values = acc[chosen], acc[chosen] = 0 and int32 indices, in one kernel pass over the k entries."""
     k = chosen.numel()
@@ -128,7 +172,7 @@ def scatter_add_decode(values: torch.Tensor, indices: torch.Tensor, n: int, out:
     world, k = values.shape
     acc = out.view(-1).zero_() if out.dtype == torch.float32 else torch.zeros(n, dtype=torch.float32, device=out.device)
     for row, idx in zip(values.unbind(0), indices.unbind(0)):  # one launch per rank on one stream: rank order
-        launch("topk", "cp_scatter_add_rank", out.device, k, (row, _code(values), idx, np.int64(k), acc))
+        launch("topk", "cp_scatter_add_rank", out.device, k, (row, _code(values), idx, np.int64(k), np.int64(n), acc))
     divisor = world if average and world > 1 else 1
     if divisor > 1 or acc is not out.view(-1):
         launch("topk", "cp_finish", out.device, n, (acc, out, _code(out), np.int64(n), np.int32(divisor)))

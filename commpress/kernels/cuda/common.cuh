@@ -1,6 +1,6 @@
 // Shared device code of the commpress kernels: the counter-based generator and float loads/stores.
 // Compiled with --fmad=false and written with explicit _rn intrinsics so that every float
-// operation is the single IEEE operation the CPU path (commpress/cuda/*.py) performs.
+// operation is the single IEEE operation the CPU kernels (commpress/kernels/cpu/*.py) perform.
 #ifndef COMMPRESS_COMMON_CUH
 #define COMMPRESS_COMMON_CUH
 
@@ -10,7 +10,7 @@ typedef unsigned int u32;
 typedef unsigned char u8;
 typedef unsigned short u16;
 
-// dtype codes of float tensors, as in commpress/cuda/_launch.py
+// dtype codes of float tensors, as in commpress/kernels/cuda/_launch.py
 #define CP_F32 0
 #define CP_F16 1
 #define CP_BF16 2

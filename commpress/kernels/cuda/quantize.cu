@@ -1,5 +1,5 @@
 // b-bit bucketed stochastic quantization (b in 2, 4, 8): per-bucket min/scale, codes + pack,
-// and the fused unpack + dequantize + accumulate over ranks. Mirrors commpress/cuda/quantize.py.
+// and the fused unpack + dequantize + accumulate over ranks. Mirrors commpress/kernels/quantize.py.
 #include "common.cuh"
 
 #define CP_MINMAX_THREADS 256

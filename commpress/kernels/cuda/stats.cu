@@ -1,5 +1,5 @@
 // Per-tensor statistics of a bucket: the largest magnitude and the float64 sum of squares in the
-// fixed order of commpress/cuda/stats.py (chunks of rows x lanes), which this mirrors in three
+// fixed order of commpress/kernels/stats.py (chunks of rows x lanes), which this mirrors in three
 // passes. A chunk list covers the tensors: chunk g holds elements [first[g], end[g]) of the buffer.
 #include "common.cuh"
 

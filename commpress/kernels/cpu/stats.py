@@ -1,0 +1,71 @@
+"""Span statistics on the CPU (numba): every tensor's largest magnitude and sum of squares in one pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from commpress.kernels._constants import STATS_LANES, STATS_ROWS
+
+from . import _chunks
+from ._jit import inline, jit
+
+__all__ = ["span_stats"]
+
+_KEY_ABS = np.uint32(0x7FFFFFFF)
+
+
+@inline
+def _stats_row(xs, bs, part, top):
+    """Add a row's squares to the lanes ``part`` and its magnitudes' bits to ``top``; a full
+    row is a loop of constant length (it vectorizes without a remainder)."""
+    if xs.size == STATS_LANES:
+        for j in range(STATS_LANES):
+            v = np.float64(xs[j])
+            part[j] += v * v
+            top[j] = max(top[j], bs[j] & _KEY_ABS)
+    else:
+        for j in range(xs.size):
+            v = np.float64(xs[j])
+            part[j] += v * v
+            top[j] = max(top[j], bs[j] & _KEY_ABS)
+
+
+@jit
+def span_stats_items(x, xbits, offsets, lengths, items, peak, sumsq):
+    """For the tensors ``items`` (tensor ``t`` is ``x[offsets[t]:][:lengths[t]]``, float32):
+    the largest magnitude's bits into ``peak`` (uint32: for floats >= 0 the integer order is
+    the float order and a NaN's bits exceed +inf's, so a NaN wins) and the sum of squares
+    into ``sumsq`` (float64) in the order of ``stats.span_stats``. The lane loops are plain
+    element-wise loops over small arrays, so they vectorize without reassociation."""
+    lanes = np.empty(STATS_LANES, np.float64)
+    part = np.empty(STATS_LANES, np.float64)
+    top = np.empty(STATS_LANES, np.uint32)
+    for t in items:
+        a, n = offsets[t], lengths[t]
+        lanes[:] = 0.0
+        top[:] = 0
+        for cs in range(0, n, STATS_LANES * STATS_ROWS):
+            ce = min(n, cs + STATS_LANES * STATS_ROWS)
+            part[:] = 0.0
+            for rs in range(a + cs, a + ce, STATS_LANES):
+                _stats_row(x[rs : min(rs + STATS_LANES, a + ce)], xbits[rs : rs + STATS_LANES], part, top)
+            for j in range(STATS_LANES):
+                lanes[j] += part[j]
+        total = 0.0
+        high = np.uint32(0)
+        for j in range(STATS_LANES):
+            total += lanes[j]
+            high = max(high, top[j])
+        sumsq[t] = total
+        peak[t] = high
+
+
+def span_stats(x: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(peak float32[T], sum of squares float64[T]) of the segments ``x[offsets[t]:][:lengths[t]]``;
+    whole tensors are spread over the threads."""
+    src = _chunks.as_numpy(x if x.dtype == torch.float32 else x.float())
+    peak, sumsq = np.zeros(offsets.size, np.uint32), np.zeros(offsets.size, np.float64)
+    run = lambda items: span_stats_items(src, src.view(np.uint32), offsets, lengths, items, peak, sumsq)  # noqa: E731
+    _chunks.map_blocks(run, [(items,) for items in _chunks.whole_segments(lengths)])
+    return peak.view(np.float32), sumsq
