@@ -23,8 +23,8 @@ from commpress.compressors.base import AllGather, Bucket, Compressor, Context, P
 from commpress.compressors.framing import frame, unframe
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_seeds
-from commpress.cuda import packed_size, span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
 from commpress.errors import ConfigError
+from commpress.kernels import packed_size, span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
 
 __all__ = ["TernGradCompressor"]
 
@@ -106,7 +106,7 @@ class TernGradCompressor(Compressor):
         after clipping at ``clip_sigma`` times the tensor's root mean square; +Inf for a
         tensor that holds Inf or NaN.
 
-        One pass over the bucket (:func:`commpress.cuda.span_stats`): a bucket holds many
+        One pass over the bucket (:func:`commpress.kernels.span_stats`): a bucket holds many
         small tensors, and a pass per tensor and statistic costs more.
         """
         peak, sumsq = span_stats(buffer, spans)  # one pass: max|g| (NaN if the tensor holds one), sum of g^2

@@ -36,9 +36,9 @@ from commpress.comm import checkpoint
 from commpress.comm.torch_backend import allgather_object
 from commpress.comm.traffic import Traffic
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
-from commpress.cuda import derive_seed
 from commpress.fsdp.collectives import quantized_all_gather, quantized_reduce_scatter
 from commpress.fsdp.wire import Segments, Wire
+from commpress.kernels import derive_seed
 
 __all__ = ["FSDP2State", "ParamShard", "QuantizedAllGather", "QuantizedReduceScatter", "Unit", "apply_fsdp2"]
 
