@@ -169,8 +169,6 @@ class CommState:
             self.step += 1
         bucket = Bucket(index, buffer, slots)
         ctx = Context(rank=self.rank, world_size=self.world_size, step=step)
-        with self._done:
-            self._in_flight += 1
         if step < self.config.start_iter:
             fut = self._backend.run(self._warmup.reduce(bucket, ctx), buffer)
         elif self.adaptive is not None:
@@ -179,6 +177,8 @@ class CommState:
             fut = self.adaptive.run(bucket, step)
         else:
             fut = self._backend.run(self.groups.reduction(bucket, ctx), buffer)
+        with self._done:  # counted once started (a hook that raised has nothing in flight)
+            self._in_flight += 1
         return fut.then(functools.partial(self._record_finite, bucket))
 
     def _record_finite(self, bucket: Bucket, fut: torch.futures.Future) -> torch.Tensor:
