@@ -48,6 +48,6 @@ def test_fsdp1_hook_states_are_lazy_too():
     from commpress.fsdp import FSDPConfig, LowPrecisionState, QuantizedState
 
     quantized, low = QuantizedState(FSDPConfig()), LowPrecisionState(torch.bfloat16)
-    assert quantized.state_dict() == {"steps": 0} and low.dtype == torch.bfloat16
+    assert quantized.state_dict()["steps"] == 0 and quantized.state_dict()["rank"] is None and low.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match=r"QuantizedState\) needs torch.distributed initialized"):
         quantized.connect()

@@ -79,11 +79,13 @@ class QuantizedState(_LazyState):
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """The call counter, tagged with rank, world size and config (the same on every
-        rank; ``full=True``: every rank's part, a collective)."""
-        self.connect()
-        group = self.process_group
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        part = checkpoint.tag({"steps": self.steps}, rank, world, self.steps, dataclasses.asdict(self.config))
+        rank; ``full=True``: every rank's part, a collective). Before the first hook runs
+        rank and world size are None (nothing differs per rank yet)."""
+        if full:
+            self.connect()
+        group = self.process_group if self._connected else None
+        where = (dist.get_rank(group), dist.get_world_size(group)) if self._connected else (None, None)
+        part = checkpoint.tag({"steps": self.steps}, *where, self.steps, dataclasses.asdict(self.config))
         return checkpoint.gather_job(functools.partial(allgather_object, group=group), part) if full else part
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
