@@ -23,8 +23,8 @@ from commpress.compressors.base import AllGather, Bucket, Compressor, Context, P
 from commpress.compressors.framing import frame, unframe
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_seeds
-from commpress.cuda import packed_size, span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
 from commpress.errors import ConfigError
+from commpress.kernels import packed_size, span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
 
 __all__ = ["TernGradCompressor"]
 

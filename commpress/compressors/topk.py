@@ -37,8 +37,8 @@ from commpress.compressors.framing import frame, unframe
 from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_key, tensor_seeds
-from commpress.cuda import scatter_add_decode, topk_select_many
 from commpress.errors import ConfigError
+from commpress.kernels import scatter_add_decode, topk_select_many
 
 __all__ = ["DEFAULT_MIN_NUMEL", "TopKCompressor", "topk_count"]
 
