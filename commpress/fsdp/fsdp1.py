@@ -23,9 +23,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 from commpress.comm.torch_backend import require_initialized
 from commpress.comm.traffic import Traffic
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
-from commpress.cuda import derive_seed
 from commpress.fsdp.collectives import quantized_all_reduce, quantized_reduce_scatter
 from commpress.fsdp.wire import Segments, Wire
+from commpress.kernels import derive_seed
 
 __all__ = ["LowPrecisionState", "QuantizedState", "low_precision_hook", "quantized_hook", "register_fsdp1"]
 

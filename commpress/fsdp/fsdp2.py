@@ -33,9 +33,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMi
 
 from commpress.comm.traffic import Traffic
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
-from commpress.cuda import derive_seed
 from commpress.fsdp.collectives import quantized_all_gather, quantized_reduce_scatter
 from commpress.fsdp.wire import Segments, Wire
+from commpress.kernels import derive_seed
 
 __all__ = ["FSDP2State", "ParamShard", "QuantizedAllGather", "QuantizedReduceScatter", "Unit", "apply_fsdp2"]
 
