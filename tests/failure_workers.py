@@ -143,7 +143,7 @@ class DDPCase(Case):
         out = _timeouts(self.state.backend._comms.values())
         if self.state.adaptive is not None:
             out += _timeouts(self.state.adaptive.backend._comms.values())
-            out += _timeouts([self.state.adaptive._measure_group])
+            out += _timeouts([self.state.adaptive._links.group])
         return out
 
 

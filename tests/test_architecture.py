@@ -116,3 +116,20 @@ def test_kernel_implementations_import_no_front_end():
                 if targets - allowed:
                     wrong[module] = sorted(targets - allowed)
     assert not wrong, wrong
+
+
+def test_the_bandwidth_layer_reaches_the_ranks_through_the_backend():
+    """``adaptive/`` measures links and opens scoped backends through the backend contract
+    (``comm/links.py``); it never imports torch.distributed itself."""
+    found = []
+    for path in sorted((ROOT / "adaptive").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from commpress.config import Config, ConfigError, parse_method_spec
+from commpress.config.groups import MethodGroups
 
 
 def test_defaults_and_round_trip():
@@ -42,9 +43,9 @@ def test_toml_file(tmp_path):
     path.write_text('method = "bf16"\nstart_iter = 2\n[[overrides]]\nparams = ["*.bias", "*norm*"]\nmethod = "none"\n')
     cfg = Config.load(path)
     assert cfg.method == "bf16" and cfg.start_iter == 2
-    assert cfg.method_for("body.0.bias") == ("none", {})
-    assert cfg.method_for("layernorm.weight") == ("none", {})
-    assert cfg.method_for("body.0.weight") == ("bf16", {})
+    groups = MethodGroups(cfg)
+    assert [groups.key_for(n) for n in ("body.0.bias", "layernorm.weight", "body.0.weight")] == ["override0", "override0", "main"]
+    assert groups.specs["override0"] == ("none", {}) and groups.specs["main"] == ("bf16", {})
 
 
 def test_toml_errors(tmp_path):

@@ -14,8 +14,8 @@ from test_fake_cuda import CUDA, _drive, fake_cuda  # noqa: F401  (fake_cuda: a 
 from commpress import ConfigError
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, build
-from commpress.compressors.dgc import HANDED_OVER, hand_over_momentum
 from commpress.compressors.topk import DEFAULT_MIN_NUMEL, topk_count
+from commpress.hooks.optimizer import HANDED_OVER, hand_over_momentum
 
 WORLD = 2
 SIZES = {"w": 300, "x": 90, "b": 7}  # with min_numel = 50: w and x sparsified, b sent whole

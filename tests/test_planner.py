@@ -160,9 +160,8 @@ def test_cross_traffic_of_a_chosen_plan_is_what_it_predicts():
 def test_hierarchy_layout_and_bad_domains():
     h = Hierarchy.of([[2, 3], [0, 1]])
     assert h.domains == ((0, 1), (2, 3)) and h.cross_groups == ((0, 2), (1, 3)) and h.shards == 2
-    assert [h.domain_of(r) for r in range(4)] == [0, 0, 1, 1] and h.local_rank(3) == 1 and h.cross_group_of(3) == 1
+    assert [h.domain_of(r) for r in range(4)] == [0, 0, 1, 1] and h.local_rank(3) == 1
     assert Hierarchy.of([[0, 1, 2], [3, 4]]).cross_groups == ((0, 3), (1, 4))  # rank 2 only works inside its domain
-    assert Hierarchy.of([[0, 1, 2], [3, 4]]).cross_group_of(2) is None
     assert Hierarchy.of([[0], [1], [2]]).cross_groups == ((0, 1, 2),)
     with pytest.raises(ValueError, match=r"must split ranks 0\.\.3"):
         Hierarchy.of([[0, 1], [2]], 4)

@@ -8,16 +8,8 @@ import math
 
 import pytest
 
-from commpress.adaptive.topology import (
-    Flows,
-    Topology,
-    _flows_of,
-    _lead,
-    auto_threshold,
-    domain_flows,
-    find_domains,
-    uplink_flows,
-)
+from commpress.adaptive.measurement import _flows_of, _lead, domain_flows, uplink_flows
+from commpress.adaptive.topology import Flows, Topology, auto_threshold, find_domains
 from commpress.comm.launch import run_local
 
 G = 1e9 / 8
@@ -129,11 +121,13 @@ def test_flows_of_a_domain_add_up():
 
 
 def _measure(rank: int, world: int) -> list[Topology]:
-    from commpress.adaptive.topology import measure_topology
+    from commpress.adaptive.measurement import measure_topology
+    from commpress.comm.torch_backend import TorchLinks
 
+    links = TorchLinks()
     return [
-        measure_topology(probe_ms=5, max_bytes=2**20, repeats=2),
-        measure_topology(probe_ms=5, max_bytes=2**20, repeats=2, group_by="bandwidth", fast_gbps=1e6),
+        measure_topology(links, probe_ms=5, max_bytes=2**20, repeats=2),
+        measure_topology(links, probe_ms=5, max_bytes=2**20, repeats=2, group_by="bandwidth", fast_gbps=1e6),
     ]
 
 

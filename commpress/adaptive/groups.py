@@ -50,10 +50,6 @@ class Hierarchy:
     def local_rank(self, rank: int) -> int:
         return self.domains[self.domain_of(rank)].index(rank)
 
-    def cross_group_of(self, rank: int) -> int | None:
-        """The index of ``rank``'s cross group (None: it has none)."""
-        return next((j for j, g in enumerate(self.cross_groups) if rank in g), None)
-
     def names(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, scope, ranks) of every group: "cross j" first, then "domain d"."""
         cross = [(f"cross {j}", "cross", g) for j, g in enumerate(self.cross_groups)]

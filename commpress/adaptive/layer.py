@@ -1,7 +1,7 @@
 """The bandwidth-aware layer of the DDP hook state.
 
 Turned on by ``[bandwidth] adaptive = true``. At start-up it measures the links
-(:func:`~commpress.adaptive.topology.measure_topology`, the same result on every rank), plans
+(:func:`~commpress.adaptive.measurement.measure_topology`, the same result on every rank), plans
 (:func:`~commpress.adaptive.planner.plan_hierarchy`, a pure function of that measurement
 and of the model's buckets), checks that every rank holds the same plan, and reduces
 every bucket hierarchically: uncompressed inside fast domains, compressed across them
@@ -17,6 +17,10 @@ Changing a method's parameter keeps its state: the new instance loads the old on
 and restarts its warm start when the rank changes). A plan that switches a group to ``none``
 (its links are fast enough) parks the compressor with its state; a later plan that
 brings the method back resumes it. Parked compressors are part of ``state_dict``.
+
+Everything it asks of the ranks goes through the hook state's backend
+(:class:`~commpress.comm.links.MeasurableBackend`): a communicator of its own for the
+measurements and the plan check, and a backend with the plan's domain and cross scopes.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ import torch
 
 from commpress.adaptive import timing
 from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
+from commpress.adaptive.measurement import measure_topology
 from commpress.adaptive.planner import HierarchyPlan, plan_hierarchy
 from commpress.adaptive.ratios import adapt_state
-from commpress.adaptive.topology import Topology, measure_topology
+from commpress.adaptive.topology import Topology
 from commpress.adaptive.traffic import ModelLayout, ddp_buckets
 from commpress.comm import Backend
-from commpress.comm.torch_backend import TorchBackend, group_timeout
+from commpress.comm.links import MeasurableBackend
 from commpress.compressors import Bucket, Compressor, ParamSlot, build, compressor_class
 from commpress.config import digest_of
 from commpress.config.groups import MethodGroups
@@ -44,23 +49,23 @@ __all__ = ["AdaptiveLayer"]
 
 
 class AdaptiveLayer:
-    """Measure, plan, and run hierarchical reductions of ``groups``' buckets; bytes across
-    domains count in ``main``'s traffic (the backend of the hook state)."""
+    """Measure, plan, and run hierarchical reductions of ``groups``' buckets over the ranks
+    of ``main``, the backend of the hook state (``process_group``, the group ``main`` runs
+    on, is not read: ``main`` stands for it); bytes across domains count in ``main``'s traffic."""
 
     def __init__(
         self, groups: MethodGroups, settings: BandwidthConfig, model: torch.nn.Module | None, process_group: Any, main: Backend
     ) -> None:
-        import torch.distributed as dist
-
         if groups.config.backend != "torch":
             raise ConfigError(f"[bandwidth] adaptive = true needs backend = 'torch', got backend = {groups.config.backend!r}")
         if model is None:
             raise ConfigError("[bandwidth] adaptive = true needs the model (pass model= to CommState) to size the plan")
+        if not isinstance(main, MeasurableBackend):
+            raise ConfigError(f"[bandwidth] adaptive = true needs a backend that can measure links, got {type(main).__name__}")
         self.settings = settings
         self._groups = groups
         self._main = main
-        self._group = process_group if process_group is not None else dist.group.WORLD
-        self._measure_group = dist.new_group(dist.get_process_group_ranks(self._group), timeout=group_timeout(self._group))
+        self._links = main.links()  # a communicator of its own: probes never mix with reductions
         # what each method group was configured with, and the model's buckets as DDP builds them
         self.configured = {key: (m, dict(p)) for key, (m, p) in groups.specs.items()}
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -83,7 +88,7 @@ class AdaptiveLayer:
         self.parked_params: dict[tuple[str, str], dict[str, Any]] = {}
         self.topology: Topology | None = None
         self.plan: HierarchyPlan | None = None
-        self.backend: TorchBackend | None = None
+        self.backend: Backend | None = None
         self.place: Place | None = None
         self.history: list[dict[str, Any]] = []  # (step, plan) of every plan, for logs and tests
         self.replan(self.measure(), step=0)
@@ -95,16 +100,13 @@ class AdaptiveLayer:
 
     def measure(self) -> Topology:
         """Measure the links now (all ranks together; nothing may be in flight)."""
-        import torch.distributed as dist
-
-        s = self.settings
+        s, links = self.settings, self._links
         try:
-            return measure_topology(
-                self._measure_group, probe_ms=s.probe_ms, fast_gbps=s.fast_gbps, group_by=s.group_by, domains=s.domains or None
-            )
+            domains = s.domains or None
+            return measure_topology(links, probe_ms=s.probe_ms, fast_gbps=s.fast_gbps, group_by=s.group_by, domains=domains)
         except RuntimeError as exc:
-            ranks = dist.get_process_group_ranks(self._measure_group)
-            raise CollectiveError(f"measuring the links over ranks {ranks} failed on rank {dist.get_rank()}: {exc}") from exc
+            ranks = list(links.ranks)
+            raise CollectiveError(f"measuring the links over ranks {ranks} failed on rank {ranks[links.rank]}: {exc}") from exc
 
     def begin_step(self, step: int) -> None:
         """Called before the first bucket of ``step``: re-measure and re-plan if due."""
@@ -117,21 +119,17 @@ class AdaptiveLayer:
         topology (measured ones are); raises RuntimeError if the plans differ."""
         self.layout = self.observed_layout()
         plan = plan_hierarchy(topology, self.layout, self.configured, self.settings)
-        digest = digest_of(plan.to_dict())
-        import torch.distributed as dist
-
-        digests: list[Any] = [None] * dist.get_world_size(self._measure_group)
-        dist.all_gather_object(digests, digest, group=self._measure_group)
+        digests = self._links.allgather_object(digest_of(plan.to_dict()))
         if len(set(digests)) > 1:
             raise RuntimeError(f"ranks planned differently (plan digests {digests}); every rank must plan from the same topology")
         if self.plan is None or plan.domains != self.plan.domains:
-            world = dist.get_world_size(self._group)
+            world = self._main.world_size
             if plan.world_size != world:
                 raise ValueError(f"plan is for {plan.world_size} ranks, the process group has {world}")
             rounds = {"domain": 2, "cross": self.rounds}
-            self.backend = TorchBackend(self._group, rounds, scopes=hierarchy_scopes(plan, world))
+            self.backend = self._main.scoped(rounds, hierarchy_scopes(plan, world))
             self.backend.traffic = self._main.traffic
-        self.place = Place.of(plan, dist.get_rank(self._group))
+        self.place = Place.of(plan, self._main.rank)
         self.topology, self.plan = topology, plan
         self._apply(plan)
         self.history.append({"step": step, "plan": plan.to_dict(), "active": self._spec()})

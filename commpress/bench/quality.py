@@ -26,13 +26,13 @@ import torch.nn.functional as F
 
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, Context, build
-from commpress.compressors.dgc import hand_over_momentum
 from commpress.config import Config, parse_method_spec
 from commpress.config.groups import MethodGroups
 from commpress.config.tables import FSDPConfig
 from commpress.errors import ConfigError
 from commpress.fsdp.config import load_fsdp_config
 from commpress.fsdp.fsdp2 import ParamShard, Unit
+from commpress.hooks.optimizer import hand_over_momentum
 from commpress.local_sgd import ParameterAverager
 from commpress.local_sgd.config import period_policy, trainer_for
 from commpress.local_sgd.flat import FlatModel

@@ -140,12 +140,13 @@ def _budgets(text: str) -> list[float]:
 
 def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """What every rank runs: measure, plan, train each row; rank 0's result is reported."""
+    from commpress.adaptive.measurement import measure_topology
     from commpress.adaptive.timing import recording
-    from commpress.adaptive.topology import measure_topology
+    from commpress.comm.torch_backend import TorchLinks
     from commpress.workloads.charlm import CharTask
     from commpress.workloads.train import train_ddp
 
-    topology = measure_topology(probe_ms=args.probe_ms)
+    topology = measure_topology(TorchLinks(), probe_ms=args.probe_ms)
     model = CharTask().model()
     out: dict[str, Any] = {"topology": topology.to_dict(), "domains": topology.domains, "plans": {}, "rows": []}
     if rank == 0:

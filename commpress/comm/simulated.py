@@ -14,10 +14,9 @@ from typing import Any
 import torch
 
 from commpress.comm.backend import Backend, Channel
-from commpress.comm.torch_backend import sum_rows
 from commpress.comm.traffic import Traffic
 from commpress.compressors.base import Bucket, Compressor, Context
-from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction
+from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction, sum_rows
 
 __all__ = ["SimulatedBackend", "SimulatedWorld"]
 

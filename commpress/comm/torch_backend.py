@@ -1,21 +1,21 @@
-"""The torch.distributed backend: gloo on CPU, NCCL on GPU."""
+"""The torch.distributed backend: gloo on CPU, NCCL on GPU; and its links, for measuring them."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from commpress.comm.backend import Backend, Channel
-from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter
+from commpress.comm.backend import Channel
+from commpress.comm.links import Links, MeasurableBackend
+from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter, sum_rows
 
-__all__ = ["TorchBackend", "all_gather_single", "group_timeout", "require_initialized", "sum_rows"]
+__all__ = ["TorchBackend", "TorchLinks", "group_timeout", "require_initialized"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-# torch >= 2.13 names it all_gather_single and deprecates all_gather_into_tensor.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def require_initialized(what: str) -> None:
@@ -37,7 +37,7 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
     return None
 
 
-class TorchBackend(Backend):
+class TorchBackend(MeasurableBackend):
     """Runs reductions with async torch.distributed collectives over ``process_group``.
 
     Opens one communicator per channel: ``rounds`` per scope (an int: the ``"world"``
@@ -82,6 +82,14 @@ class TorchBackend(Backend):
     def members(self, scope: str) -> list[int]:
         return self._members[scope]
 
+    def links(self) -> TorchLinks:
+        """A new group of this backend's ranks (with its timeout) for measuring the links."""
+        ranks = dist.get_process_group_ranks(self.group)
+        return TorchLinks(dist.new_group(ranks, timeout=group_timeout(self.group)))
+
+    def scoped(self, rounds: Mapping[str, int], scopes: Mapping[str, Sequence[Sequence[int]]]) -> TorchBackend:
+        return TorchBackend(self.group, rounds, scopes=scopes)
+
     def allgather_object(self, obj: object) -> list[object]:
         return allgather_object(obj, self.group)
 
@@ -102,17 +110,50 @@ class TorchBackend(Backend):
         assert isinstance(request, AllGather)
         flat = tensor.reshape(-1).contiguous()
         out = flat.new_empty(size * flat.numel())
-        work = all_gather_single(out, flat, group=group, async_op=True)
+        work = dist.all_gather_single(out, flat, group=group, async_op=True)
         return work.get_future().then(_checked(lambda: list(out.view(size, -1).unbind(0))))
 
 
-def sum_rows(rows: torch.Tensor) -> torch.Tensor:
-    """The sum of ``rows`` taken in row (rank) order, so every backend adds alike."""
-    first, *rest = rows.unbind(0)
-    total = first.clone()
-    for row in rest:
-        total += row
-    return total
+class TorchLinks(Links):
+    """:class:`~commpress.comm.links.Links` over a torch.distributed group (default: the
+    world). Probes live on the current CUDA device for an NCCL group, else on the CPU."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        require_initialized("measuring the links")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.ranks = dist.get_process_group_ranks(self.group)
+        nccl = dist.get_backend(self.group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        dist.send(tensor, self.ranks[peer], group=self.group)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        dist.recv(tensor, self.ranks[peer], group=self.group)
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
+        return dist.isend(tensor, self.ranks[peer], group=self.group, tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> dist.Work:
+        return dist.irecv(tensor, self.ranks[peer], group=self.group, tag=tag)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        dist.all_reduce(tensor, group=self.group)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
+        return box[0]
 
 
 def _checked(result):

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["SCOPES", "AllGather", "AllReduce", "Collective", "ReduceScatter", "Reduction", "Transfer", "in_scope"]
+__all__ = ["SCOPES", "AllGather", "AllReduce", "Collective", "ReduceScatter", "Reduction", "Transfer", "in_scope", "sum_rows"]
 
 #: Scopes a collective may span: every rank, the ranks of this rank's fast domain, or the
 #: ranks of this rank's cross-domain group (one per domain).
@@ -70,6 +70,16 @@ class ReduceScatter:
 Collective = AllReduce | AllGather | ReduceScatter
 # What ``reduce`` is: yields collectives, receives their results, returns nothing.
 Reduction = Generator[Collective, Any, None]
+
+
+def sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The sum of ``rows`` (one per rank) taken in row order: the order every backend adds
+    ranks in, so sums are reproducible and alike on all of them."""
+    first, *rest = rows.unbind(0)
+    total = first.clone()
+    for row in rest:
+        total += row
+    return total
 
 
 Kind = Literal["all_reduce", "all_gather", "all_to_all"]

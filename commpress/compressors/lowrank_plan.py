@@ -86,7 +86,6 @@ class LowRankPlan:
     slots: tuple[ParamSlot, ...]
     batches: tuple[MatrixBatch, ...]
     dense_index: torch.Tensor  # int64 positions in the bucket buffer, ascending
-    where: dict[int, tuple[int, int]]  # offset of a compressed matrix -> (batch, position in it)
     factors: tuple[Factor, ...]  # every compressed matrix, in factor-buffer order
 
     @classmethod
@@ -112,18 +111,13 @@ class LowRankPlan:
             for first, stride, count in _equal_runs(sorted(offsets)):
                 batches.append(MatrixBatch(first, stride if count > 1 else n * m, count, n, m, min(rank, n, m)))
         index = torch.cat(dense) if dense else torch.zeros(0, dtype=torch.int64, device=device)
-        where = {b.first + k * b.stride: (i, k) for i, b in enumerate(batches) for k in range(b.count)}
         factors, q_at, p_at = [], 0, 0
         for b in batches:
             for k in range(b.count):
                 factors.append(Factor(by_offset[b.first + k * b.stride], b.n, b.m, b.rank, q_at, p_at))
                 q_at += b.rank * b.m
                 p_at += b.n * b.rank
-        return cls(tuple(slots), tuple(batches), index.sort().values, where, tuple(factors))
-
-    def locate(self, offset: int) -> tuple[int, int] | None:
-        """(batch, position) of the compressed matrix at ``offset``; None if it is dense."""
-        return self.where.get(offset)
+        return cls(tuple(slots), tuple(batches), index.sort().values, tuple(factors))
 
     @property
     def p_numel(self) -> int:

@@ -141,7 +141,7 @@ class TopKCompressor(Compressor):
         self.warmup_ratio = warmup_ratio
         self.min_numel = min_numel
         self.dgc = dgc
-        #: DGC's momentum; set by :func:`commpress.compressors.dgc.hand_over_momentum` when not configured
+        #: DGC's momentum; set by :func:`commpress.hooks.optimizer.hand_over_momentum` when not configured
         self.momentum = momentum
         self.momentum_masking = momentum_masking
         self.clip_norm = clip_norm

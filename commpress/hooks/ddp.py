@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from commpress.compressors.dgc import hand_over_momentum
 from commpress.config import Config
+from commpress.hooks.optimizer import hand_over_momentum
 from commpress.hooks.state import CommState
 
 __all__ = ["ddp_hook", "register"]
