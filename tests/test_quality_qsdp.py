@@ -12,11 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from commpress.bench import quality
+from commpress.bench import quality, simulated_training
 from commpress.comm import SimulatedWorld
 from commpress.comm.launch import run_local
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.config import load_fsdp_config
+from commpress.fsdp.layout import plan_units
 from commpress.workloads.charlm import CharMLP, CharTask
 from commpress.workloads.train import cosine_lr
 
@@ -83,7 +84,7 @@ def _fsdp_run(case: Case, rank: int, world: int) -> tuple[torch.Tensor, int]:
     model = _sharded(case, world)
     state = commpress.fsdp.apply(model, case.config)
     lr = spec.lr[case.optimizer]
-    opt = quality._optimizer(case.optimizer, model.parameters(), lr)
+    opt = quality.make_optimizer(case.optimizer, model.parameters(), lr)
     schedule = cosine_lr(lr, STEPS)
     for step in range(STEPS):
         for group in opt.param_groups:
@@ -110,25 +111,25 @@ def _real_ranks(rank: int, world: int) -> dict:
 def _simulated(case: Case) -> tuple[list[torch.Tensor], int]:
     """The suite's QSDP step function on ``case``: every simulated rank's parameters, rank 0's bytes."""
     spec, task = quality.TASKS[case.task], case.make()
-    models = [task.model() for _ in range(quality.WORLD)]
+    models = [task.model() for _ in range(simulated_training.WORLD)]
     lr = spec.lr[case.optimizer]
-    opts = [quality._optimizer(case.optimizer, m.parameters(), lr) for m in models]
-    sim = SimulatedWorld(quality.WORLD)
-    step_fn = quality._QSDP(load_fsdp_config(case.config), models, opts, sim, spec.units)
-    quality._run_ranks(task, spec.loss, models, opts, step_fn, lr, STEPS)
+    opts = [quality.make_optimizer(case.optimizer, m.parameters(), lr) for m in models]
+    sim = SimulatedWorld(simulated_training.WORLD)
+    step_fn = simulated_training.QSDPRanks(load_fsdp_config(case.config), models, opts, sim, spec.units)
+    simulated_training.run_ranks(task, spec.loss, models, opts, step_fn, lr, STEPS)
     return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models], sim.traffic[0].bytes_sent
 
 
 @pytest.fixture(scope="module")
 def real():
-    return run_local(_real_ranks, quality.WORLD)
+    return run_local(_real_ranks, simulated_training.WORLD)
 
 
 @pytest.fixture(scope="module")
 def same_threads():
     # the ranks of run_local compute with cores // world threads: so does this process
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // quality.WORLD))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // simulated_training.WORLD))
     yield
     torch.set_num_threads(before)
 
@@ -138,7 +139,8 @@ def test_units_are_the_ones_fsdp2_and_apply_make(real, task):
     """Names, sizes, padded shard sizes and order of every unit's parameters, and the unit
     indices that seed the quantizer."""
     model = quality.TASKS[task].make(0).model()
-    simulated = [(u.index, u.params) for u, _, _ in quality._fsdp_units(model, quality.TASKS[task].units, FSDPConfig())]
+    planned = plan_units(model, quality.TASKS[task].units, FSDPConfig(), simulated_training.WORLD)
+    simulated = [(p.unit.index, p.unit.params) for p in planned]
     assert simulated == real[0]["units"][task] == real[1]["units"][task]
     assert len(simulated) > 1
 

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from commpress.bench import quality
-from commpress.bench.quality import METHODS, QualityRun, render, run_suite, summarize, train
+from commpress.bench import quality, simulated_training
+from commpress.bench.quality import METHODS, QualityRun, run_suite, train
+from commpress.bench.quality_report import render, summarize
 from commpress.cli import main
 from commpress.comm import SimulatedWorld
 from commpress.config import Config
@@ -99,15 +100,15 @@ def test_co2_row_runs_the_real_co2_on_every_rank():
     steps, spec = 12, quality.TASKS["shapes"]
     task = spec.make(0)
     cfg = Config.load(quality.method_config("co2", spec.lr["sgd"], steps))
-    models = [task.model() for _ in range(quality.WORLD)]
-    opts = [quality._optimizer("sgd", m.parameters(), spec.lr["sgd"]) for m in models]
+    models = [task.model() for _ in range(simulated_training.WORLD)]
+    opts = [quality.make_optimizer("sgd", m.parameters(), spec.lr["sgd"]) for m in models]
     start = [p.detach().clone() for p in models[0].parameters()]
-    sim = SimulatedWorld(quality.WORLD)
-    step_fn = quality._CO2(cfg, models, opts, sim, steps)
+    sim = SimulatedWorld(simulated_training.WORLD)
+    step_fn = simulated_training.CO2Ranks(cfg, models, opts, sim, steps)
     for step in range(steps):
         grads = []
         for r, model in enumerate(models):
-            x, y = task.batch(step, r, quality.WORLD)
+            x, y = task.batch(step, r, simulated_training.WORLD)
             grads.append(torch.autograd.grad(spec.loss(model(x), y), list(model.parameters())))
         step_fn(step, grads)
         if step == 4:  # the first sync point: nothing to apply yet, the models restart from the anchor
@@ -124,10 +125,10 @@ def test_co2_adaptive_penalty_in_one_process_is_refused():
     """Its blocking all-reduce would wait forever for the ranks that run after this one."""
     spec = quality.TASKS["shapes"]
     cfg = Config.load({"method": "none", "local_sgd": {"algorithm": "co2", "period": 5, "staleness_penalty": "adaptive"}})
-    models = [spec.make(0).model() for _ in range(quality.WORLD)]
-    opts = [quality._optimizer("sgd", m.parameters(), 0.1) for m in models]
+    models = [spec.make(0).model() for _ in range(simulated_training.WORLD)]
+    opts = [quality.make_optimizer("sgd", m.parameters(), 0.1) for m in models]
     with pytest.raises(ConfigError, match="staleness_penalty = 'adaptive' is not accepted with ranks simulated in one process"):
-        quality._CO2(cfg, models, opts, SimulatedWorld(quality.WORLD), 10)
+        simulated_training.CO2Ranks(cfg, models, opts, SimulatedWorld(simulated_training.WORLD), 10)
 
 
 def test_command_line(tmp_path, capsys):

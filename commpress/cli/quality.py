@@ -18,7 +18,8 @@ import sys
 
 import torch
 
-from commpress.bench.quality import METHODS, OPTIMIZERS, TASKS, render, run_suite, summarize, write_plot
+from commpress.bench.quality import METHODS, OPTIMIZERS, TASKS, run_suite
+from commpress.bench.quality_report import render, summarize, write_plot
 from commpress.cli.args import integer
 from commpress.errors import ConfigError
 from commpress.terminal import Progress

@@ -1,0 +1,257 @@
+"""Training steps of every method family on ranks simulated in one process (the quality suite's).
+
+Every rank holds its own model and optimizer; :func:`run_ranks` computes each rank's
+gradient of its own batch and hands the list to a step function that averages them with
+the library's own parts on a :class:`~commpress.comm.SimulatedWorld`: the method groups a
+``CommState`` would build (:func:`data_parallel`), a
+:class:`~commpress.local_sgd.ParameterAverager` per rank at the rounds the period policy
+sets (:class:`LocalSGDRanks`), :class:`~commpress.local_sgd.CO2` per rank
+(:class:`CO2Ranks`), and commpress's quantized FSDP2 collectives on FSDP2's layout
+(:class:`QSDPRanks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from commpress.comm import SimulatedWorld
+from commpress.compressors import Bucket, Context, build
+from commpress.compressors.collectives import sum_rows
+from commpress.config import Config
+from commpress.config.groups import MethodGroups
+from commpress.config.tables import FSDPConfig
+from commpress.fsdp.fsdp2 import Unit
+from commpress.fsdp.layout import flat_shards, plan_units, unshard
+from commpress.hooks.optimizer import hand_over_momentum
+from commpress.local_sgd import ParameterAverager
+from commpress.local_sgd.config import period_policy, trainer_for
+from commpress.local_sgd.flat import FlatModel
+from commpress.local_sgd.rounds import RoundClock
+from commpress.workloads.train import cosine_lr
+
+__all__ = ["WORLD", "CO2Ranks", "LocalSGDRanks", "QSDPRanks", "data_parallel", "run_ranks"]
+
+WORLD = 2
+
+
+def run_ranks(
+    task: Any,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    models: list,
+    opts: list,
+    step_fn: Callable[[int, list], None],
+    lr: float,
+    steps: int,
+) -> None:
+    """The training loop of the quality suite: every step, each rank's gradient of its own batch
+    (after ``step_fn.gather(step)``, if it has one, set the weights to compute with), then
+    ``step_fn(step, grads)``; ``step_fn.finish()`` at the end, if it has one."""
+    schedule = cosine_lr(lr, steps)
+    gather = getattr(step_fn, "gather", None)
+    for step in range(steps):
+        if gather is not None:
+            gather(step)
+        grads = []
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            for group in opt.param_groups:
+                group["lr"] = schedule(step)
+            x, y = task.batch(step, r, WORLD)
+            grads.append(torch.autograd.grad(loss(model(x), y), list(model.parameters())))
+        step_fn(step, grads)
+    finish = getattr(step_fn, "finish", None)
+    if finish is not None:
+        finish()
+
+
+def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor]) -> None:
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.detach().clone().view_as(p)
+
+
+def _apply(model: torch.nn.Module, opt: torch.optim.Optimizer, grads: Sequence[torch.Tensor]) -> None:
+    _set_grads(model, grads)
+    opt.step()
+
+
+def data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) -> Callable[[int, list], None]:
+    """A step of data-parallel training: the ranks' gradients averaged by the config's
+    method groups (plain averaging before ``start_iter``), as the DDP hook does."""
+    names = [n for n, _ in models[0].named_parameters()]
+    groups = [MethodGroups(cfg, model) for model in models]
+    for g, model, opt in zip(groups, models, opts):
+        hand_over_momentum(opt, model.named_parameters(), lambda n, g=g: g.compressors[g.key_for(n)], cfg.start_iter)
+    warmup = build("none")
+
+    def step_fn(step: int, grads: list) -> None:
+        buckets = [Bucket.from_tensors(0, list(g), names) for g in grads]
+        ctxs = [Context(rank=r, world_size=WORLD, step=step) for r in range(WORLD)]
+        if step < cfg.start_iter:
+            sim.run([warmup.reduce(b, c) for b, c in zip(buckets, ctxs)])
+        else:
+            sim.run([g.reduction(b, c) for g, b, c in zip(groups, buckets, ctxs)])
+        for g in groups:
+            g.end_step(True)
+        for model, opt, b in zip(models, opts, buckets):
+            _apply(model, opt, b.views())
+
+    return step_fn
+
+
+class LocalSGDRanks:
+    """Local SGD on the simulated ranks: local steps, then the models averaged through a
+    :class:`ParameterAverager` per rank at the end of every round (the sync of
+    :class:`commpress.local_sgd.LocalSGD`, whose constructor needs a process group)."""
+
+    def __init__(self, cfg: Config, models: list, opts: list, sim: SimulatedWorld, steps: int) -> None:
+        section = cfg.section("local_sgd")
+        self.models, self.opts = models, opts
+        self.flats = [FlatModel(m) for m in models]
+        self.anchors = [f.read() for f in self.flats]
+        self.averagers = [ParameterAverager(cfg.method, cfg.params, backend=b) for b in sim.backends]
+        self.clocks = [RoundClock(period_policy(section), steps) for _ in models]
+
+    def __call__(self, step: int, grads: list) -> None:
+        for model, opt, g, clock in zip(self.models, self.opts, grads, self.clocks):
+            clock.begin_step(float(opt.param_groups[0]["lr"]))
+            _apply(model, opt, g)
+        if all([c.end_step() for c in self.clocks]):
+            self.sync()
+
+    def sync(self) -> None:
+        deltas = [f.read().sub_(a) for f, a in zip(self.flats, self.anchors)]
+        futures = [avg.start(f.bucket(d)) for avg, f, d in zip(self.averagers, self.flats, deltas)]
+        for fut, flat, anchor, delta, clock in zip(futures, self.flats, self.anchors, deltas, self.clocks):
+            fut.wait()
+            anchor.add_(delta)
+            flat.write(anchor)
+            clock.round_done()
+
+    def finish(self) -> None:
+        if self.clocks[0].in_round:
+            self.sync()
+
+
+class CO2Ranks:
+    """CO2 on the simulated ranks: one :class:`commpress.local_sgd.CO2` per rank, built as
+    a ``[local_sgd]`` table builds it, averaging through its rank's backend. A sync point
+    starts this round's average and applies the one every rank started a round earlier
+    (already complete), so the ranks take their steps one after another."""
+
+    def __init__(self, cfg: Config, models: list, opts: list, sim: SimulatedWorld, steps: int) -> None:
+        section = cfg.section("local_sgd")
+        self.models = models
+        self.trainers = [
+            trainer_for(m, o, section, ParameterAverager(cfg.method, cfg.params, backend=b), steps)
+            for m, o, b in zip(models, opts, sim.backends)
+        ]
+
+    def __call__(self, step: int, grads: list) -> None:
+        for model, trainer, g in zip(self.models, self.trainers, grads):
+            _set_grads(model, g)
+            trainer.step()
+
+    def finish(self) -> None:
+        # CO2.finish waits for the average its own last sync point starts: every rank
+        # starts it first
+        if self.trainers[0].clock.in_round:
+            for trainer in self.trainers:
+                trainer.sync()
+        for trainer in self.trainers:
+            trainer.finish()
+
+
+def _mean_in_rank_order(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    # the plain reduce-scatter with ReduceOp.AVG; bit-exact with gloo's for 2 ranks (a sum of
+    # two is the same in either order, and halving is exact)
+    return sum_rows(torch.stack(list(xs))).div_(len(xs))
+
+
+class QSDPRanks:
+    """QSDP, :func:`commpress.fsdp.apply` on FSDP2, on the simulated ranks, through the
+    library's own units (:class:`~commpress.fsdp.fsdp2.Unit`), payloads
+    (:class:`~commpress.fsdp.wire.Wire`) and seeds.
+
+    Before each forward (:meth:`gather`) every rank's model gets what the quantized
+    all-gather delivers: each rank's shard of the full-precision weights encoded with that
+    rank's seed and decoded, its own shard included, so all ranks compute with the same
+    weights (excluded parameters exact); the backward's re-gather uses the same seed, so the
+    same weights. After backward each rank encodes every row of its flat gradient with the
+    seed of (rank, row); rank ``r`` gets its row's payloads summed in rank order and divided
+    by the world (:meth:`~commpress.fsdp.wire.Wire.accumulate`), the excluded gradients
+    averaged exactly. The optimizers step on the full-precision weights with that average.
+    The ranks' full-precision weights stay identical, so rank 0's give every rank's shard.
+
+    Bytes per rank as the FSDP2 state counts them: one all-gather payload per gather (two a
+    step, forward and backward, for all but the root's unit, which FSDP2 keeps gathered),
+    ``world`` payloads and the excluded gradients per reduce-scatter.
+    """
+
+    def __init__(self, config: FSDPConfig, models: list, opts: list, sim: SimulatedWorld, units: Sequence[str]) -> None:
+        self.models, self.opts, self.traffic = models, opts, sim.traffic
+        self.units = plan_units(models[0], units, config, WORLD)
+        self.masters: list[torch.Tensor] = []
+
+    def _count(self, nbytes: int, collectives: int) -> None:
+        for traffic in self.traffic:
+            traffic.add(nbytes=nbytes, collectives=collectives)
+
+    def gather(self, step: int) -> None:
+        """Give every rank's model the weights the quantized all-gather delivers, seeded as
+        in the library by each unit's count of reduce-scatters (``step`` here)."""
+        self.masters = [p.detach().clone() for p in self.models[0].parameters()]
+        weights: dict[int, torch.Tensor] = {}
+        for unit, where, root in self.units:
+            params = [self.masters[i] for i in where]
+            shards = flat_shards(params, WORLD)
+            wire = unit.wire("weights", shards.shape[1], shards.dtype)
+            nbytes = shards[0].numel() * shards.element_size()
+            if wire is not None:
+                nbytes, payload = wire.nbytes, torch.empty(wire.nbytes, dtype=torch.uint8)
+                for r in range(WORLD):
+                    wire.encode(shards[r], unit.weight_seed(r), payload)
+                    wire.decode(payload, shards[r])
+            gathers = 1 if root else 2
+            self._count(gathers * nbytes, gathers)
+            weights.update(zip(where, unshard(shards, params)))
+        self._load([weights[i] for i in range(len(self.masters))])
+
+    def _load(self, weights: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for model in self.models:
+                for p, w in zip(model.parameters(), weights):
+                    p.copy_(w)
+
+    def __call__(self, step: int, grads: list) -> None:
+        self._load(self.masters)
+        average: dict[int, torch.Tensor] = {}
+        for unit, where, _ in self.units:
+            rows = [flat_shards([g[i] for i in where], WORLD) for g in grads]  # each rank's reduce-scatter input
+            average.update(zip(where, unshard(self._reduce_scatter(unit, rows), [self.masters[i] for i in where])))
+        for model, opt in zip(self.models, self.opts):
+            _apply(model, opt, [average[i] for i in range(len(self.masters))])
+
+    def _reduce_scatter(self, unit: Unit, rows: list[torch.Tensor]) -> torch.Tensor:
+        """``[WORLD, n]``: row ``r`` is what the reduce-scatter (``ReduceOp.AVG``) gives rank ``r``."""
+        step, unit.steps = unit.steps, unit.steps + 1
+        n, size = rows[0].shape[1], rows[0].element_size()
+        wire = unit.wire("grads", n, rows[0].dtype)
+        if wire is None:
+            self._count(WORLD * n * size, 1)
+            return _mean_in_rank_order(rows)
+        out = rows[0].new_empty(WORLD, n)
+        received = torch.empty(WORLD, WORLD, wire.nbytes, dtype=torch.uint8)  # [dest, src]: src's payload for dest
+        for src in range(WORLD):
+            for dest in range(WORLD):
+                seed = unit.grad_seed(step, src, dest)
+                wire.encode(rows[src][dest], seed, received[dest, src])
+        for dest in range(WORLD):
+            wire.accumulate(received[dest], out[dest], average=True)
+        segments = wire.segments
+        self._count(WORLD * wire.nbytes, 1)
+        if segments.nraw:
+            segments.put(out, _mean_in_rank_order([segments.take(r, "raw") for r in rows]), "raw")
+            self._count(WORLD * segments.nraw * size, 1)
+        return out
