@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.bench.methods import BenchMethod
 from commpress.bench.workloads import make_workload
-from commpress.comm.traffic import Traffic
+from commpress.comm.counters import Traffic
 from commpress.hooks import register
 from commpress.terminal import Progress
 

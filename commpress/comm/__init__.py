@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from commpress.comm.backend import Backend
+from commpress.comm.counters import Traffic
 from commpress.comm.simulated import SimulatedWorld
-from commpress.comm.traffic import Traffic
 from commpress.errors import ConfigError
 
 __all__ = ["Backend", "SimulatedWorld", "Traffic", "make_backend"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from commpress.comm.traffic import Traffic
+from commpress.comm.counters import Traffic
 from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction
 from commpress.errors import CollectiveError
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from commpress.comm.backend import Backend, Channel
-from commpress.comm.traffic import Traffic
+from commpress.comm.counters import Traffic
 from commpress.compressors.base import Bucket, Compressor, Context
 from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction, sum_rows
 

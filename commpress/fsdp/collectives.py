@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from commpress.comm.traffic import Traffic
+from commpress.comm.counters import Traffic
 from commpress.fsdp.wire import Wire
 
 __all__ = ["quantized_all_gather", "quantized_all_reduce", "quantized_reduce_scatter"]

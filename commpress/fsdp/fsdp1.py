@@ -23,8 +23,8 @@ from torch.distributed.algorithms._comm_hooks import default_hooks
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from commpress.comm import checkpoint
+from commpress.comm.counters import Traffic
 from commpress.comm.torch_backend import allgather_object, require_initialized
-from commpress.comm.traffic import Traffic
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
 from commpress.fsdp.collectives import quantized_all_reduce, quantized_reduce_scatter
 from commpress.fsdp.wire import Segments, Wire

@@ -33,8 +33,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 from commpress.comm import checkpoint
+from commpress.comm.counters import Traffic
 from commpress.comm.torch_backend import allgather_object
-from commpress.comm.traffic import Traffic
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
 from commpress.fsdp.collectives import quantized_all_gather, quantized_reduce_scatter
 from commpress.fsdp.wire import Segments, Wire

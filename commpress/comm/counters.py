@@ -1,4 +1,7 @@
-"""Counters of what a rank sent and how long it spent compressing."""
+"""Counters of what a rank sent and how long it spent compressing (:class:`Traffic`).
+
+What was measured, as opposed to :mod:`commpress.adaptive.traffic`, the model that predicts it.
+"""
 
 from __future__ import annotations
 
