@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commpress.compressors import build, check_params
-from commpress.compressors.base import Compressor
 from commpress.config.tables import TABLES
 from commpress.errors import ConfigError
 from commpress.schema import check_keys
@@ -148,17 +147,6 @@ class Config:
         names = list(names)
         patterns = dict.fromkeys(p for ov in self.overrides for p in ov.params)
         return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]
-
-    def method_for(self, param_name: str) -> tuple[str, Mapping[str, Any]]:
-        """(method, params) that apply to the parameter called ``param_name``."""
-        for ov in self.overrides:
-            if ov.matches(param_name):
-                return ov.method, ov.method_params
-        return self.method, self.params
-
-    def build_compressor(self) -> Compressor:
-        """A fresh instance of the main method."""
-        return build(self.method, self.params)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with some fields changed (validated again)."""
