@@ -80,7 +80,7 @@ def _hierarchical_runs(rank: int, world: int) -> dict:
                     slots = _slots(spec)
                     buf = _grad(rank, step, index, sum(s.numel for s in slots))
                     buffers.append(buf)
-                    futures.append(backend.run(hierarchical_reduction(Bucket(index, buf, slots), step, place, comp.reduce), buf))
+                    futures.append(backend.run(hierarchical_reduction(Bucket(index, buf, slots), step, place, comp.reduce)))
                 torch.futures.wait_all(futures)
                 comp.end_step(True)
                 results.append([b.clone() for b in buffers])

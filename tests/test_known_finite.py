@@ -1,4 +1,4 @@
-"""Reductions that know from their decode whether the average is finite (``Bucket.finite``).
+"""Reductions that know from their decode whether the average is finite (their return value).
 
 TernGrad and Top-k report it, so the hook skips its own pass over the bucket. The report
 must never be wrong: when it is given it equals ``isfinite(average).all()``, on ordinary
@@ -13,7 +13,7 @@ import torch
 
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, build, host
-from commpress.config.groups import _combined
+from commpress.compressors.composite import _combined
 from commpress.hooks.state import CommState
 
 METHODS = [
@@ -43,16 +43,17 @@ def _grads(world: int, dtype: torch.dtype, spoil: str | None) -> list[list[torch
     return out
 
 
-def _reduce(method: str, params: dict, grads: list[list[torch.Tensor]], steps: int = 1) -> list[Bucket]:
+def _reduce(method: str, params: dict, grads: list[list[torch.Tensor]], steps: int = 1) -> list[tuple[Bucket, bool | None]]:
+    """Each rank's bucket after the last step, with what its reduction returned."""
     world = len(grads)
     sim = SimulatedWorld(world)
     comps = sim.compressors(lambda: build(method, params))
     for step in range(steps):
         buckets = [Bucket.from_tensors(0, ts, [f"t{i}" for i in range(len(ts))]) for ts in grads]
-        sim.reduce(comps, buckets, step=step)
+        known = sim.reduce(comps, buckets, step=step)
         for c in comps:
             c.end_step(True)
-    return buckets
+    return list(zip(buckets, known))
 
 
 CASES = [(spoil, dtype) for spoil in (None, "inf", "nan") for dtype in (torch.float32, torch.float16, torch.bfloat16)]
@@ -62,17 +63,16 @@ CASES += [("huge", torch.float32), ("huge-small", torch.float32)]  # a float32 o
 @pytest.mark.parametrize("method,params", METHODS)
 @pytest.mark.parametrize("spoil,dtype", CASES)
 def test_the_report_is_never_wrong(method, params, spoil, dtype):
-    buckets = _reduce(method, params, _grads(2, dtype, spoil))
-    for b in buckets:
+    for b, known in _reduce(method, params, _grads(2, dtype, spoil)):
         truth = bool(torch.isfinite(b.buffer).all())
-        if b.finite is not None:
-            assert b.finite == truth
+        if known is not None:
+            assert known == truth
         if spoil is None:
-            assert b.finite is True  # ordinary gradients: reported, so the hook skips its pass
+            assert known is True  # ordinary gradients: reported, so the hook skips its pass
         if spoil in ("inf", "nan"):
-            assert b.finite is False and not truth
+            assert known is False and not truth
         if spoil in ("huge", "huge-small"):  # finite inputs; an overflowing sum is left to the hook
-            assert b.finite is (True if truth else None)
+            assert known is (True if truth else None)
             # TernGrad's clip at 2.5 root mean squares brings BIG into range in a tensor of 300
             # elements (not of 9): there the sums stay finite
             clipped = method == "terngrad" and params.get("clip_sigma", 2.5) > 0 and spoil == "huge"
@@ -83,10 +83,9 @@ def test_top_k_values_that_overflow_a_half_bucket_are_not_reported_finite():
     # float32 residuals grow past float16's range while the bucket holds float16: the
     # average of the sent values may not fit the bucket, so the report must not be True
     grads = [[torch.full((256,), 60000.0, dtype=torch.float16)] for _ in range(2)]
-    buckets = _reduce("topk", {"ratio": 0.01, "min_numel": 0}, grads, steps=3)
-    for b in buckets:
+    for b, known in _reduce("topk", {"ratio": 0.01, "min_numel": 0}, grads, steps=3):
         assert not torch.isfinite(b.buffer).all()  # 2 x 60000 sent from the residual: past float16's 65504
-        assert b.finite is None  # finite values that do not fit: left to the hook's check
+        assert known is None  # finite values that do not fit: left to the hook's check
 
 
 def test_parts_combine():

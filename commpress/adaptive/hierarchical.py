@@ -108,7 +108,9 @@ class Place:
 def hierarchical_reduction(bucket: Bucket, step: int, place: Place, across: Callable[[Bucket, Context], Reduction]) -> Reduction:
     """Average ``bucket`` over every rank: reduce-scatter in the domain, ``across`` (the
     method groups' reduction) on this rank's shard over the cross group, all-gather in the
-    domain. Leaves the global mean in ``bucket.buffer``."""
+    domain. Leaves the global mean in ``bucket.buffer``. Returns what ``across`` knows of
+    the average where its shard is the whole bucket; otherwise None (the other shards
+    arrive by the all-gather: the hook checks the buffer)."""
     buffer, k = bucket.buffer, place.domain_size
     ranges = shard_ranges(bucket.slots, buffer.numel(), place.shards) + [(0, 0)] * (k - place.shards)
     width = max(b - a for a, b in ranges)
@@ -121,17 +123,19 @@ def hierarchical_reduction(bucket: Bucket, step: int, place: Place, across: Call
             chunks.narrow(0, j * width, b - a).copy_(buffer.narrow(0, a, b - a))
         summed = yield ReduceScatter(chunks, scope="domain")
         shard = summed.narrow(0, 0, stop - start).clone()
+    known = None
     if place.domains == 1:
         shard.div_(place.world_size)
     elif place.cross_rank is not None and shard.numel():
         shard.mul_(place.domains / place.world_size)  # the compressor's average is then the global mean
         part = Bucket(bucket.index, shard, shard_slots(bucket.slots, start, stop))
         ctx = Context(rank=place.cross_rank, world_size=place.domains, step=step)
-        yield from in_scope(across(part, ctx), "cross")
+        known = yield from in_scope(across(part, ctx), "cross")
     if k == 1:
         buffer.narrow(0, start, stop - start).copy_(shard)
-        return
+        return known if (start, stop) == (0, buffer.numel()) else None
     padded = torch.cat([shard, shard.new_zeros(width - shard.numel())])
     gathered = yield AllGather(padded, scope="domain")
     for j, (a, b) in enumerate(ranges[: place.shards]):
         buffer.narrow(0, a, b - a).copy_(gathered[j].narrow(0, 0, b - a))
+    return None

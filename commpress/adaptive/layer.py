@@ -170,10 +170,10 @@ class AdaptiveLayer:
         if step != self._seen_step:
             self._seen, self._seen_step, self._steps_seen = {}, step, self._steps_seen + 1
         self._seen[bucket.index] = tuple(bucket.slots)
-        reduction = hierarchical_reduction(bucket, step, self.place, self._groups.reduction)
+        reduction = hierarchical_reduction(bucket, step, self.place, self._groups.composite.reduce)
         if self.log is not None:
             reduction = self.log.wrap(reduction, step, bucket.index)
-        return self.backend.run(reduction, bucket.buffer)
+        return self.backend.run(reduction)
 
     def state_dict(self) -> dict[str, Any]:
         """The topology the plan came from, the active methods, the parked states."""

@@ -65,8 +65,8 @@ class CollectiveLog:
                 result = yield request
                 self.records.append(Record(step, bucket, request.scope, ordinal, request.nbytes, start, time.perf_counter()))
                 request = reduction.send(result)
-        except StopIteration:
-            return
+        except StopIteration as done:
+            return done.value
 
 
 _ACTIVE: list[CollectiveLog] = []

@@ -91,7 +91,7 @@ def data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) ->
         if step < cfg.start_iter:
             sim.run([warmup.reduce(b, c) for b, c in zip(buckets, ctxs)])
         else:
-            sim.run([g.reduction(b, c) for g, b, c in zip(groups, buckets, ctxs)])
+            sim.run([g.composite.reduce(b, c) for g, b, c in zip(groups, buckets, ctxs)])
         for g in groups:
             g.end_step(True)
         for model, opt, b in zip(models, opts, buckets):

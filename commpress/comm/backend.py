@@ -42,7 +42,6 @@ class _Task:
     seq: int
     gen: Reduction
     result: torch.futures.Future
-    value: Any
     started: bool = False
     used: dict[str, int] = field(default_factory=dict)  # collectives issued per scope
 
@@ -110,12 +109,13 @@ class Backend(ABC):
         """Start ``request`` on ``channel``'s communicator; the future gives the result (a
         tensor for AllReduce and ReduceScatter, a list of tensors for AllGather) or fails."""
 
-    def run(self, reduction: Reduction, value: Any = None) -> torch.futures.Future:
-        """Run ``reduction``; the returned future completes with ``value`` when it ends.
+    def run(self, reduction: Reduction) -> torch.futures.Future:
+        """Run ``reduction``; the returned future completes with what it returns (whether
+        its average is known finite) when it ends.
 
         Must be called in the same order on every rank (DDP calls hooks in bucket order).
         """
-        task = _Task(self._seq, reduction, torch.futures.Future(), value)
+        task = _Task(self._seq, reduction, torch.futures.Future())
         self._seq += 1
         self._advance(task, None)
         return task.result
@@ -129,9 +129,9 @@ class Backend(ABC):
         try:
             request = task.gen.send(result) if task.started else next(task.gen)
             task.started = True
-        except StopIteration:
+        except StopIteration as done:
             self.traffic.add(seconds=time.perf_counter() - t0)
-            return self._finish(task, None)
+            return self._finish(task, None, done.value)
         except BaseException as exc:  # the future carries it to whoever waits
             return self._finish(task, exc)
         self.traffic.add(seconds=time.perf_counter() - t0)
@@ -153,7 +153,7 @@ class Backend(ABC):
             queue.pending[task.seq] = (task, request)
         self._pump(channel)
 
-    def _finish(self, task: _Task, error: BaseException | None) -> None:
+    def _finish(self, task: _Task, error: BaseException | None, returned: Any = None) -> None:
         """End ``task``: give up its turns on the channels it did not use, complete its future."""
         for channel, queue in self._queues.items():
             if channel[1] >= task.used.get(channel[0], 0):
@@ -161,7 +161,7 @@ class Backend(ABC):
                     queue.released.add(task.seq)
                 self._pump(channel)
         if error is None:
-            task.result.set_result(task.value)
+            task.result.set_result(returned)
         else:
             task.result.set_exception(error)
 

@@ -16,7 +16,7 @@ import torch
 from commpress.comm.backend import Backend, Channel
 from commpress.comm.counters import Traffic
 from commpress.compressors.base import Bucket, Compressor, Context
-from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction, sum_rows
+from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, Finite, ReduceScatter, Reduction, sum_rows
 
 __all__ = ["SimulatedBackend", "SimulatedWorld"]
 
@@ -51,18 +51,20 @@ class SimulatedWorld:
         """One compressor per rank, built by ``factory``."""
         return [factory() for _ in range(self.world_size)]
 
-    def reduce(self, compressors: Sequence[Compressor], buckets: Sequence[Bucket], step: int = 0) -> None:
-        """Run ``compressors[r].reduce(buckets[r])`` on every rank r until all finish."""
-        self.run(
+    def reduce(self, compressors: Sequence[Compressor], buckets: Sequence[Bucket], step: int = 0) -> list[Finite]:
+        """Run ``compressors[r].reduce(buckets[r])`` on every rank r until all finish; what
+        each rank's reduction returned."""
+        return self.run(
             [
                 c.reduce(b, Context(rank=r, world_size=self.world_size, step=step))
                 for r, (c, b) in enumerate(zip(compressors, buckets, strict=True))
             ]
         )
 
-    def run(self, gens: Sequence[Reduction]) -> None:
-        """Run one reduction per rank to the end; raise the first rank's error, or one
-        naming the ranks left waiting (they issued collectives nobody matched)."""
+    def run(self, gens: Sequence[Reduction]) -> list[Finite]:
+        """Run one reduction per rank to the end and give what each returned; raise the
+        first rank's error, or one naming the ranks left waiting (they issued collectives
+        nobody matched)."""
         if len(gens) != self.world_size:
             raise ValueError(f"need {self.world_size} reductions, got {len(gens)}")
         futures = [b.run(g) for b, g in zip(self.backends, gens)]
@@ -72,6 +74,7 @@ class SimulatedWorld:
         stuck = [r for r, fut in enumerate(futures) if not fut.done()]
         if stuck:
             raise RuntimeError(f"ranks {stuck} wait on collectives the other ranks never issued")
+        return [fut.value() for fut in futures]
 
     def _start(self, rank: int, channel: Channel, request: Collective) -> torch.futures.Future:
         part = next(i for i, p in enumerate(self.partitions[channel[0]]) if rank in p)

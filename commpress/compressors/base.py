@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter, Reduction, Transfer
+from commpress.compressors.collectives import AllGather, AllReduce, Collective, Finite, ReduceScatter, Reduction, Transfer
 
 __all__ = [
     "AllGather",
@@ -26,6 +26,7 @@ __all__ = [
     "Collective",
     "Compressor",
     "Context",
+    "Finite",
     "ParamSlot",
     "ReduceScatter",
     "Reduction",
@@ -59,10 +60,6 @@ class Bucket:
     index: int
     buffer: torch.Tensor
     slots: Sequence[ParamSlot] = field(default_factory=tuple)
-    #: set by a reduction that knows from its decode whether the average it wrote into the
-    #: slots is finite (True/False), so the hook need not read the buffer again; None:
-    #: unknown (the hook's buckets have slots that cover their whole buffer)
-    finite: bool | None = None
 
     def __post_init__(self) -> None:
         if self.buffer.dim() != 1:
@@ -100,9 +97,9 @@ def on_dense_copy(reduce: Callable[[Bucket, Context], Reduction], bucket: Bucket
     """Run ``reduce`` on a contiguous copy of a strided ``bucket`` and write the average back
     (for compressors whose kernels need dense memory)."""
     dense = Bucket(bucket.index, bucket.buffer.contiguous(), bucket.slots)
-    yield from reduce(dense, ctx)
+    finite = yield from reduce(dense, ctx)
     bucket.buffer.copy_(dense.buffer)
-    bucket.finite = dense.finite
+    return finite
 
 
 @dataclass(frozen=True)
@@ -135,7 +132,9 @@ class Compressor(ABC):
 
     @abstractmethod
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        """Average ``bucket.buffer`` over ranks in place, yielding the collectives needed.
+        """Average ``bucket.buffer`` over ranks in place, yielding the collectives needed;
+        return whether the average is known finite (:data:`Finite`: True/False from the
+        decode, None when unknown, so the caller checks the buffer).
 
         A stateful compressor only *stages* its state changes here (see :meth:`end_step`).
         """

@@ -19,7 +19,18 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["SCOPES", "AllGather", "AllReduce", "Collective", "ReduceScatter", "Reduction", "Transfer", "in_scope", "sum_rows"]
+__all__ = [
+    "SCOPES",
+    "AllGather",
+    "AllReduce",
+    "Collective",
+    "Finite",
+    "ReduceScatter",
+    "Reduction",
+    "Transfer",
+    "in_scope",
+    "sum_rows",
+]
 
 #: Scopes a collective may span: every rank, the ranks of this rank's fast domain, or the
 #: ranks of this rank's cross-domain group (one per domain).
@@ -68,8 +79,12 @@ class ReduceScatter:
 
 
 Collective = AllReduce | AllGather | ReduceScatter
-# What ``reduce`` is: yields collectives, receives their results, returns nothing.
-Reduction = Generator[Collective, Any, None]
+#: Whether a reduction knows the average it wrote is finite: True or False from its decode,
+#: None when it does not know (the hook then checks the buffer itself).
+Finite = bool | None
+# What ``reduce`` is: yields collectives, receives their results, returns what it knows of
+# the average (composition with ``yield from`` carries it).
+Reduction = Generator[Collective, Any, Finite]
 
 
 def sum_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -122,5 +137,5 @@ def in_scope(reduction: Reduction, scope: Scope) -> Reduction:
         while True:
             result = yield dataclasses.replace(request, scope=scope)
             request = reduction.send(result)
-    except StopIteration:
-        return
+    except StopIteration as done:
+        return done.value

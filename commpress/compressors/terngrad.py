@@ -72,8 +72,7 @@ class TernGradCompressor(Compressor):
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)
         if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
-            yield from on_dense_copy(self.reduce, bucket, ctx)
-            return
+            return (yield from on_dense_copy(self.reduce, bucket, ctx))
         slots = [s for s in bucket.slots if s.numel]
         if not slots:
             return
@@ -95,7 +94,7 @@ class TernGradCompressor(Compressor):
                 bucket.buffer.narrow(0, offset, numel).fill_(math.nan)
         # decoded values are sums of world codes times scales of at most max|g| (which the
         # bucket's dtype holds), averaged: finite exactly when the scales are, if bounded
-        bucket.finite = False if not all(finite) else (True if bounded else None)
+        return False if not all(finite) else (True if bounded else None)
 
     def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
         """One all-gather: the tensor's float32 scale and its 2-bit codes (none for an empty tensor)."""

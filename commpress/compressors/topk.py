@@ -173,8 +173,7 @@ class TopKCompressor(Compressor):
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)
         if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
-            yield from on_dense_copy(self.reduce, bucket, ctx)
-            return
+            return (yield from on_dense_copy(self.reduce, bucket, ctx))
         n = bucket.buffer.numel()
         slots = [s for s in bucket.slots if s.numel]
         if not slots:
@@ -215,9 +214,9 @@ class TopKCompressor(Compressor):
         limit = torch.finfo(bucket.buffer.dtype).max
         bounded = host.flags(host.finite(all_values, bound=limit / ctx.world_size) & host.finite(average, bound=limit))[0]
         received = bounded or host.flags(host.finite(all_values, all_dense))[0]
-        bucket.finite = True if bounded else (False if not received else None)
         if finite and received:  # not from a non-finite step: the old state stays
             self._stage(pieces, acc, u, dense_pieces, average)
+        return True if bounded else (False if not received else None)
 
     def _accumulate(
         self, grad: torch.Tensor, pieces: list[Piece]

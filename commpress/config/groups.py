@@ -2,8 +2,9 @@
 that runs each, and which parameters each covers.
 
 One object serves every user of groups (the DDP hook state, the bandwidth-aware layer,
-Local SGD's averager), so group keys (``"main"``, ``"override0"``, ...), rounds and the
-split of a bucket into groups are defined once.
+Local SGD's averager), so group keys (``"main"``, ``"override0"``, ...), rounds and the rule
+that splits a bucket into groups (run by :class:`~commpress.compressors.composite.Composite`)
+are defined once.
 
 A method with ``skip_last_layer = true`` (TernGrad) leaves the model's last layer to one
 more group, ``"last_layer"``, that averages it with ``none``.
@@ -11,31 +12,22 @@ more group, ``"last_layer"``, that averages it with ``none``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
 
-from commpress.compressors import Bucket, Compressor, Context, ParamSlot, Reduction, build
+from commpress.compressors import Compressor, build
+from commpress.compressors.composite import Composite
 from commpress.config import Config
 from commpress.errors import ConfigError
 
-__all__ = ["LAST_LAYER", "MAIN", "MethodGroups", "Part", "last_layer_names"]
+__all__ = ["LAST_LAYER", "MAIN", "MethodGroups", "last_layer_names"]
 
 #: The key of the config's top-level method.
 MAIN = "main"
 #: The key of the group that averages, exactly, the last layer a method leaves out.
 LAST_LAYER = "last_layer"
-
-
-@dataclass(frozen=True)
-class Part:
-    """The slots of one bucket that share a method group."""
-
-    key: str
-    slots: tuple[ParamSlot, ...]
-    whole: bool  # the part covers the whole buffer, in order: no gather/scatter needed
 
 
 class MethodGroups:
@@ -67,12 +59,13 @@ class MethodGroups:
             self.last_layer = frozenset(last_layer_names(model) if model is not None else last_layer)
             self.specs[LAST_LAYER] = ("none", {})
             self.compressors[LAST_LAYER] = build("none")
-        self._parts: dict[tuple[ParamSlot, ...], tuple[Part, ...]] = {}
+        #: the reduction of a bucket whose parameters fall into several of these groups
+        self.composite = Composite(self.key_for, self.compressors)
 
     @property
     def rounds(self) -> int:
         """Collectives one bucket may need: its groups run one after another."""
-        return sum(c.rounds for c in self.compressors.values())
+        return self.composite.rounds
 
     def key_for(self, name: str) -> str:
         """The group of the parameter called ``name`` (first matching override wins; the
@@ -84,39 +77,6 @@ class MethodGroups:
         """Run group ``key`` with ``compressor`` from now on (the bandwidth layer changes a
         method's parameter this way)."""
         self.compressors[key] = compressor
-
-    def parts(self, slots: tuple[ParamSlot, ...]) -> tuple[Part, ...]:
-        """``slots`` split by group, in order of first appearance (cached per layout)."""
-        cached = self._parts.get(slots)
-        if cached is None:
-            groups: dict[str, list[ParamSlot]] = {}
-            for slot in slots:
-                groups.setdefault(self.key_for(slot.name), []).append(slot)
-            whole = len(groups) == 1
-            cached = self._parts[slots] = tuple(Part(key, tuple(members), whole) for key, members in groups.items())
-        return cached
-
-    def reduction(self, bucket: Bucket, ctx: Context) -> Reduction:
-        """Each group's reduction of ``bucket`` in turn; a group that is not the whole
-        buffer works on a gathered copy that is scattered back afterwards. The bucket's
-        average is known finite when every group's is (see :attr:`Bucket.finite`)."""
-        known: list[bool | None] = []
-        for part in self.parts(tuple(bucket.slots)):
-            compressor = self.compressors[part.key]
-            if part.whole:
-                local = Bucket(bucket.index, bucket.buffer, part.slots)
-                yield from compressor.reduce(local, ctx)
-                known.append(local.finite)
-                continue
-            views = [bucket.buffer.narrow(0, s.offset, s.numel) for s in part.slots]
-            local = Bucket.from_tensors(
-                bucket.index, [v.view(s.shape) for v, s in zip(views, part.slots)], [s.name for s in part.slots]
-            )
-            yield from compressor.reduce(local, ctx)
-            known.append(local.finite)
-            for view, out in zip(views, _flat_views(local)):
-                view.copy_(out)
-        bucket.finite = _combined(known)
 
     def end_step(self, commit: bool) -> None:
         """Commit (or, for a non-finite step, discard) every group's staged state."""
@@ -131,13 +91,6 @@ class MethodGroups:
             c.load_state_dict(state.get(key, {}))
 
 
-def _combined(known: list[bool | None]) -> bool | None:
-    """Whether the parts' averages are all finite: False if one is not, None if one is unknown."""
-    if False in known:
-        return False
-    return True if known and None not in known else None
-
-
 def last_layer_names(model: nn.Module) -> list[str]:
     """The names (as ``model.named_parameters()`` gives them) of the parameters of the last
     module, in ``model.named_modules()`` order, that holds parameters of its own: the weight
@@ -150,8 +103,3 @@ def last_layer_names(model: nn.Module) -> list[str]:
             own = here
     ids = {id(p) for p in own}
     return [name for name, p in model.named_parameters() if id(p) in ids]
-
-
-def _flat_views(bucket: Bucket) -> Iterator:
-    for s in bucket.slots:
-        yield bucket.buffer.narrow(0, s.offset, s.numel)

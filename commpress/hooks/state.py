@@ -170,22 +170,23 @@ class CommState:
         bucket = Bucket(index, buffer, slots)
         ctx = Context(rank=self.rank, world_size=self.world_size, step=step)
         if step < self.config.start_iter:
-            fut = self._backend.run(self._warmup.reduce(bucket, ctx), buffer)
+            fut = self._backend.run(self._warmup.reduce(bucket, ctx))
         elif self.adaptive is not None:
             if first_bucket:  # no reduction of this state is in flight: safe to re-measure
                 self.adaptive.begin_step(step)
             fut = self.adaptive.run(bucket, step)
         else:
-            fut = self._backend.run(self.groups.reduction(bucket, ctx), buffer)
+            fut = self._backend.run(self.groups.composite.reduce(bucket, ctx))
         with self._done:  # counted once started (a hook that raised has nothing in flight)
             self._in_flight += 1
-        return fut.then(functools.partial(self._record_finite, bucket))
+        return fut.then(functools.partial(self._record_finite, buffer))
 
-    def _record_finite(self, bucket: Bucket, fut: torch.futures.Future) -> torch.Tensor:
+    def _record_finite(self, buffer: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
+        """The hook's result, ``buffer``; notes whether its average is finite (what the
+        reduction returned where it knows, else one pass over the buffer)."""
         try:
-            buffer = fut.value()
-            # the reduction's own finding where it has one (no second pass over the buffer)
-            flag = host.finite(buffer) if bucket.finite is None else torch.tensor(bucket.finite)
+            known = fut.value()
+            flag = host.finite(buffer) if known is None else torch.tensor(known)
         except BaseException:
             flag = torch.tensor(False)  # a failed bucket discards the whole step
             raise

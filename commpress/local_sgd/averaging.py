@@ -77,14 +77,14 @@ class ParameterAverager:
 
         def commit(fut: torch.futures.Future) -> None:
             try:
-                buffer = fut.value()
+                fut.value()  # raises the reduction's error
                 self.groups.end_step(commit=True)
             except BaseException as exc:  # the CollectiveError itself, not a RuntimeError around it
                 done.set_exception(exc)
                 return
-            done.set_result(buffer)
+            done.set_result(bucket.buffer)
 
-        self.backend.run(self.groups.reduction(bucket, ctx), bucket.buffer).add_done_callback(commit)
+        self.backend.run(self.groups.composite.reduce(bucket, ctx)).add_done_callback(commit)
         return done
 
     def average(self, bucket: Bucket) -> torch.Tensor:
@@ -93,7 +93,8 @@ class ParameterAverager:
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place in full precision (small set-up values)."""
-        return self.backend.run(_exact_sum(tensor), tensor).wait()
+        self.backend.run(_exact_sum(tensor)).wait()
+        return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Every rank gets rank ``src``'s ``tensor``, exactly (a sum with zeros elsewhere)."""
