@@ -16,8 +16,8 @@ import torch
 from test_fake_cuda import CUDA, fake_cuda  # noqa: F401  (the fixture)
 
 from commpress import CommState
-from commpress.adaptive.groups import Hierarchy
 from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
+from commpress.adaptive.hierarchy import Hierarchy
 from commpress.comm import SimulatedWorld
 from commpress.comm.simulated import SimulatedBackend
 from commpress.compressors import Bucket, build

@@ -15,8 +15,8 @@ import multiround  # noqa: F401  (registers test-multiround)
 import pytest
 import torch
 
-from commpress.adaptive.groups import Hierarchy
 from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes, shard_ranges, shard_slots
+from commpress.adaptive.hierarchy import Hierarchy
 from commpress.adaptive.topology import Topology
 from commpress.comm import SimulatedWorld
 from commpress.comm.launch import run_local

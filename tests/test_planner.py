@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from commpress.adaptive.groups import Hierarchy
+from commpress.adaptive.hierarchy import Hierarchy
 from commpress.adaptive.planner import BandwidthConfig, describe, plan_hierarchy
 from commpress.adaptive.ratios import method_for_ratio
 from commpress.adaptive.topology import Flows, Topology

@@ -10,8 +10,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from commpress.adaptive.groups import Hierarchy
 from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
+from commpress.adaptive.hierarchy import Hierarchy
 from commpress.adaptive.timing import CollectiveLog, Record, measured
 from commpress.adaptive.topology import Flows, Topology
 from commpress.adaptive.traffic import (

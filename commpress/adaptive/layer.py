@@ -50,11 +50,10 @@ __all__ = ["AdaptiveLayer"]
 
 class AdaptiveLayer:
     """Measure, plan, and run hierarchical reductions of ``groups``' buckets over the ranks
-    of ``main``, the backend of the hook state (``process_group``, the group ``main`` runs
-    on, is not read: ``main`` stands for it); bytes across domains count in ``main``'s traffic."""
+    of ``main``, the backend of the hook state; bytes across domains count in ``main``'s traffic."""
 
     def __init__(
-        self, groups: MethodGroups, settings: BandwidthConfig, model: torch.nn.Module | None, process_group: Any, main: Backend
+        self, groups: MethodGroups, settings: BandwidthConfig, model: torch.nn.Module | None, main: Backend
     ) -> None:
         if groups.config.backend != "torch":
             raise ConfigError(f"[bandwidth] adaptive = true needs backend = 'torch', got backend = {groups.config.backend!r}")

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from commpress.adaptive.groups import Hierarchy
+from commpress.adaptive.hierarchy import Hierarchy
 from commpress.adaptive.ratios import method_for_ratio
 from commpress.adaptive.topology import Topology
 from commpress.adaptive.traffic import GroupTraffic, Methods, ModelLayout, cross_traffic, domain_traffic, group_shapes

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from commpress.adaptive.groups import Hierarchy
+from commpress.adaptive.hierarchy import Hierarchy
 from commpress.compressors.collectives import Reduction
 
 __all__ = ["CollectiveLog", "Measured", "Record", "active", "measured", "recording"]

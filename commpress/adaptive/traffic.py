@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from commpress.adaptive.groups import Hierarchy
 from commpress.adaptive.hierarchical import Place, shard_ranges, shard_slots
+from commpress.adaptive.hierarchy import Hierarchy
 from commpress.adaptive.topology import Topology
 from commpress.comm.simulated import SimulatedWorld
 from commpress.compressors import Bucket, Context, ParamSlot, Reduction, Transfer, build

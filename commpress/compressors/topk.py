@@ -32,6 +32,7 @@ import torch
 
 from commpress.compressors import host
 from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, on_dense_copy
+from commpress.compressors.collectives import sum_rows
 from commpress.compressors.dgc import clip_local, correct, dense_momentum, mask
 from commpress.compressors.framing import frame, unframe
 from commpress.compressors.memory import ErrorMemory, Piece
@@ -257,11 +258,7 @@ class TopKCompressor(Compressor):
     def _decode_whole(self, gathered: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
         """The average of the tensors sent whole (summed in rank order); with DGC, their
         momentum ``U = m·U + average``."""
-        world = gathered.shape[0]
-        total = gathered.select(0, 0).clone()
-        for r in range(1, world):
-            total.add_(gathered.select(0, r))
-        average = total.div_(world)
+        average = sum_rows(gathered).div_(gathered.shape[0])
         return dense_momentum(self._memory, pieces, average, self.momentum) if self.dgc and pieces else average
 
     def _stage(

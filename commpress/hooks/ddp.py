@@ -37,7 +37,7 @@ def register(
     ``optimizer``: needed by methods that apply momentum themselves (Top-k with
     ``dgc = true``): the momentum of the ``torch.optim.SGD`` param groups holding their
     parameters is handed over to them and those groups' momentum set to 0
-    (:func:`commpress.compressors.dgc.hand_over_momentum`); ignored otherwise.
+    (:func:`commpress.hooks.optimizer.hand_over_momentum`); ignored otherwise.
     """
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"register() expects a DistributedDataParallel model, got {type(model).__name__}")

@@ -107,7 +107,7 @@ class CommState:
         if self.adaptive is None and bandwidth is not None and bandwidth.adaptive:
             from commpress.adaptive.layer import AdaptiveLayer
 
-            self.adaptive = AdaptiveLayer(self.groups, bandwidth, self._model, self._process_group, self._backend)
+            self.adaptive = AdaptiveLayer(self.groups, bandwidth, self._model, self._backend)
         if self._saved is not None:
             saved, self._saved = self._saved, None
             self.load_state_dict(saved)
