@@ -13,16 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from commpress.compressors import (
-    AllReduce,
-    Bucket,
-    Compressor,
-    Context,
-    ParamSlot,
-    Reduction,
-    Transfer,
-    register_compressor,
-)
+from commpress.compressors import AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, register_compressor
 from commpress.errors import ConfigError
 
 

@@ -52,6 +52,18 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 12, generator=g), torch.randn(16, 4, generator=g)
 
 
+def _train(model, opt, rank: int, steps: range, stepper=None, after=None) -> None:
+    """Steps ``steps`` of the per-rank task: backward, ``stepper()`` (``opt.step``), zero grads,
+    then ``after(step)``."""
+    for step in steps:
+        x, y = _batch(rank, step)
+        F.mse_loss(model(x), y).backward()
+        (stepper or opt.step)()
+        opt.zero_grad()
+        if after is not None:
+            after(step)
+
+
 def _params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -73,16 +85,15 @@ def _ddp_run(rank: int, method: str, path: str | None, save: bool, resume: bool)
         opt.load_state_dict(ckpt["optimizer"])
         state.load_state_dict(ckpt["hook"])
         start = SAVE_AT
-    for step in range(start, STEPS):
-        x, y = _batch(rank, step)
-        F.mse_loss(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+
+    def save_at(step: int) -> None:
         if save and step + 1 == SAVE_AT:
             whole = state.state_dict(full=True)  # every rank calls it
             if rank == 0:
                 torch.save({"model": ddp.module.state_dict(), "optimizer": opt.state_dict(), "hook": whole}, path)
             dist.barrier()
+
+    _train(ddp, opt, rank, range(start, STEPS), after=save_at)
     return _params(ddp.module)
 
 
@@ -165,11 +176,7 @@ def _pickled(rank: int, world: int, path: str) -> tuple[bool, str]:
     ddp = DistributedDataParallel(_model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     state = register(ddp, {"method": "topk", "params": TOPK, "start_iter": 2})
-    for step in range(SAVE_AT):
-        x, y = _batch(rank, step)
-        F.mse_loss(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    _train(ddp, opt, rank, range(SAVE_AT))
     blob = pickle.dumps({"model": ddp.module.state_dict(), "optimizer": opt.state_dict(), "hook": state})
     if rank == 0:
         with open(path, "wb") as f:
@@ -181,11 +188,7 @@ def _pickled(rank: int, world: int, path: str) -> tuple[bool, str]:
     other_opt = torch.optim.SGD(other.parameters(), lr=0.05, momentum=0.9)
     other_opt.load_state_dict(ckpt["optimizer"])
     other.register_comm_hook(ckpt["hook"], ddp_hook)
-    for step in range(SAVE_AT, STEPS):
-        x, y = _batch(rank, step)
-        F.mse_loss(other(x), y).backward()
-        other_opt.step()
-        other_opt.zero_grad()
+    _train(other, other_opt, rank, range(SAVE_AT, STEPS))
     same = torch.equal(_params(other.module), straight)
     with open(path, "rb") as f:
         rank0 = pickle.loads(f.read())
@@ -216,11 +219,7 @@ def _dcp(rank: int, world: int, path: str) -> bool:
     ddp = DistributedDataParallel(_model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     state = register(ddp, cfg)
-    for step in range(SAVE_AT):
-        x, y = _batch(rank, step)
-        F.mse_loss(ddp(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    _train(ddp, opt, rank, range(SAVE_AT))
     dcp.save({"hook": DCPState(state)}, checkpoint_id=path)
     local = {"model": ddp.module.state_dict(), "optimizer": opt.state_dict()}
     fresh = DistributedDataParallel(_model())
@@ -229,11 +228,7 @@ def _dcp(rank: int, world: int, path: str) -> bool:
     fresh_opt.load_state_dict(local["optimizer"])
     fresh_state = register(fresh, cfg)
     dcp.load({"hook": DCPState(fresh_state)}, checkpoint_id=path)
-    for step in range(SAVE_AT, STEPS):
-        x, y = _batch(rank, step)
-        F.mse_loss(fresh(x), y).backward()
-        fresh_opt.step()
-        fresh_opt.zero_grad()
+    _train(fresh, fresh_opt, rank, range(SAVE_AT, STEPS))
     return torch.equal(_params(fresh.module), straight)
 
 
@@ -254,11 +249,8 @@ def _local_sgd_run(rank: int, kind: str, path: str | None, save: bool, resume: b
         opt.load_state_dict(ckpt["optimizer"][rank])
         trainer.load_state_dict(ckpt["trainer"])
         start = SAVE_AT
-    for step in range(start, STEPS):
-        x, y = _batch(rank, step)
-        F.mse_loss(model(x), y).backward()
-        trainer.step()
-        opt.zero_grad()
+
+    def save_at(step: int) -> None:
         if save and step + 1 == SAVE_AT:
             whole = trainer.state_dict(full=True)
             # the local models differ between averagings: rank 0 saves every rank's
@@ -267,6 +259,8 @@ def _local_sgd_run(rank: int, kind: str, path: str | None, save: bool, resume: b
             if rank == 0:
                 torch.save({"model": [m for m, _ in models], "optimizer": [o for _, o in models], "trainer": whole}, path)
             dist.barrier()
+
+    _train(model, opt, rank, range(start, STEPS), stepper=trainer.step, after=save_at)
     trainer.finish()
     return _params(model)
 

@@ -31,7 +31,7 @@ from commpress.comm.counters import Traffic
 from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction
 from commpress.errors import CollectiveError
 
-__all__ = ["Backend", "Channel", "describe"]
+__all__ = ["Backend", "Channel", "OnBackend", "describe"]
 
 #: A channel: (scope, ordinal of the collective within that scope in one reduction).
 Channel = tuple[str, int]
@@ -212,6 +212,26 @@ class Backend(ABC):
             self._advance(task, result)
 
         return on_done
+
+
+class OnBackend:
+    """The rank, world size and traffic of the backend an object reduces through (its
+    ``backend``), for objects that hold one (the hook state, the parameter averager)."""
+
+    backend: Backend
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.backend.world_size
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes this rank sent and the time spent in compressor code (see :class:`Traffic`)."""
+        return self.backend.traffic
 
 
 def describe(request: Collective) -> str:

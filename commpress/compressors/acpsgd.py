@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from commpress.compressors.base import AllReduce, Bucket, Context, ParamSlot, Reduction, Transfer
-from commpress.compressors.lowrank import LowRankCompressor
+from commpress.compressors.lowrank import LowRankCompressor, _Step
 from commpress.compressors.lowrank_plan import orthonormalize
 from commpress.compressors.registry import register_compressor
 
@@ -46,10 +46,7 @@ class ACPSGDCompressor(LowRankCompressor):
         every step (bound: :meth:`LowRankCompressor._rank_for_ratio`)."""
         return self._rank_for_ratio(ratio, slots, lambda n, m: (n + m) / 2 if self.warm_start else n)
 
-    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        step = self._begin(bucket)
-        if step is None:
-            return
+    def _rounds(self, bucket: Bucket, ctx: Context, step: _Step) -> Reduction:
         lay = step.layout
         plan = lay.plan
         old_p = None

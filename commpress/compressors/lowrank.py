@@ -10,6 +10,7 @@ stages its changes; :meth:`Compressor.end_step` commits or drops them.
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -17,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from commpress.compressors import host
-from commpress.compressors.base import Bucket, Compressor, ParamSlot
+from commpress.compressors.base import Bucket, Compressor, Context, ParamSlot, Reduction
 from commpress.compressors.lowrank_plan import LowRankPlan, matrix_shape, orthonormalize
 from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.seeding import check_seed, shared_normal, stream_starts, tensor_key
@@ -126,6 +127,16 @@ class LowRankCompressor(Compressor):
         else:
             qt = self._random_qt(lay, step)
         return [orthonormalize(v.transpose(1, 2)) for v in lay.plan.qt_views(qt)]
+
+    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
+        """Start the step (:meth:`_begin`), then the method's collectives (:meth:`_rounds`)."""
+        step = self._begin(bucket)
+        if step is not None:
+            yield from self._rounds(bucket, ctx, step)
+
+    @abstractmethod
+    def _rounds(self, bucket: Bucket, ctx: Context, step: _Step) -> Reduction:
+        """The method's collectives for a started step (``step`` from :meth:`_begin`)."""
 
     def _begin(self, bucket: Bucket) -> _Step | None:
         """The shared start of a step: check the dtype, then this bucket's layout, step

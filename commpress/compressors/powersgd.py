@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from commpress.compressors.base import AllReduce, Bucket, Context, ParamSlot, Reduction, Transfer
-from commpress.compressors.lowrank import LowRankCompressor
+from commpress.compressors.lowrank import LowRankCompressor, _Step
 from commpress.compressors.lowrank_plan import orthonormalize
 from commpress.compressors.registry import register_compressor
 
@@ -39,10 +39,7 @@ class PowerSGDCompressor(LowRankCompressor):
         """P and Q every step (bound: :meth:`LowRankCompressor._rank_for_ratio`)."""
         return self._rank_for_ratio(ratio, slots, lambda n, m: n + m)
 
-    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        step = self._begin(bucket)
-        if step is None:
-            return
+    def _rounds(self, bucket: Bucket, ctx: Context, step: _Step) -> Reduction:
         lay = step.layout
         plan = lay.plan
         first = self._payload(bucket, plan, plan.p_numel, ctx.world_size)

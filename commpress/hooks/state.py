@@ -12,6 +12,7 @@ import torch.distributed
 
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
+from commpress.comm.backend import OnBackend
 from commpress.compressors import Bucket, Context, ParamSlot, build, host
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
@@ -21,7 +22,7 @@ from commpress.errors import ConfigError
 __all__ = ["CommState", "check_model"]
 
 
-class CommState:
+class CommState(OnBackend):
     """Everything a commpress hook needs: the resolved config, its method groups, the
     backend, and the step counter.
 
@@ -121,19 +122,6 @@ class CommState:
     def compressors(self):
         """Each method group's compressor, by group key (``"main"``, ``"override0"``, ...)."""
         return self.groups.compressors
-
-    @property
-    def rank(self) -> int:
-        return self.backend.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.backend.world_size
-
-    @property
-    def traffic(self):
-        """Bytes sent and compute time of this rank (see :class:`commpress.comm.Traffic`)."""
-        return self.backend.traffic
 
     # ---- reducing ----------------------------------------------------------------------
 

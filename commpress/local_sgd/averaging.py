@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from commpress.comm import Backend, Traffic, make_backend
+from commpress.comm import Backend, make_backend
 from commpress.comm.agreement import agree_on_config
+from commpress.comm.backend import OnBackend
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction
 from commpress.config import Config
 from commpress.config.groups import MAIN, MethodGroups
@@ -24,7 +25,7 @@ def _exact_sum(tensor: torch.Tensor) -> Reduction:
         tensor.copy_(summed)
 
 
-class ParameterAverager:
+class ParameterAverager(OnBackend):
     """Runs a method group's reduction over a flat bucket of model values.
 
     ``method`` and ``params`` name the compressor as in a commpress config; built with a
@@ -54,19 +55,6 @@ class ParameterAverager:
     @property
     def compressor(self) -> Compressor:
         return self.groups.compressors[MAIN]
-
-    @property
-    def rank(self) -> int:
-        return self.backend.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.backend.world_size
-
-    @property
-    def traffic(self) -> Traffic:
-        """Bytes this rank sent (see :class:`commpress.comm.Traffic`)."""
-        return self.backend.traffic
 
     def start(self, bucket: Bucket) -> torch.futures.Future:
         """Start averaging ``bucket.buffer`` in place; the future completes with the buffer.
