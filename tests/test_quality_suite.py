@@ -147,7 +147,7 @@ def test_command_line(tmp_path, capsys):
         (["--tasks", "mnist"], "--tasks: 'mnist' is not accepted; accepted: charlm, shapes, transformer"),
         (["--optimizers", "lion"], "--optimizers: 'lion' is not accepted; accepted: sgd, adamw"),
         (["--methods", "topk:ratio=2"], "method 'topk:ratio=2' is neither a row"),
-        (["--methods", " ; "], "--methods = ' ; ' names nothing"),
+        (["--methods", " ; "], "argument --methods: ' ; ' names no method"),
         (["--seeds", "0"], "argument --seeds: '0' is not accepted; expected an integer >= 1"),
     ],
 )
