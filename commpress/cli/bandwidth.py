@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -239,7 +238,7 @@ def render_groups(label: str, groups: list[dict[str, Any]]) -> str:
     """One trained adaptive row's groups: predicted bytes and ms per step next to the measured ones."""
     table = []
     for g in groups:
-        ratio = g["measured_seconds"] / g["predicted_seconds"] if g["predicted_seconds"] else math.inf
+        ratio = f"{g['measured_seconds'] / g['predicted_seconds']:.2f}" if g["predicted_seconds"] else "-"  # a rank alone
         table.append(
             [
                 g["group"],
@@ -249,7 +248,7 @@ def render_groups(label: str, groups: list[dict[str, Any]]) -> str:
                 f"{g['measured_bytes']:,.0f}",
                 f"{1000 * g['predicted_seconds']:.2f}",
                 f"{1000 * g['measured_seconds']:.2f}",
-                f"{ratio:.2f}",
+                ratio,
             ]
         )
     head = f"{label}: per group and step, predicted from the topology and measured"
@@ -291,18 +290,18 @@ def render(rows: list[dict[str, Any]]) -> str:
     if adaptive:
         lines.append("(adaptive rows: bytes sent across domains; inside a domain nothing is compressed)")
     if adaptive and flat:
-        spread = " or the seed-by-seed spread of their difference" if seeds > 1 else " (one seed: --seeds 3 measures the spread)"
-        lines.append(f"(final losses differ measurably when apart by more than {100 * LOSS_MARGIN:g}%{spread})")
+        spread = ", beyond the seed-by-seed spread of their difference" if seeds > 1 else "; --seeds 3 weighs the seeds' spread"
+        lines.append(f"(final losses differ measurably when more than {100 * LOSS_MARGIN:g}% apart{spread})")
     for a in adaptive if flat else ():
         order = {r["label"]: loss_order(a, r) for r in flat}
         if all(o > 0 for o in order.values()):
             lines.append(f"{a['label']}: measurably lower final loss than every global setting")
             continue
         best = min((r for r in flat if order[r["label"]] <= 0), key=lambda r: r["step_seconds"])
-        loss = "lower final loss" if order[best["label"]] < 0 else "no measurable difference in final loss"
+        loss = f"{best['label']}'s is measurably lower" if order[best["label"]] < 0 else "the difference is not measurable"
         lines.append(
             f"{a['label']}: {best['step_seconds'] / a['step_seconds']:.2f}x the speed of {best['label']}, the fastest "
-            f"global setting with equal or lower final loss ({loss})"
+            f"global setting whose final loss is not measurably higher ({loss})"
         )
     return "\n".join(lines)
 
