@@ -7,7 +7,7 @@ traffic predicted per group, then trains the demo model once per row (the same s
 data) and prints step time, bytes each rank sends per step (across domains, for the
 adaptive rows) and the held-out loss, and for each adaptive row every group's predicted
 bytes and milliseconds per step next to the measured ones. Final losses count as equal
-unless they differ by more than 1% or, with several seeds, more than the seed-by-seed
+unless they differ by more than 1% and, with several seeds, by more than the seed-by-seed
 spread of their difference. Launch it on real links with ``commpress linkemu``, with
 ``torchrun``, or with ``--local N`` on this machine. Example (two nodes of two ranks,
 100 Mbit/s between them)::
@@ -25,7 +25,7 @@ import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
-from commpress.cmdline import LIST_HELP, integer, listed, method_list, number
+from commpress.cmdline import LIST_HELP, integer, listed, method_list, number, parse_method_spec
 from commpress.errors import ConfigError
 from commpress.terminal import format_table
 
@@ -128,7 +128,6 @@ def _rows(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _config(option: str, spec: str, bandwidth: dict[str, Any] | None = None) -> dict[str, Any]:
-    from commpress.cmdline import parse_method_spec
     from commpress.config import Config
 
     try:
