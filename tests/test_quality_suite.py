@@ -154,3 +154,10 @@ def test_command_line(tmp_path, capsys):
 def test_command_line_errors(args, message, capsys):
     assert main(["quality", "--steps", "1", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_catalog_names_every_task_in_order():
+    """``commpress quality --help`` lists the tasks from the torch-free catalog."""
+    from commpress.bench import catalog
+
+    assert tuple(quality.TASKS) == catalog.TASKS
