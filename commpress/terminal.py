@@ -25,23 +25,29 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 def _is_number(text: str) -> bool:
     try:
-        float(text.rstrip("x%").replace(",", ""))
+        float(text.rstrip("x%*").replace(",", ""))
     except ValueError:
         return text in ("-", "")
     return True
 
 
 class Progress:
-    """``Progress(total, label).update(done)`` redraws ``label [#####.....] done/total``."""
+    """``Progress(total, label).update(done)`` redraws ``label [#####.....] done/total``.
+    On a pipe (logs, CI) it writes a line every ``PIPE_SECONDS`` and the finished line, so
+    a long run still shows it is alive."""
+
+    PIPE_SECONDS = 30.0
 
     def __init__(self, total: int, label: str = "", width: int = 30) -> None:
         self.total, self.label, self.width = max(total, 1), label, width
-        self.start = time.perf_counter()
+        self.start = self._shown = time.perf_counter()
         self._tty = sys.stderr.isatty()
 
     def update(self, done: int, note: str = "") -> None:
         if not self._tty and done < self.total:
-            return  # on a pipe (logs, CI), only the finished line
+            if time.perf_counter() - self._shown < self.PIPE_SECONDS:
+                return
+            self._shown = time.perf_counter()
         filled = self.width * done // self.total
         bar = "#" * filled + "." * (self.width - filled)
         line = f"{self.label} [{bar}] {done}/{self.total} {time.perf_counter() - self.start:5.1f}s {note}"

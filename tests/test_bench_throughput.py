@@ -50,7 +50,13 @@ def test_workload_shapes():
 def test_bad_arguments_are_named(capsys):
     with pytest.raises(SystemExit):
         throughput.main(["--threads", "0,2"])
-    assert "--threads '0,2': expected comma-separated integers >= 1" in capsys.readouterr().err
+    assert "argument --threads: '0' is not accepted; expected an integer >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         throughput.main(["--numel", "0"])
-    assert "--numel must be >= 1, got 0" in capsys.readouterr().err
+    assert "argument --numel: '0' is not accepted; expected an integer >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        throughput.main(["--scale", "2"])
+    assert "argument --scale: '2' is not accepted; expected a number in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        throughput.main(["--repeat", "0"])
+    assert "argument --repeat: '0' is not accepted; expected an integer >= 1" in capsys.readouterr().err

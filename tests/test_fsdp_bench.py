@@ -25,6 +25,8 @@ def test_rows():
         ("q:bits=8", "fsdp: unknown key 'bits'; accepted keys: bucket_size, exclude"),
         ("q:weight_bits", "is not key=value"),
         (" ; ", "names no row"),
+        ("q4", "'q4' is no default row"),
+        ("fsdp,q:weight_bits=4;fsdp", "'fsdp' is named twice"),
     ],
 )
 def test_bad_rows(text, message):

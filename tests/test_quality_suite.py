@@ -147,10 +147,17 @@ def test_command_line(tmp_path, capsys):
         (["--tasks", "mnist"], "--tasks: 'mnist' is not accepted; accepted: charlm, shapes, transformer"),
         (["--optimizers", "lion"], "--optimizers: 'lion' is not accepted; accepted: sgd, adamw"),
         (["--methods", "topk:ratio=2"], "method 'topk:ratio=2' is neither a row"),
-        (["--methods", " ; "], "--methods = ' ; ' names nothing"),
+        (["--methods", " ; "], "argument --methods: ' ; ' names no method"),
         (["--seeds", "0"], "argument --seeds: '0' is not accepted; expected an integer >= 1"),
     ],
 )
 def test_command_line_errors(args, message, capsys):
     assert main(["quality", "--steps", "1", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_catalog_names_every_task_in_order():
+    """``commpress quality --help`` lists the tasks from the torch-free catalog."""
+    from commpress.bench import catalog
+
+    assert tuple(quality.TASKS) == catalog.TASKS

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 import commpress.kernels as cc
+from commpress.cmdline import integer
 from commpress.kernels.cpu.openmp import wait_setting
 
 WORLD = 2  # ranks decoded by the accumulate ops
@@ -136,8 +137,10 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m commpress.bench.kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    parser.add_argument("--numel", type=int, default=24 << 20, help="elements per buffer (multiple of 1024; default 24 Mi)")
-    parser.add_argument("--repeat", type=int, default=7, help="timed rounds (median reported)")
+    parser.add_argument(
+        "--numel", type=integer(BUCKET), default=24 << 20, help=f"elements per buffer (a multiple of {BUCKET}; default 24 Mi)"
+    )
+    parser.add_argument("--repeat", type=integer(1), default=7, help="timed rounds (median reported; default 7)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if args.numel % BUCKET:

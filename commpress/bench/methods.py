@@ -1,9 +1,8 @@
 """What ``commpress bench`` compares: PyTorch baselines and commpress configs.
 
-Method lists are written ``name[:key=value,...]`` and separated by ``;``; a plain comma
-also separates methods, because a piece without ``=`` can only start a new method
-(``none,fp16,powersgd:rank=4,start_iter=2`` is three methods). Baselines run in the same
-process, on the same model and data:
+Method lists follow the grammar every command shares (:mod:`commpress.cmdline`):
+``name[:key=value,...]``, separated by ``;`` or ``,`` (``none,fp16,powersgd:rank=4,start_iter=2``
+is three methods). Baselines run in the same process, on the same model and data:
 
 - ``ddp``: DDP's own all-reduce, no hook (the reference for speed-ups);
 - ``torch-fp16``: PyTorch's ``fp16_compress_hook``;
@@ -17,17 +16,18 @@ Any other name is a commpress method (``commpress.compressors.available()``), ru
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from commpress.cmdline import parse_method_spec, split_method_list
 from commpress.compressors import available
-from commpress.config import Config, parse_method_spec
+from commpress.config import Config
 from commpress.errors import ConfigError
 from commpress.schema import check_kwargs, signature_fields
 
-__all__ = ["BASELINES", "BenchMethod", "default_methods", "method_from_config", "parse_methods", "split_specs"]
+__all__ = ["BASELINES", "BenchMethod", "default_methods", "method_from_config", "parse_methods"]
 
 
 def _ddp() -> dict[str, Any]:
@@ -64,34 +64,22 @@ class BenchMethod:
         return "1 bucket" if self.kind == "torch-powersgd" else ""
 
 
-def split_specs(text: str) -> list[str]:
-    """Split a method list on ``;``, or on commas that start a new ``name[:...]`` piece."""
-    if ";" in text:
-        return [s.strip() for s in text.split(";") if s.strip()]
-    specs: list[str] = []
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        if "=" in piece.partition(":")[0] and specs:  # key=value: belongs to the previous method
-            specs[-1] += "," + piece
-        else:
-            specs.append(piece)
-    return specs
-
-
-def parse_methods(text: str) -> list[BenchMethod]:
-    """``"ddp;torch-powersgd:rank=4;powersgd:rank=4"`` -> validated rows."""
+def parse_methods(methods: str | Sequence[str]) -> list[BenchMethod]:
+    """A method list (``"ddp;torch-powersgd:rank=4;powersgd:rank=4"``) or its specs ->
+    validated rows."""
+    text = methods if isinstance(methods, str) else ";".join(methods)
+    try:
+        specs = split_method_list(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--methods {text!r}: {exc}") from None
+    if not specs:
+        raise ConfigError(f"--methods {text!r} names no method")
     rows = []
-    for spec in split_specs(text):
+    for spec in specs:
         try:
             rows.append(_parse_one(spec))
         except ConfigError as exc:
             raise ConfigError(f"--methods {spec!r}: {exc}") from None
-    if not rows:
-        raise ConfigError(f"--methods {text!r} names no method")
-    labels = [r.label for r in rows]
-    if len(set(labels)) != len(labels):
-        raise ConfigError(f"--methods {text!r} names a method twice")
     return rows
 
 
@@ -115,4 +103,4 @@ def method_from_config(path: str) -> BenchMethod:
 
 def default_methods() -> list[BenchMethod]:
     """The baselines, then every registered commpress method with its default parameters."""
-    return parse_methods(";".join(["ddp", "torch-fp16", "torch-powersgd:rank=4", *available()]))
+    return parse_methods(["ddp", "torch-fp16", "torch-powersgd:rank=4", *available()])

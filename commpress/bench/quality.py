@@ -24,9 +24,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from commpress.bench.catalog import METHODS, OPTIMIZERS
 from commpress.bench.simulated_training import WORLD, CO2Ranks, LocalSGDRanks, QSDPRanks, data_parallel, run_ranks
+from commpress.cmdline import parse_method_spec
 from commpress.comm import SimulatedWorld
-from commpress.config import Config, parse_method_spec
+from commpress.config import Config
 from commpress.errors import ConfigError
 from commpress.fsdp.config import load_fsdp_config
 from commpress.workloads.charlm import CharTask
@@ -47,7 +49,7 @@ class TaskSpec:
     units: tuple[str, ...] = ()
 
 
-TASKS: dict[str, TaskSpec] = {
+TASKS: dict[str, TaskSpec] = {  # keyed by catalog.TASKS, in its order
     # the demo: character MLP, batch 64 per rank, SGD lr 0.2; the other base learning rates
     # are the better of two tried for ``none`` at 200 steps (a factor 3 apart). FSDP units:
     # each layer with weights (as ``commpress bench-fsdp`` shards the demo), the transformer's
@@ -71,24 +73,6 @@ TASKS: dict[str, TaskSpec] = {
         ("body.layers.0", "body.layers.1"),
     ),
 }
-#: Optimizers by name: SGD with momentum 0.9 and AdamW (weight decay 0.01), each under a
-#: cosine schedule from the task's base learning rate.
-OPTIMIZERS = ("sgd", "adamw")
-#: Method rows by label, in table order.
-METHODS = (
-    "none",
-    "fp16",
-    "bf16",
-    "powersgd",
-    "acpsgd",
-    "terngrad",
-    "terngrad-last",
-    "topk",
-    "topk-dgc",
-    "local-sgd+qsr",
-    "co2",
-    "qsdp-w8g8",
-)
 
 
 def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:

@@ -26,9 +26,11 @@ from collections.abc import Callable
 import torch
 
 import commpress.kernels as cc
+from commpress.cmdline import LIST_HELP, integer, listed, method_list, number, parse_method_spec
 from commpress.compressors import AllGather, AllReduce, Bucket, Compressor, Context, build
 from commpress.kernels.cpu.openmp import wait_setting
 from commpress.terminal import format_table
+from commpress.workloads import SHAPE_SETS
 
 __all__ = ["DEFAULT_METHODS", "DEFAULT_NUMEL", "equal_sizes", "measure", "table", "workload_sizes"]
 
@@ -126,8 +128,6 @@ def _qsdp_run(x: torch.Tensor, bits: int, bucket: int, world: int) -> Run:
 
 
 def _runs(sizes: list[int], world: int, bucket_mb: float, methods: list[str], qsdp: list[tuple[int, int]]) -> dict[str, Run]:
-    from commpress.config import parse_method_spec
-
     grad = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0))
     layout = _buckets(sizes, int(bucket_mb * 2**20))
     runs: dict[str, Run] = {}
@@ -199,46 +199,38 @@ def table(rows: list[dict]) -> str:
     return format_table(["method", "threads", "compress GB/s", "vs copy", "decompress GB/s", "vs copy"], cells)
 
 
-def _thread_counts(text: str) -> list[int]:
-    try:
-        counts = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"--threads {text!r}: expected comma-separated integers >= 1, e.g. 1,2")
-    return counts
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m commpress.bench.throughput", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--numel", type=int, default=DEFAULT_NUMEL, help=f"gradient elements (default {DEFAULT_NUMEL:,})")
-    parser.add_argument("--tensors", type=int, default=4, help="parameters of equal size (default 4)")
+    parser.add_argument("--numel", type=integer(1), default=DEFAULT_NUMEL, help=f"gradient elements (default {DEFAULT_NUMEL:,})")
+    parser.add_argument("--tensors", type=integer(1), default=4, help="parameters of equal size (default 4)")
     parser.add_argument(
         "--workload",
-        choices=("resnet50", "bert", "gpt2"),
+        choices=tuple(SHAPE_SETS),
         help="the parameter shapes of this workload instead of --numel/--tensors",
     )
-    parser.add_argument("--scale", type=float, default=0.1, help="with --workload: fraction of its parameters (default 0.1)")
     parser.add_argument(
-        "--threads", type=_thread_counts, default=[1, 2], help="torch thread counts, comma-separated (default 1,2)"
+        "--scale", type=number(0, 1), default=0.1, help="with --workload: fraction of its parameters, in (0, 1] (default 0.1)"
     )
-    parser.add_argument("--repeat", type=int, default=5, help="timed rounds, median reported (default 5)")
-    parser.add_argument("--world", type=int, default=2, help="ranks whose payloads are decoded (default 2)")
+    parser.add_argument(
+        "--threads", type=listed(integer(1)), default=[1, 2], help="torch thread counts, comma-separated (default 1,2)"
+    )
+    parser.add_argument("--repeat", type=integer(1), default=5, help="timed rounds, median reported (default 5)")
+    parser.add_argument("--world", type=integer(1), default=2, help="ranks whose payloads are decoded (default 2)")
     parser.add_argument(
         "--bucket-mb",
-        type=float,
+        type=number(0),
         default=25.0,
         help="parameters per bucket up to this many MiB, as DDP's bucket_cap_mb (default 25)",
     )
-    parser.add_argument("--methods", default=";".join(DEFAULT_METHODS), help="';'-separated method specs (default: %(default)s)")
+    parser.add_argument(
+        "--methods",
+        type=method_list(),
+        default=list(DEFAULT_METHODS),
+        help=f"{LIST_HELP} (default: {';'.join(DEFAULT_METHODS)})",
+    )
     args = parser.parse_args(argv)
-    for name in ("numel", "repeat", "world", "tensors"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if not args.bucket_mb > 0:
-        parser.error(f"--bucket-mb must be > 0, got {args.bucket_mb}")
     sizes = workload_sizes(args.workload, args.scale) if args.workload else equal_sizes(args.numel, args.tensors)
-    methods = [s.strip() for s in args.methods.split(";") if s.strip()]
+    methods = args.methods
     backend = f"numba {importlib.metadata.version('numba')}"  # the CPU kernels are compiled by numba
     buckets = len(_buckets(sizes, int(args.bucket_mb * 2**20)))
     what = f"workload {args.workload} at scale {args.scale}: " if args.workload else ""

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from commpress.bench.catalog import WORKLOADS
 from commpress.errors import ConfigError
+from commpress.workloads import SHAPE_SETS
 from commpress.workloads.charlm import CharTask
-from commpress.workloads.shaped import SHAPE_SETS, ShapedTask
+from commpress.workloads.shaped import ShapedTask
 
 __all__ = ["WORKLOADS", "CharLMWorkload", "make_workload"]
-
-WORKLOADS = (*SHAPE_SETS, "charlm")
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 import textwrap
 from collections.abc import Sequence
+from types import ModuleType
 from typing import NoReturn
 
 from commpress.errors import ConfigError
 
-__all__ = ["main", "summary"]
+__all__ = ["build_parser", "main", "plain", "summary"]
 
 #: Subcommand name -> module with ``add_arguments(parser)`` and ``run(args) -> int``;
 #: ``run`` raises :class:`ConfigError` for bad input before it starts any rank.
@@ -40,12 +42,33 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
+#: reST roles (``:mod:`x```, ``:class:`~a.B```) and inline literals (````x````).
+_MARKUP = re.compile(r":[a-z]+:`(~?)([^`]+)`|``([^`]+)``")
+
+
+def plain(text: str) -> str:
+    """``text`` without reST markup: roles and literals become their text (``~a.B`` -> ``B``),
+    and a paragraph's closing ``::`` (a literal block follows) becomes ``:``."""
+
+    def unmark(m: re.Match[str]) -> str:
+        if m.group(3) is not None:
+            return m.group(3)
+        return m.group(2).rpartition(".")[2] if m.group(1) else m.group(2)
+
+    return re.sub(r"::$", ":", _MARKUP.sub(unmark, text), flags=re.M)
+
+
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written (examples keep their lines); option help wrapped without
-    breaking names like ``torch-powersgd`` at the hyphen."""
+    """Plain text: descriptions' paragraphs filled to the width, indented blocks (examples)
+    kept line by line; nothing broken at a hyphen (``torch-powersgd``)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = [p.strip("\n") for p in re.split(r"\n\s*\n", plain(text)) if p.strip()]
+        fill = textwrap.TextWrapper(width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False).fill
+        return "\n\n".join(textwrap.indent(p, indent) if p[0].isspace() else fill(" ".join(p.split())) for p in paragraphs)
 
     def _split_lines(self, text: str, width: int) -> list[str]:
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+        return textwrap.wrap(" ".join(plain(text).split()), width, break_on_hyphens=False)
 
 
 def summary(doc: str | None) -> str:
@@ -59,8 +82,10 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the console script and of ``python -m commpress``: the exit status."""
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType], dict[str, argparse.ArgumentParser]]:
+    """The ``commpress`` parser, each command's module and each command's parser. Loads no
+    torch: a command module imports what it runs inside ``run``, so ``--help`` and a bad
+    option answer at once."""
     parser = _Parser(prog="commpress", description=__doc__, formatter_class=_Formatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     modules, parsers = {}, {}
@@ -70,6 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             name, help=summary(modules[name].__doc__), description=modules[name].__doc__, formatter_class=_Formatter
         )
         modules[name].add_arguments(parsers[name])
+    return parser, modules, parsers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script and of ``python -m commpress``: the exit status."""
+    parser, modules, parsers = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # named by the command they were given to

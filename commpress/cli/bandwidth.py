@@ -6,9 +6,11 @@ uplinks, the fast domains) and each adaptive row's plan for the demo model with 
 traffic predicted per group, then trains the demo model once per row (the same seed and
 data) and prints step time, bytes each rank sends per step (across domains, for the
 adaptive rows) and the held-out loss, and for each adaptive row every group's predicted
-bytes and milliseconds per step next to the measured ones. Launch it on real links with
-``commpress linkemu``, with ``torchrun``, or with ``--local N`` on this machine. Example
-(two nodes of two ranks, 100 Mbit/s between them)::
+bytes and milliseconds per step next to the measured ones. Final losses count as equal
+unless they differ by more than 1% and, with several seeds, by more than the seed-by-seed
+spread of their difference. Launch it on real links with ``commpress linkemu``, with
+``torchrun``, or with ``--local N`` on this machine. Example (two nodes of two ranks,
+100 Mbit/s between them)::
 
     sudo python -m commpress linkemu --ranks 4 --nodes 2 --inter-rate 100mbit -- \\
         python -m commpress bandwidth --steps 200 --expect-domains 0,1/2,3
@@ -23,8 +25,7 @@ import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
-from commpress.cli.args import integer, number
-from commpress.config import Config, parse_method_spec
+from commpress.cmdline import LIST_HELP, integer, listed, method_list, number, parse_method_spec
 from commpress.errors import ConfigError
 from commpress.terminal import format_table
 
@@ -55,6 +56,11 @@ GLOBAL_ROWS = (
 #: Methods run with ``[bandwidth] adaptive = true`` by default (the first two registered);
 #: the plan sets their knob.
 ADAPTIVE_ROWS = ("powersgd", "topk", "fp16")
+#: Final losses closer than this fraction are not told apart. The demo task's loss moves by
+#: up to 5% from seed to seed at 200 steps, and the difference between two settings by a
+#: few percent (docs/bandwidth.md); with several seeds the spread of that difference also
+#: counts.
+LOSS_MARGIN = 0.01
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,12 +74,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="train every row with seeds 0 .. N-1 of the demo task, report means (default 1)",
     )
-    parser.add_argument("--methods", help="semicolon-separated global settings (default: the registered ones of a built-in list)")
-    parser.add_argument("--adaptive", help="semicolon-separated methods to run with [bandwidth] adaptive = true")
+    parser.add_argument(
+        "--methods",
+        type=method_list(allow_empty=True),
+        help=f"global settings: {LIST_HELP} (default: the registered ones of a built-in list)",
+    )
+    parser.add_argument(
+        "--adaptive",
+        type=method_list(allow_empty=True),
+        help=f"methods to run with [bandwidth] adaptive = true: {LIST_HELP}",
+    )
     parser.add_argument(
         "--budgets",
-        default="0,25",
-        help="comma-separated [bandwidth] budget_ms values, one adaptive row each "
+        type=listed(number(0, low_open=False)),
+        default=[0.0, 25.0],
+        help="[bandwidth] budget_ms values separated by ',' or ';', one adaptive row each "
         "(0: even out with the fastest link; default 0,25)",
     )
     parser.add_argument(
@@ -82,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--measure-only",
         action="store_true",
-        help="print the topology and each adaptive row's plan and predicted traffic, train nothing",
+        help="print the measured topology and each adaptive row's plan (its predicted traffic), train nothing",
     )
     parser.add_argument(
         "--json", metavar="FILE", help="also write the topology, the plans, the predicted and measured traffic and the rows"
@@ -98,13 +113,13 @@ def _available(specs: tuple[str, ...]) -> list[str]:
     return [s for s in specs if s.partition(":")[0] in names]
 
 
-def _rows(args: argparse.Namespace, budgets: list[float]) -> list[tuple[str, dict[str, Any]]]:
+def _rows(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(label, config) of every row, each config validated (ConfigError naming the option)."""
-    globals_ = args.methods.split(";") if args.methods is not None else _available(GLOBAL_ROWS)
-    adaptive = args.adaptive.split(";") if args.adaptive is not None else _available(ADAPTIVE_ROWS)[:2]
-    rows = [(spec, _config("--methods", spec)) for spec in filter(None, (s.strip() for s in globals_))]
-    for spec in filter(None, (s.strip() for s in adaptive)):
-        for budget in budgets:
+    globals_ = args.methods if args.methods is not None else _available(GLOBAL_ROWS)
+    adaptive = args.adaptive if args.adaptive is not None else _available(ADAPTIVE_ROWS)[:2]
+    rows = [(spec, _config("--methods", spec)) for spec in globals_]
+    for spec in adaptive:
+        for budget in args.budgets:
             table = {"adaptive": True, "probe_ms": args.probe_ms, "budget_ms": budget}
             rows.append((f"adaptive {spec}" + (f" {budget:g}ms" if budget else ""), _config("--adaptive", spec, table)))
     if not rows and not args.measure_only:
@@ -113,6 +128,8 @@ def _rows(args: argparse.Namespace, budgets: list[float]) -> list[tuple[str, dic
 
 
 def _config(option: str, spec: str, bandwidth: dict[str, Any] | None = None) -> dict[str, Any]:
+    from commpress.config import Config
+
     try:
         config = parse_method_spec(spec)
         if bandwidth is not None:
@@ -121,21 +138,6 @@ def _config(option: str, spec: str, bandwidth: dict[str, Any] | None = None) -> 
     except ConfigError as exc:
         raise ConfigError(f"{option} {spec!r}: {exc}") from None
     return config
-
-
-def _budgets(text: str) -> list[float]:
-    """``--budgets "0,25"`` -> [0.0, 25.0] (each a valid [bandwidth] budget_ms)."""
-    from commpress.config.tables import BandwidthConfig
-
-    budgets = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        try:
-            budgets.append(BandwidthConfig(budget_ms=float(item)).budget_ms)
-        except ValueError:  # float() or the table's range check
-            raise ConfigError(f"--budgets = {text!r} is not accepted; expected comma-separated finite numbers >= 0") from None
-    if not budgets:
-        raise ConfigError(f"--budgets = {text!r} is not accepted; expected at least one number >= 0")
-    return budgets
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -149,14 +151,16 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[
     topology = measure_topology(TorchLinks(), probe_ms=args.probe_ms)
     model = CharTask().model()
     out: dict[str, Any] = {"topology": topology.to_dict(), "domains": topology.domains, "plans": {}, "rows": []}
+    report = sys.stdout if args.measure_only else sys.stderr  # the result, or what a run starts from
     if rank == 0:
-        print(topology, "\n", file=sys.stderr)
+        print(topology, "\n", file=report, flush=True)
     for label, config in rows:
         if "bandwidth" in config:
             plan = plan_for(topology, model, config)
             out["plans"][label] = {"plan": plan.to_dict(), "groups": group_rows(plan)}
             if rank == 0:
-                print(f"plan for {label} on the demo model:\n{plan}\n", file=sys.stderr)
+                head = f"plan for {label} on the demo model (predicted from the measured links):"
+                print(f"{head}\n{plan}\n", file=report, flush=True)
     if args.measure_only:
         return out
     for i, (label, config) in enumerate(rows):
@@ -182,6 +186,7 @@ def plan_for(topology: Topology, model: torch.nn.Module, config: dict[str, Any])
     """The plan an adaptive ``config`` makes for ``model`` over ``topology`` (DDP's default buckets)."""
     from commpress.adaptive.planner import plan_hierarchy
     from commpress.adaptive.traffic import ModelLayout, ddp_buckets
+    from commpress.config import Config
     from commpress.config.groups import MethodGroups
 
     groups = MethodGroups(Config.load(config))
@@ -229,21 +234,20 @@ def _gather_records(records: list[Record]) -> list[list[Record]]:
 
 
 def render_groups(label: str, groups: list[dict[str, Any]]) -> str:
-    """One adaptive row's groups: predicted bytes and ms per step next to the measured ones."""
+    """One trained adaptive row's groups: predicted bytes and ms per step next to the measured ones."""
     table = []
     for g in groups:
-        measured = "measured_seconds" in g
-        ratio = g["measured_seconds"] / g["predicted_seconds"] if measured and g["predicted_seconds"] else None
+        ratio = f"{g['measured_seconds'] / g['predicted_seconds']:.2f}" if g["predicted_seconds"] else "-"  # a rank alone
         table.append(
             [
                 g["group"],
                 " ".join(map(str, g["ranks"])),
                 g["method"],
                 f"{g['predicted_bytes']:,.0f}",
-                f"{g['measured_bytes']:,.0f}" if measured else "-",
+                f"{g['measured_bytes']:,.0f}",
                 f"{1000 * g['predicted_seconds']:.2f}",
-                f"{1000 * g['measured_seconds']:.2f}" if measured else "-",
-                f"{ratio:.2f}" if ratio is not None else "-",
+                f"{1000 * g['measured_seconds']:.2f}",
+                ratio,
             ]
         )
     head = f"{label}: per group and step, predicted from the topology and measured"
@@ -251,8 +255,20 @@ def render_groups(label: str, groups: list[dict[str, Any]]) -> str:
     return f"{head}\n{format_table(cols, table)}"
 
 
+def loss_order(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """-1, 0 or 1: ``b``'s final loss measurably below ``a``'s, no measurable difference, or
+    above. Measurable: the mean seed-by-seed difference exceeds :data:`LOSS_MARGIN` of
+    ``a``'s loss and the spread (max - min) of those differences over the seeds."""
+    diffs = [rb["eval_loss"] - ra["eval_loss"] for ra, rb in zip(a.get("seeds", [a]), b.get("seeds", [b]), strict=True)]
+    mean = statistics.fmean(diffs)
+    if abs(mean) <= max(LOSS_MARGIN * a["eval_loss"], max(diffs) - min(diffs)):
+        return 0
+    return 1 if mean > 0 else -1
+
+
 def render(rows: list[dict[str, Any]]) -> str:
-    """The comparison table, plus the best global row and how the adaptive rows compare."""
+    """The comparison table, plus for each adaptive row the fastest global row whose final
+    loss is lower or not measurably different (:func:`loss_order`)."""
     ref = rows[0]
     table = [
         [
@@ -267,18 +283,24 @@ def render(rows: list[dict[str, Any]]) -> str:
     ]
     seeds = len(rows[0].get("seeds", [None]))
     head = ["setting", "bytes/step/rank", "step ms", "final loss", f"min .. max ({seeds} seeds)", f"gap vs {ref['label']}"]
-    text = format_table(head, table)
     flat = [r for r in rows if not r["label"].startswith("adaptive ")]
-    lines = [text, "(adaptive rows: bytes sent across domains; inside a domain nothing is compressed)"]
-    for a in (r for r in rows if r["label"].startswith("adaptive ")):
-        rivals = [r for r in flat if r["eval_loss"] <= a["eval_loss"]]
-        if not rivals:
-            lines.append(f"{a['label']}: lower final loss than every global setting")
+    adaptive = [r for r in rows if r["label"].startswith("adaptive ")]
+    lines = [format_table(head, table)]
+    if adaptive:
+        lines.append("(adaptive rows: bytes sent across domains; inside a domain nothing is compressed)")
+    if adaptive and flat:
+        spread = ", beyond the seed-by-seed spread of their difference" if seeds > 1 else "; --seeds 3 weighs the seeds' spread"
+        lines.append(f"(final losses differ measurably when more than {100 * LOSS_MARGIN:g}% apart{spread})")
+    for a in adaptive if flat else ():
+        order = {r["label"]: loss_order(a, r) for r in flat}
+        if all(o > 0 for o in order.values()):
+            lines.append(f"{a['label']}: measurably lower final loss than every global setting")
             continue
-        best = min(rivals, key=lambda r: r["step_seconds"])
+        best = min((r for r in flat if order[r["label"]] <= 0), key=lambda r: r["step_seconds"])
+        loss = f"{best['label']}'s is measurably lower" if order[best["label"]] < 0 else "the difference is not measurable"
         lines.append(
-            f"{a['label']}: {best['step_seconds'] / a['step_seconds']:.2f}x the speed of the fastest global setting "
-            f"with equal or lower loss ({best['label']})"
+            f"{a['label']}: {best['step_seconds'] / a['step_seconds']:.2f}x the speed of {best['label']}, the fastest "
+            f"global setting whose final loss is not measurably higher ({loss})"
         )
     return "\n".join(lines)
 
@@ -305,8 +327,7 @@ def _domains(text: str, world: int | None) -> tuple[tuple[int, ...], ...]:
 def run(args: argparse.Namespace) -> int:
     from commpress.comm.from_env import detect_launcher
 
-    budgets = _budgets(args.budgets)
-    rows = _rows(args, budgets)
+    rows = _rows(args)
     launch = detect_launcher()
     world = args.local if args.local is not None else launch.world_size if launch.kind != "none" else None
     expected = _domains(args.expect_domains, world) if args.expect_domains is not None else None
@@ -330,11 +351,11 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
         if launch.rank != 0:
             return 0
-    if result["rows"]:
+    if result["rows"]:  # with --measure-only, rank 0 printed the topology and the plans
         print(render(result["rows"]))
-    for label, entry in result["plans"].items():
-        row = next((r for r in result["rows"] if r["label"] == label), None)
-        print("\n" + render_groups(label, row["groups"] if row is not None else entry["groups"]))
+    for row in result["rows"]:
+        if "groups" in row:
+            print("\n" + render_groups(row["label"], row["groups"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**result, "domains": [list(d) for d in result["domains"]]}, f, indent=1)

@@ -4,8 +4,10 @@ Launch it with ``torchrun --nproc_per_node N``, ``mpirun -n N`` (detected from t
 environment) or ``--local N`` (starts N ranks on this machine). Every method runs on the
 same model and data in one run, next to the baselines ``ddp`` (plain all-reduce),
 ``torch-fp16`` and ``torch-powersgd`` (PyTorch's own hooks). Methods: ``--methods``
-(``name[:key=value,...]``, separated by ``;`` or commas) and/or ``--config file.toml``.
-Rank 0 prints the table; ``--json`` and ``--plot`` save it.
+and/or ``--config file.toml``. Rank 0 prints the table; ``--json`` and ``--plot`` save
+it. Example::
+
+    commpress bench --local 2 --scale 0.05 --methods "ddp,torch-powersgd:rank=4,powersgd:rank=4,topk"
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from commpress.bench.methods import BenchMethod, default_methods, method_from_config, parse_methods
-from commpress.bench.report import format_report, summarize, write_json, write_plot
-from commpress.bench.runner import BenchPlan, bench_rank
-from commpress.bench.workloads import WORKLOADS, make_workload
-from commpress.cli.args import integer, number
+from commpress.bench.catalog import WORKLOADS
+from commpress.cmdline import LIST_HELP, integer, method_list, number
 from commpress.errors import ConfigError
+
+if TYPE_CHECKING:
+    from commpress.bench.methods import BenchMethod
+    from commpress.bench.runner import BenchPlan
 
 __all__ = ["add_arguments", "run"]
 
@@ -30,15 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--methods",
-        help="methods to compare, e.g. 'ddp;torch-powersgd:rank=4;powersgd:rank=4' "
-        "(default: the baselines and every commpress method with default parameters)",
+        type=method_list(),
+        help=f"{LIST_HELP}: the baselines ddp, torch-fp16, torch-powersgd or commpress methods, "
+        "e.g. 'ddp;torch-powersgd:rank=4;powersgd:rank=4' (default: the baselines and every commpress method with "
+        "default parameters)",
     )
     parser.add_argument(
         "--config", action="append", default=[], metavar="FILE", help="a commpress config file as one more row (repeatable)"
     )
     parser.add_argument("--workload", default="gpt2", choices=WORKLOADS, help="gradient shapes to send (default gpt2)")
     parser.add_argument(
-        "--scale", type=number(0), default=0.1, help="fraction of the model's parameters (default 0.1; 1 = real size)"
+        "--scale",
+        type=number(0, 1),
+        default=0.1,
+        help="fraction of the model's parameters, in (0, 1] (default 0.1; 1 = real size)",
     )
     parser.add_argument("--batch", type=integer(1), default=8, help="rank of the shaped gradients / demo batch size (default 8)")
     parser.add_argument("--steps", type=integer(1), default=20, help="timed steps per method (default 20)")
@@ -62,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Validate the command line into a plan (ConfigError on bad values)."""
+    from commpress.bench.methods import default_methods, method_from_config, parse_methods
+    from commpress.bench.runner import BenchPlan
+    from commpress.bench.workloads import make_workload
+
     methods = [] if args.methods is None and args.config else None
     if args.methods is not None:
         methods = parse_methods(args.methods)
@@ -119,6 +132,8 @@ def _start_iter(method: BenchMethod) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from commpress.bench.report import format_report, summarize, write_json, write_plot
+    from commpress.bench.runner import bench_rank
     from commpress.comm.from_env import detect_launcher
 
     plan = plan_from_args(args)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from commpress.cli.args import integer
 from commpress.cli.demo import progress_labels
+from commpress.cmdline import LIST_HELP, integer, method_list, parse_settings, split_method_list
 from commpress.errors import ConfigError
 from commpress.terminal import Progress, format_table
 
@@ -31,9 +32,6 @@ _OFF = {"weight_bits": 32, "grad_bits": 32}
 #: Values of a row's ``mixed_precision`` key: FSDP2's MixedPrecisionPolicy with this
 #: param_dtype and reduce_dtype (names of torch dtypes).
 MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
-#: Bare labels that need no settings.
-_BARE = {"fsdp": (_OFF, None), "fsdp-bf16": (_OFF, "bf16")}
-
 
 @dataclass(frozen=True)
 class Row:
@@ -64,9 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=integer(1), default=64, help="batch size per rank (default 64)")
     parser.add_argument(
         "--rows",
-        help="semicolon-separated rows 'label' or 'label:key=value,...' with [fsdp] keys and mixed_precision "
-        "(bf16 or fp16: FSDP2's MixedPrecisionPolicy), e.g. 'fsdp;qsdp:weight_bits=8,grad_bits=8'; a bare 'fsdp' is "
-        "plain FSDP, a bare 'fsdp-bf16' FSDP2 in bf16 (default: fsdp, fsdp-bf16, qsdp-w8g8, qsdp-w4g8)",
+        type=method_list(),
+        help=f"rows as {LIST_HELP}: a new row is a label with [fsdp] keys and mixed_precision (bf16 or fp16: "
+        "FSDP2's MixedPrecisionPolicy), e.g. 'fsdp;q4:weight_bits=4,grad_bits=8'; a name alone is a default row: "
+        "fsdp (plain FSDP), fsdp-bf16 (FSDP2 in bf16), qsdp-w8g8, qsdp-w4g8 (default: all four)",
     )
     parser.add_argument("--mesh", help="HSDP mesh 'R,S' (replicas x shards; default: 1-D over all ranks)")
     parser.add_argument(
@@ -76,18 +75,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_rows(text: str) -> list[Row]:
-    """``"fsdp;q8:weight_bits=8,grad_bits=8"`` -> rows (ConfigError on bad keys/values)."""
-    from commpress.config import parse_settings
+def parse_rows(rows_text: str | Sequence[str]) -> list[Row]:
+    """A row list (``"fsdp;q8:weight_bits=8,grad_bits=8"``, the shared method-list grammar)
+    or its specs -> rows (ConfigError on bad keys/values)."""
     from commpress.config.tables import TABLES
 
+    text = rows_text if isinstance(rows_text, str) else ";".join(rows_text)
+    try:
+        specs = split_method_list(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--rows {text!r}: {exc}") from None
+    named = {row.label: row for row in FSDP_ROWS}
     rows = []
-    for spec in filter(None, (s.strip() for s in text.split(";"))):
-        label, _, rest = (part.strip() for part in spec.partition(":"))
-        if not label:
-            raise ConfigError(f"--rows: {spec!r} has no label; expected 'label' or 'label:key=value,...'")
-        config, mixed = _BARE.get(label, ({}, None)) if not rest else ({}, None)
-        config = dict(config)
+    for spec in specs:
+        label, colon, rest = (part.strip() for part in spec.partition(":"))
+        if not colon:  # a bare name is a default row; a new row needs its settings
+            if label not in named:
+                raise ConfigError(
+                    f"--rows: {label!r} is no default row ({', '.join(named)}); a new row is 'label:key=value,...'"
+                )
+            rows.append(named[label])
+            continue
+        config: dict[str, Any] = {}
+        mixed = None
         for key, value in parse_settings(rest, f"--rows {spec!r}"):
             if key == "mixed_precision":
                 if not isinstance(value, str) or value not in MIXED_PRECISION:
@@ -105,8 +115,9 @@ def parse_rows(text: str) -> list[Row]:
     if not rows:
         raise ConfigError(f"--rows = {text!r} names no row")
     labels = [r.label for r in rows]
-    if len(set(labels)) != len(labels):
-        raise ConfigError(f"--rows = {text!r} names a row twice")
+    twice = next((label for i, label in enumerate(labels) if label in labels[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"--rows = {text!r} names the row {twice!r} twice")
     return rows
 
 

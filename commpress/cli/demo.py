@@ -3,8 +3,11 @@
 Next-character prediction on Python's own standard-library sources (no downloads), DDP
 on gloo (CPU), the same seed and data for every method. The table shows bytes each rank
 sends per step, the compression ratio against ``none``, the median step time, the
-held-out loss at the end and its gap to ``none``. ``--json`` also writes every row with its
-loss at full precision.
+held-out loss at the end and its gap to ``none``; a method that never compressed (its
+``start_iter`` is not below ``--steps``) is marked and named under the table. ``--json``
+also writes every row with its loss at full precision. Example::
+
+    commpress demo --steps 100 --methods "none,powersgd,topk:ratio=0.03"
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from commpress.cli.args import integer
-from commpress.cli.bench import check_output_path
-from commpress.config import Config, parse_method_spec
+from commpress.cmdline import LIST_HELP, integer, method_list, parse_method_spec
 from commpress.errors import ConfigError
 from commpress.terminal import Progress, format_table
 
-__all__ = ["DEMO_ROWS", "DemoRow", "add_arguments", "progress_labels", "run"]
+__all__ = ["DEFAULT_STEPS", "DEMO_ROWS", "DemoRow", "add_arguments", "demo_rows", "progress_labels", "render", "run"]
+
+DEFAULT_STEPS = 200
 
 
 @dataclass(frozen=True)
@@ -32,29 +35,42 @@ class DemoRow:
     config: dict[str, Any]
 
 
-#: The methods the demo compares, in table order; the first row is the reference.
-DEMO_ROWS: list[DemoRow] = [
-    DemoRow("none", {"method": "none"}),
-    DemoRow("fp16", {"method": "fp16"}),
-    DemoRow("bf16", {"method": "bf16"}),
-    # the low-rank rows start after 20 plain steps, 10% of the default run, as PyTorch
-    # recommends for its PowerSGD hook (start_powerSGD_iter): early gradients change too fast
-    DemoRow("powersgd", {"method": "powersgd", "start_iter": 20, "params": {"rank": 4}}),
-    DemoRow("acpsgd", {"method": "acpsgd", "start_iter": 20, "params": {"rank": 4}}),
-    DemoRow("terngrad", {"method": "terngrad"}),
-    DemoRow("topk", {"method": "topk", "params": {"ratio": 0.01}}),
-    DemoRow("local-sgd+qsr", {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": 0.2}}),
-    DemoRow("co2", {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}}),
-]
+def demo_rows(steps: int) -> list[DemoRow]:
+    """The methods the demo compares for a run of ``steps``, in table order; the first row
+    is the reference. The low-rank rows run plain all-reduce for their first 10% of the
+    steps (20 of the default 200), as PyTorch recommends for its PowerSGD hook
+    (start_powerSGD_iter): early gradients change too fast."""
+    start = steps // 10
+    return [
+        DemoRow("none", {"method": "none"}),
+        DemoRow("fp16", {"method": "fp16"}),
+        DemoRow("bf16", {"method": "bf16"}),
+        DemoRow("powersgd", {"method": "powersgd", "start_iter": start, "params": {"rank": 4}}),
+        DemoRow("acpsgd", {"method": "acpsgd", "start_iter": start, "params": {"rank": 4}}),
+        DemoRow("terngrad", {"method": "terngrad"}),
+        DemoRow("topk", {"method": "topk", "params": {"ratio": 0.01}}),
+        DemoRow("local-sgd+qsr", {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": 0.2}}),
+        DemoRow("co2", {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}}),
+    ]
+
+
+#: The rows of a run of the default length (the README's table).
+DEMO_ROWS = demo_rows(DEFAULT_STEPS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=integer(1), default=2, help="local ranks to start (default 2)")
-    parser.add_argument("--steps", type=integer(1), default=200, help="training steps per method (default 200)")
+    parser.add_argument(
+        "--steps",
+        type=integer(1),
+        default=DEFAULT_STEPS,
+        help=f"training steps per method (default {DEFAULT_STEPS}); the low-rank rows start compressing after 10%% of them",
+    )
     parser.add_argument(
         "--methods",
-        default=None,
-        help="semicolon-separated method specs, e.g. 'none;powersgd:rank=2' (default: every demo row)",
+        type=method_list(),
+        help=f"{LIST_HELP}; a name of a demo row ({', '.join(r.label for r in DEMO_ROWS)}) is that row, anything else "
+        "a method spec, e.g. 'none;powersgd:rank=2,start_iter=5;topk' (default: every demo row)",
     )
     parser.add_argument(
         "--json",
@@ -87,30 +103,42 @@ def progress_labels(labels: list[str]) -> list[str]:
     return [f"[{i}/{len(labels)}] {label:<{width}}" for i, label in enumerate(labels, start=1)]
 
 
-def rows_from_specs(text: str) -> list[DemoRow]:
-    """``"none;powersgd:rank=2"`` -> demo rows, each config validated (ConfigError naming ``--methods``)."""
+def rows_from_specs(specs: list[str], steps: int) -> list[DemoRow]:
+    """``["none", "powersgd:rank=2"]`` -> demo rows: a demo row's name is that row (for a run
+    of ``steps``), anything else a method spec; each config validated (ConfigError naming
+    ``--methods``)."""
+    from commpress.config import Config
+
+    named = {row.label: row for row in demo_rows(steps)}
     rows = []
-    for spec in filter(None, (s.strip() for s in text.split(";"))):
+    for spec in specs:
+        if spec in named:
+            rows.append(named[spec])
+            continue
         try:
             config = parse_method_spec(spec)
             Config.load(config)
         except ConfigError as exc:
             raise ConfigError(f"--methods {spec!r}: {exc}") from None
         rows.append(DemoRow(spec, config))
-    if not rows:
-        raise ConfigError(f"--methods = {text!r} names no method")
     return rows
 
 
+def never_compressed(rows: list[DemoRow], steps: int) -> dict[str, int]:
+    """Label -> ``start_iter`` of every row whose compression starts at or after the last step."""
+    return {row.label: row.config["start_iter"] for row in rows if row.config.get("start_iter", 0) >= steps}
+
+
 def run(args: argparse.Namespace) -> int:
+    from commpress.cli.bench import check_output_path
     from commpress.comm.launch import run_local
 
-    rows = rows_from_specs(args.methods) if args.methods is not None else DEMO_ROWS
+    rows = rows_from_specs(args.methods, args.steps) if args.methods is not None else demo_rows(args.steps)
     if args.json is not None:
         check_output_path("--json", args.json)
     print(f"commpress demo: {args.ranks} ranks on gloo/CPU, {args.steps} steps per method", file=sys.stderr)
     results = run_local(_rank_main, args.ranks, rows, args.steps)[0]
-    print(render(results))
+    print(render(results, never_compressed(rows, args.steps), args.steps))
     if args.json is not None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)  # floats as repr: they read back bit for bit
@@ -118,8 +146,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render(results: list[dict[str, Any]]) -> str:
-    """The demo table; ratios and gaps are against the first row."""
+def render(results: list[dict[str, Any]], uncompressed: dict[str, int] | None = None, steps: int = DEFAULT_STEPS) -> str:
+    """The demo table; ratios and gaps are against the first row. ``uncompressed``: label ->
+    start_iter of the rows that never compressed in a run of ``steps``, marked with ``*``
+    and named under the table."""
+    uncompressed = uncompressed or {}
     ref = results[0]
     table = []
     for r in results:
@@ -129,11 +160,16 @@ def render(results: list[dict[str, Any]]) -> str:
             [
                 r["label"],
                 f"{r['bytes_per_step']:,.0f}",
-                f"{ratio:.1f}x",
+                f"{ratio:.1f}x" + ("*" if r["label"] in uncompressed else ""),
                 f"{1000 * r['step_seconds']:.1f}",
                 f"{r['eval_loss']:.4f}",
                 f"{gap:+.2f}%",
             ]
         )
     headers = ["method", "bytes/step/rank", "compression", "step ms", "final loss", f"gap vs {ref['label']}"]
-    return format_table(headers, table)
+    notes = [
+        f"* {label}: start_iter = {start} is not below --steps {steps}: it never compressed (plain all-reduce "
+        "throughout); give more steps or a smaller start_iter"
+        for label, start in uncompressed.items()
+    ]
+    return "\n".join([format_table(headers, table), *notes])

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from commpress.cli.args import integer, number
+from commpress.cmdline import integer, number
 
 __all__ = ["add_arguments", "run"]
 

@@ -16,11 +16,8 @@ import argparse
 import importlib.util
 import sys
 
-import torch
-
-from commpress.bench.quality import METHODS, OPTIMIZERS, TASKS, run_suite
-from commpress.bench.quality_report import render, summarize, write_plot
-from commpress.cli.args import integer
+from commpress.bench.catalog import METHODS, OPTIMIZERS, TASKS
+from commpress.cmdline import LIST_HELP, choice, integer, listed, method_list
 from commpress.errors import ConfigError
 from commpress.terminal import Progress
 
@@ -28,15 +25,24 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated tasks (default: {','.join(TASKS)})")
     parser.add_argument(
-        "--optimizers", default=",".join(OPTIMIZERS), help=f"comma-separated optimizers (default: {','.join(OPTIMIZERS)})"
+        "--tasks",
+        type=listed(choice(TASKS)),
+        default=list(TASKS),
+        help=f"tasks separated by ',' or ';' (default: {','.join(TASKS)})",
+    )
+    parser.add_argument(
+        "--optimizers",
+        type=listed(choice(OPTIMIZERS)),
+        default=list(OPTIMIZERS),
+        help=f"optimizers separated by ',' or ';' (default: {','.join(OPTIMIZERS)})",
     )
     parser.add_argument(
         "--methods",
-        default=";".join(METHODS),
-        help=f"semicolon-separated rows ({', '.join(METHODS)}) or method specs such as 'topk:ratio=0.03' "
-        "(default: every row; none is always run)",
+        type=method_list(),
+        default=list(METHODS),
+        help=f"{LIST_HELP}; a row name ({', '.join(METHODS)}) is that row, anything else a method spec such as "
+        "'topk:ratio=0.03' (default: every row; none is always run)",
     )
     parser.add_argument("--seeds", type=integer(1), default=3, help="seeds 0 .. N-1 per row (default 3)")
     parser.add_argument("--steps", type=integer(1), default=200, help="training steps per run (default 200)")
@@ -45,17 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
-def _split(text: str, sep: str, option: str) -> list[str]:
-    items = [s.strip() for s in text.split(sep) if s.strip()]
-    if not items:
-        raise ConfigError(f"{option} = {text!r} names nothing")
-    return items
-
-
 def run(args: argparse.Namespace) -> int:
-    tasks = _split(args.tasks, ",", "--tasks")
-    optimizers = _split(args.optimizers, ",", "--optimizers")
-    methods = _split(args.methods, ";", "--methods")
+    import torch
+
+    from commpress.bench.quality import run_suite
+    from commpress.bench.quality_report import render, summarize, write_plot
+
+    tasks, optimizers, methods = args.tasks, args.optimizers, args.methods
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("--plot needs matplotlib: pip install 'commpress[bench]'")
     if args.threads:

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from commpress.cmdline import parse_method_spec, parse_settings
 from commpress.compressors import build, check_params
 from commpress.config.tables import TABLES
 from commpress.errors import ConfigError
@@ -228,36 +229,3 @@ def config_diff(saved: Any, current: Any, path: str = "") -> list[str]:
         return out
     same = json.dumps(saved, sort_keys=True, default=str) == json.dumps(current, sort_keys=True, default=str)
     return [] if same else [f"{path or 'config'}: {saved!r} (saved) vs {current!r} (now)"]
-
-
-def parse_settings(text: str, where: str) -> list[tuple[str, Any]]:
-    """``"rank=4,warm_start=false"`` -> ``[("rank", 4), ("warm_start", False)]``: values read
-    as TOML values (numbers, booleans, quoted strings) or else as bare strings. ``where``
-    names the setting in the error for an item that is not key=value."""
-    pairs = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        key, eq, raw = (part.strip() for part in item.partition("="))
-        if not eq:
-            raise ConfigError(f"{where}: {item!r} is not key=value")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        pairs.append((key, value))
-    return pairs
-
-
-def parse_method_spec(spec: str) -> dict[str, Any]:
-    """``"powersgd:rank=4,start_iter=2"`` -> ``{"method": "powersgd", "params": {"rank": 4}, ...}``.
-
-    Values are read as TOML values (numbers, booleans, quoted strings) or bare strings.
-    ``start_iter`` and ``backend`` go to the top level, everything else to ``params``.
-    """
-    method, _, rest = spec.partition(":")
-    out: dict[str, Any] = {"method": method.strip(), "params": {}}
-    for key, value in parse_settings(rest, f"method spec {spec!r}"):
-        if key in ("start_iter", "backend"):
-            out[key] = value
-        else:
-            out["params"][key] = value
-    return out

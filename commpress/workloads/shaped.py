@@ -24,11 +24,9 @@ import torch
 from torch import nn
 
 from commpress.errors import ConfigError
+from commpress.workloads import SHAPE_SETS
 
 __all__ = ["SHAPE_SETS", "ShapedModel", "ShapedTask", "load_shapes", "scale_shapes"]
-
-#: Workload name -> shape file in ``commpress/workloads/shapes``.
-SHAPE_SETS = {"resnet50": "resnet50.json", "bert": "bert_base.json", "gpt2": "gpt2_small.json"}
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 

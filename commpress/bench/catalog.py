@@ -1,0 +1,37 @@
+"""What the benchmark commands can be asked for, by name: workloads, quality tasks,
+optimizers and quality rows.
+
+Plain names without their models, so a command lists them in ``--help`` and checks its
+command line before it loads torch; :mod:`commpress.bench.workloads` and
+:mod:`commpress.bench.quality` hold what each name runs.
+"""
+
+from __future__ import annotations
+
+from commpress.workloads import SHAPE_SETS
+
+__all__ = ["METHODS", "OPTIMIZERS", "TASKS", "WORKLOADS"]
+
+#: ``commpress bench --workload``: the shaped models and the demo's character model.
+WORKLOADS = (*SHAPE_SETS, "charlm")
+#: ``commpress quality --tasks``: the demo's character MLP, a conv net on generated images,
+#: a tiny transformer.
+TASKS = ("charlm", "shapes", "transformer")
+#: Optimizers by name: SGD with momentum 0.9 and AdamW (weight decay 0.01), each under a
+#: cosine schedule from the task's base learning rate.
+OPTIMIZERS = ("sgd", "adamw")
+#: Quality rows by label, in table order.
+METHODS = (
+    "none",
+    "fp16",
+    "bf16",
+    "powersgd",
+    "acpsgd",
+    "terngrad",
+    "terngrad-last",
+    "topk",
+    "topk-dgc",
+    "local-sgd+qsr",
+    "co2",
+    "qsdp-w8g8",
+)
