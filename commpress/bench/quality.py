@@ -88,7 +88,14 @@ METHODS = (
     "local-sgd+qsr",
     "co2",
     "qsdp-w8g8",
+    "topk-layerwise",
+    "topk-dgc-layerwise",
+    "terngrad-layerwise",
+    "powersgd-layerwise",
+    "acpsgd-layerwise",
 )
+#: The rows a ``-layerwise`` row plans per tensor (``[layerwise]``, at the row's own bytes).
+LAYERWISE_OF = ("topk", "topk-dgc", "terngrad", "powersgd", "acpsgd")
 
 
 def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
@@ -100,6 +107,9 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     ``terngrad-last`` sends the last layer in full precision; ``co2`` is the demo's CO2
     (period 5, outer learning rate 0.7, averaging in bf16); ``qsdp-w8g8`` is FSDP2 with
     commpress's ``[fsdp]`` table: 8-bit weights and gradients, the table's other defaults.
+    A ``<row>-layerwise`` row is ``<row>`` with ``[layerwise] enabled = true``: each tensor's
+    setting planned from the measured errors, within the bytes the row sends
+    (``budget = "uniform"``), re-planned every 50 steps.
     """
     rows: dict[str, dict[str, Any]] = {
         "none": {"method": "none"},
@@ -115,6 +125,9 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
         "co2": {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}},
         "qsdp-w8g8": {"method": "none", "fsdp": {"weight_bits": 8, "grad_bits": 8}},
     }
+    base = label.removesuffix("-layerwise")
+    if label != base and base in LAYERWISE_OF:
+        return {**rows[base], "layerwise": {"enabled": True}}
     if label in rows:
         return rows[label]
     try:
