@@ -66,7 +66,8 @@ def candidates(method: str, params: Mapping[str, Any]) -> list[Setting]:
         settings = []
     else:
         rank = int(params.get("rank", 4))
-        settings = [(method, {**params, "rank": r}) for r in sorted({max(1, rank * 2**j) for j in _RANK_STEPS}) if r != rank]
+        ranks = sorted({max(1, int(rank * 2.0**j)) for j in _RANK_STEPS})
+        settings = [(method, {**params, "rank": r}) for r in ranks if r != rank]
     exact = [] if method == "topk" and params.get("dgc") else [("none", {}), ("fp16", {})]
     return [configured, *settings, *exact]
 
