@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from commpress.workloads import SHAPE_SETS
 
-__all__ = ["METHODS", "OPTIMIZERS", "TASKS", "WORKLOADS"]
+__all__ = ["LAYERWISE_OF", "METHODS", "OPTIMIZERS", "TASKS", "WORKLOADS"]
 
 #: ``commpress bench --workload``: the shaped models and the demo's character model.
 WORKLOADS = (*SHAPE_SETS, "charlm")
@@ -34,4 +34,11 @@ METHODS = (
     "local-sgd+qsr",
     "co2",
     "qsdp-w8g8",
+    "topk-layerwise",
+    "topk-dgc-layerwise",
+    "terngrad-layerwise",
+    "powersgd-layerwise",
+    "acpsgd-layerwise",
 )
+#: The rows a ``-layerwise`` row plans per tensor (``[layerwise]``, at the row's own bytes).
+LAYERWISE_OF = ("topk", "topk-dgc", "terngrad", "powersgd", "acpsgd")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from commpress.bench.catalog import METHODS, OPTIMIZERS
+from commpress.bench.catalog import LAYERWISE_OF, METHODS, OPTIMIZERS
 from commpress.bench.simulated_training import WORLD, CO2Ranks, LocalSGDRanks, QSDPRanks, data_parallel, run_ranks
 from commpress.cmdline import parse_method_spec
 from commpress.comm import SimulatedWorld
@@ -84,6 +84,9 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     ``terngrad-last`` sends the last layer in full precision; ``co2`` is the demo's CO2
     (period 5, outer learning rate 0.7, averaging in bf16); ``qsdp-w8g8`` is FSDP2 with
     commpress's ``[fsdp]`` table: 8-bit weights and gradients, the table's other defaults.
+    A ``<row>-layerwise`` row is ``<row>`` with ``[layerwise] enabled = true``: each tensor's
+    setting planned from the measured errors, within the bytes the row sends
+    (``budget = "uniform"``), re-planned every 50 steps.
     """
     rows: dict[str, dict[str, Any]] = {
         "none": {"method": "none"},
@@ -99,6 +102,9 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
         "co2": {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}},
         "qsdp-w8g8": {"method": "none", "fsdp": {"weight_bits": 8, "grad_bits": 8}},
     }
+    base = label.removesuffix("-layerwise")
+    if label != base and base in LAYERWISE_OF:
+        return {**rows[base], "layerwise": {"enabled": True}}
     if label in rows:
         return rows[label]
     try:

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from commpress.adaptive.layerwise import LayerwiseGroups, method_groups
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, Context, build
 from commpress.compressors.collectives import sum_rows
 from commpress.config import Config
-from commpress.config.groups import MethodGroups
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.fsdp2 import Unit
 from commpress.fsdp.layout import flat_shards, plan_units, unshard
@@ -78,9 +78,11 @@ def _apply(model: torch.nn.Module, opt: torch.optim.Optimizer, grads: Sequence[t
 
 def data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) -> Callable[[int, list], None]:
     """A step of data-parallel training: the ranks' gradients averaged by the config's
-    method groups (plain averaging before ``start_iter``), as the DDP hook does."""
+    method groups (plain averaging before ``start_iter``), as the DDP hook does; with
+    ``[layerwise]``, a measured step's plan is made at the start of the next, as the hook
+    makes it."""
     names = [n for n, _ in models[0].named_parameters()]
-    groups = [MethodGroups(cfg, model) for model in models]
+    groups = [method_groups(cfg, model) for model in models]
     for g, model, opt in zip(groups, models, opts):
         hand_over_momentum(opt, model.named_parameters(), lambda n, g=g: g.compressors[g.key_for(n)], cfg.start_iter)
     warmup = build("none")
@@ -91,6 +93,9 @@ def data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) ->
         if step < cfg.start_iter:
             sim.run([warmup.reduce(b, c) for b, c in zip(buckets, ctxs)])
         else:
+            planning = [g.planning(step) for g in groups if isinstance(g, LayerwiseGroups) and g.waiting]
+            if planning:
+                sim.run(planning)
             sim.run([g.composite.reduce(b, c) for g, b, c in zip(groups, buckets, ctxs)])
         for g in groups:
             g.end_step(True)

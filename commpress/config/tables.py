@@ -1,5 +1,5 @@
 """The config tables beside the top-level keys, all listed here: ``[local_sgd]``,
-``[fsdp]`` and ``[bandwidth]``. Each is a frozen dataclass validated on construction
+``[fsdp]``, ``[bandwidth]`` and ``[layerwise]``. Each is a frozen dataclass validated on construction
 (:class:`~commpress.errors.ConfigError` names the key, the value and what is accepted);
 the subsystem that applies a table imports its class from here.
 """
@@ -22,6 +22,7 @@ __all__ = [
     "TABLES",
     "BandwidthConfig",
     "FSDPConfig",
+    "LayerwiseConfig",
     "LocalSGDConfig",
     "check_co2_settings",
 ]
@@ -156,9 +157,35 @@ class BandwidthConfig:
             )
 
 
-def _check(key: str, value: Any, ok: bool, accepted: str) -> None:
+def _check(key: str, value: Any, ok: bool, accepted: str, table: str = "bandwidth") -> None:
     if not ok:
-        raise ConfigError(f"[bandwidth] {key} = {value!r} is not accepted; expected {accepted}")
+        raise ConfigError(f"[{table}] {key} = {value!r} is not accepted; expected {accepted}")
+
+
+@dataclass(frozen=True)
+class LayerwiseConfig:
+    """The ``[layerwise]`` config table: each tensor of the main method gets its own setting
+    (the method's knob, or sent exactly / in fp16), chosen every ``every`` steps to
+    minimise the compression error measured on the run's gradients within ``budget``:
+    ``"uniform"`` (the bytes the configured setting sends), an integer (bytes per step and
+    rank) or a number in (0, 1) (that fraction of the tensors' float32 bytes)."""
+
+    enabled: bool = False
+    budget: Literal["uniform"] | int | float = "uniform"
+    every: int = 50
+
+    def __post_init__(self) -> None:
+        check_fields("[layerwise]", self)  # types, and every number finite
+        budget = self.budget
+        if isinstance(budget, int):
+            _check("budget", budget, budget >= 1, BUDGET_ACCEPTED, "layerwise")
+        elif isinstance(budget, float):
+            _check("budget", budget, 0 < budget < 1, BUDGET_ACCEPTED, "layerwise")
+        _check("every", self.every, self.every >= 1, "an integer >= 1 (steps between plans)", "layerwise")
+
+
+#: What ``[layerwise] budget`` accepts, for error messages.
+BUDGET_ACCEPTED = "'uniform', an integer >= 1 (bytes per step and rank) or a number in (0, 1) (a ratio of float32 bytes)"
 
 
 #: Every table a config may hold: its name -> its parser.
@@ -166,6 +193,7 @@ TABLES: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "local_sgd": lambda data: parse_dataclass("local_sgd", LocalSGDConfig, data),
     "fsdp": lambda data: parse_dataclass("fsdp", FSDPConfig, data),
     "bandwidth": lambda data: parse_dataclass("[bandwidth]", BandwidthConfig, data),
+    "layerwise": lambda data: parse_dataclass("[layerwise]", LayerwiseConfig, data),
 }
 
 #: The function that applies each table (and, for ``None``, the top-level ``method``), so an
@@ -174,4 +202,5 @@ APPLIED_BY: dict[str, str] = {
     "local_sgd": "commpress.local_sgd.from_config(model, optimizer, config)",
     "fsdp": "commpress.fsdp.apply(model, config)",
     "bandwidth": "commpress.register(ddp_model, config) (the DDP hook)",
+    "layerwise": "commpress.register(ddp_model, config) (the DDP hook)",
 }

@@ -26,7 +26,7 @@ def load_fsdp_config(source: Any = None) -> FSDPConfig:
     if isinstance(source, Mapping) and not set(source) & _CONFIG_KEYS:
         return TABLES["fsdp"](source)  # the table's keys alone
     config = Config.load(source)
-    ignored = [f"[{t}]" for t in ("local_sgd", "bandwidth") if config.section(t) is not None]
+    ignored = [f"[{t}]" for t in ("local_sgd", "bandwidth", "layerwise") if config.section(t) is not None]
     if config.method != "none" or config.overrides or config.start_iter:
         ignored.append(f"method = {config.method!r} (and its params/overrides/start_iter)")
     if ignored:

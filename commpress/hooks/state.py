@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed
 
+from commpress.adaptive.layerwise import LayerPlan, LayerwiseGroups, method_groups
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
@@ -60,7 +61,7 @@ class CommState(OnBackend):
                 )
         if self.config.overrides and model is None:
             raise ConfigError("config has overrides by parameter name: pass model= so names can be resolved")
-        groups = MethodGroups(self.config, model)
+        groups = method_groups(self.config, model)
         if model is not None:
             check_model(model, self.config, groups)
         self._setup(groups, model, process_group, backend, None)
@@ -78,6 +79,8 @@ class CommState(OnBackend):
         bind: list[tuple[str, tuple[int, ...]]] | None,
     ) -> None:
         self.groups = groups
+        #: the per-tensor plan of ``[layerwise]`` (None without it)
+        self.layerwise = groups if isinstance(groups, LayerwiseGroups) else None
         self._names: dict[int, str] = {}
         #: (name, shape) of every parameter in the order buckets first held them
         self._order: dict[str, tuple[int, ...]] = {}
@@ -119,6 +122,12 @@ class CommState(OnBackend):
         return self._backend
 
     @property
+    def plan(self) -> LayerPlan | None:
+        """The ``[layerwise]`` plan in force: each tensor's setting and bytes (None before
+        the first plan, or without the table)."""
+        return self.layerwise.plan if self.layerwise is not None else None
+
+    @property
     def compressors(self):
         """Each method group's compressor, by group key (``"main"``, ``"override0"``, ...)."""
         return self.groups.compressors
@@ -145,6 +154,8 @@ class CommState(OnBackend):
         if first_bucket and self._check_resume and self._backend.can_block:
             checkpoint.check_resume(self._backend, self.step, self.config.digest(), "the DDP hook state (CommState)")
             self._check_resume = False
+        if first_bucket and self.layerwise is not None:
+            self.layerwise.replan(self._backend, self.step)
         # DDP rebuilds its buckets after the first step: re-derive when the members change.
         members = tuple(id(p) for p in params) if params is not None else (buffer.numel(),)
         cached = self._layouts.get(index)
@@ -252,6 +263,8 @@ class CommState(OnBackend):
         part: dict[str, Any] = {"compressors": self.groups.state_dict()}
         if self.adaptive is not None:
             part["adaptive"] = self.adaptive.state_dict()
+        if self.layerwise is not None:
+            part["layerwise"] = self.layerwise.plan_state()
         backend = self.backend if full else self._backend
         where = (backend.rank, backend.world_size) if backend is not None else (None, None)
         part = checkpoint.tag(part, *where, self.step, self.config.to_dict())
@@ -273,11 +286,15 @@ class CommState(OnBackend):
         self.step = int(part["step"])
         if self.adaptive is not None:  # first: it rebuilds the compressors of the saved plan
             self.adaptive.load_state_dict(part["adaptive"])
+        if self.layerwise is not None:
+            self.layerwise.load_plan_state(part["layerwise"])
         self.groups.load_state_dict(part["compressors"])
         self._check_resume = True
 
     def _holds_per_rank(self, part: Mapping[str, Any]) -> bool:
         parked = part.get("adaptive", {}).get("parked")
+        if self.layerwise is not None and self.layerwise.holds_per_rank(part.get("layerwise", {})):
+            return True
         return bool(parked) or checkpoint.compressors_per_rank(self.groups.compressors, part["compressors"])
 
     def _combine(self, shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scale: float) -> dict[str, Any]:
@@ -289,7 +306,10 @@ class CommState(OnBackend):
             )
         combined = [p["compressors"] for p in parts]
         compressors = checkpoint.combine_compressors(self.groups.compressors, shared["compressors"], combined, scale)
-        return {**shared, "rank": self.rank, "world_size": self.world_size, "compressors": compressors}
+        out = {**shared, "rank": self.rank, "world_size": self.world_size, "compressors": compressors}
+        if self.layerwise is not None:
+            out["layerwise"] = self.layerwise.combine_plan_states(shared["layerwise"], [p["layerwise"] for p in parts], scale)
+        return out
 
     # ---- pickling (PyTorch's hook states pickle without their process group) -------------
 
@@ -304,7 +324,7 @@ class CommState(OnBackend):
 
     def __setstate__(self, data: Mapping[str, Any]) -> None:
         self.config = data["config"]
-        groups = MethodGroups(self.config, last_layer=data["last_layer"])
+        groups = method_groups(self.config, last_layer=data["last_layer"])
         self._setup(groups, None, None, None, [(n, tuple(s)) for n, s in data["order"]])
         self._saved = data["state"]  # loaded, with its rank checked, when this state connects
 

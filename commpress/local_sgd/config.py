@@ -47,7 +47,7 @@ def from_config(
     section = cfg.section("local_sgd")
     if section is None:
         raise ConfigError("the config has no [local_sgd] table")
-    for table in ("fsdp", "bandwidth"):
+    for table in ("fsdp", "bandwidth", "layerwise"):
         if cfg.section(table) is not None:
             raise ConfigError(f"the config's [{table}] table is not applied by Local SGD: apply it with {APPLIED_BY[table]}")
     if cfg.overrides:

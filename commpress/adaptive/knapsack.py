@@ -1,0 +1,66 @@
+"""The multiple-choice knapsack of a layer-wise plan: one setting per tensor, the least
+summed error within a byte budget.
+
+Solved exactly by dynamic programming over bytes counted in whole *units*: a cost is
+rounded up to units and the budget down, so every plan it returns fits the budget in
+bytes, and it is the optimum among the plans whose rounded costs fit. With a unit of one
+byte (small budgets, the tests) it is the exact optimum. A pure function of its inputs:
+every rank that solves the same numbers gets the same choice (ties go to the lower index).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["UNITS", "cheapest", "solve"]
+
+#: How many units a budget is divided into: the DP's table has this many columns.
+UNITS = 4096
+
+
+def solve(
+    costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], budget: float, units: int = UNITS
+) -> list[int] | None:
+    """For each item ``t``, the index of its chosen option, minimising
+    ``sum(errors[t][c_t])`` with ``sum(costs[t][c_t]) <= budget``; None when no choice fits.
+
+    ``units``: the budget's resolution (costs and budget measured in ``ceil(budget /
+    units)`` bytes)."""
+    if len(costs) != len(errors) or any(len(c) != len(e) or not c for c, e in zip(costs, errors)):
+        raise ValueError("solve: every item needs one error per cost, and at least one option")
+    if budget < 0 or not math.isfinite(budget):
+        return None
+    unit = max(1.0, math.ceil(budget / units))
+    width = int(budget // unit)
+    dp = torch.zeros(width + 1, dtype=torch.float64)  # least error with cost <= b, no item yet
+    choices = []
+    for cost, error in zip(costs, errors):
+        best = torch.full_like(dp, math.inf)
+        pick = torch.full((width + 1,), -1, dtype=torch.int64)
+        for c, (w, e) in enumerate(zip(cost, error)):
+            w = math.ceil(w / unit)
+            if w > width:
+                continue
+            candidate = torch.full_like(dp, math.inf)
+            candidate[w:] = dp[: width + 1 - w] + float(e)
+            better = candidate < best
+            best[better] = candidate[better]
+            pick[better] = c
+        dp = best
+        choices.append(pick)
+    if not math.isfinite(dp[width].item()):
+        return None
+    out, b = [], width
+    for cost, pick in zip(reversed(costs), reversed(choices)):
+        c = int(pick[b])
+        out.append(c)
+        b -= math.ceil(cost[c] / unit)
+    return out[::-1]
+
+
+def cheapest(costs: Sequence[Sequence[float]]) -> list[int]:
+    """Each item's least costly option (what a budget below every plan gets)."""
+    return [min(range(len(c)), key=c.__getitem__) for c in costs]

@@ -1,0 +1,155 @@
+"""The settings a layer-wise plan chooses from, and what each loses on one tensor.
+
+A method's candidate settings are derived from its configured one: Top-k densities from
+1/8 to 64 times the configured ratio, low-rank ranks from 1/4 to 8 times the configured
+rank, TernGrad as configured; each besides sent exactly (``none``) or in ``fp16``. Top-k
+with DGC applies the optimizer's momentum itself, so its tensors keep it: its settings
+are densities only, up to 1 (every entry sent).
+
+The error of a setting on a tensor is the squared L2 distance between what the tensor
+owes (its gradient plus, with error feedback, the residual its method carries) and what
+the setting would send of it, on this rank:
+
+- Top-k at density d: the squares of every entry but the k = ceil(d n) largest (0 for a
+  tensor under ``min_numel``, sent whole);
+- PowerSGD / ACP-SGD at rank r: the squared singular values beyond r of the tensor as a
+  matrix (the best rank-r approximation, which the warm-started power iteration
+  approaches); 0 where the tensor is sent uncompressed;
+- TernGrad: the clipping error plus the variance of stochastic rounding, ``s|c| - c^2``
+  per clipped element c with scale s;
+- fp16 / bf16: the rounding error; ``none``: 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from commpress.compressors import Compressor, ParamSlot
+from commpress.compressors.lowrank import LowRankCompressor
+from commpress.compressors.lowrank_plan import matrix_shape
+from commpress.compressors.terngrad import TernGradCompressor
+from commpress.compressors.topk import TopKCompressor, topk_count
+from commpress.errors import ConfigError
+
+__all__ = ["PLANNED", "Setting", "candidates", "owed", "tensor_errors"]
+
+#: The methods a layer-wise plan can set per tensor.
+PLANNED = ("topk", "powersgd", "acpsgd", "terngrad")
+#: (method, params): one setting.
+Setting = tuple[str, dict[str, Any]]
+_DENSITY_STEPS = range(-3, 7)  # density = configured ratio * 2**j
+_RANK_STEPS = range(-2, 4)  # rank = configured rank * 2**j
+
+
+def candidates(method: str, params: Mapping[str, Any]) -> list[Setting]:
+    """The settings a plan may give a tensor of ``method`` with ``params``; the configured
+    setting first."""
+    configured: Setting = (method, dict(params))
+    if method not in PLANNED:
+        raise ConfigError(
+            f"[layerwise] enabled = true is not accepted with method = {method!r}: it plans a method's setting per "
+            f"tensor; accepted methods: {', '.join(PLANNED)}"
+        )
+    if method == "topk":
+        ratio = float(params.get("ratio", 0.01))
+        dgc = bool(params.get("dgc", False))
+        # (index, value) pairs of 8 bytes: from half the entries on, none sends fewer bytes
+        top = 1.0 if dgc else 0.5
+        densities = sorted({min(top, ratio * 2.0**j) for j in _DENSITY_STEPS} | ({1.0} if dgc else set()))
+        settings = [_topk(params, d) for d in densities if d != ratio and (d < top or dgc)]
+    elif method == "terngrad":
+        settings = []
+    else:
+        rank = int(params.get("rank", 4))
+        ranks = sorted({max(1, int(rank * 2.0**j)) for j in _RANK_STEPS})
+        settings = [(method, {**params, "rank": r}) for r in ranks if r != rank]
+    exact = [] if method == "topk" and params.get("dgc") else [("none", {}), ("fp16", {})]
+    return [configured, *settings, *exact]
+
+
+def _topk(params: Mapping[str, Any], ratio: float) -> Setting:
+    out = {**params, "ratio": ratio}
+    if out.get("warmup_steps"):
+        out["warmup_ratio"] = max(float(out.get("warmup_ratio", 0.25)), ratio)
+    return "topk", out
+
+
+def owed(compressor: Compressor, entries: Mapping[str, Any]) -> torch.Tensor | None:
+    """What one tensor owes beyond its next gradient under ``compressor``, from its entries
+    of the compressor's state (state key -> tensor): Top-k's residual, with DGC the
+    velocity plus the momentum's next contribution (``v + m u``), the low-rank error; None
+    where it owes nothing."""
+    if isinstance(compressor, TopKCompressor) and compressor.dgc:
+        v, u = entries.get("velocity"), entries.get("momentum")
+        if v is None or u is None:
+            return v if u is None else u * (compressor.momentum or 0.0)
+        return v + u * (compressor.momentum or 0.0)
+    if isinstance(compressor, TopKCompressor):
+        return entries.get("residuals")
+    if isinstance(compressor, LowRankCompressor):
+        return entries.get("error")
+    return None
+
+
+def tensor_errors(compressors: Sequence[Compressor], shape: tuple[int, ...], acc: torch.Tensor) -> list[float]:
+    """The error of each of ``compressors`` (one per candidate setting) on the tensor of
+    ``shape`` that owes ``acc`` (flat, float32)."""
+    stats = _Stats(acc.detach().to(torch.float64).reshape(-1), tuple(shape))
+    return [_error(c, stats) for c in compressors]
+
+
+class _Stats:
+    """What several settings' errors share, computed once: the total energy, the sorted
+    squares, the singular values."""
+
+    def __init__(self, acc: torch.Tensor, shape: tuple[int, ...]) -> None:
+        self.acc, self.shape = acc, shape
+        self._singular: dict[tuple[int, int], torch.Tensor] = {}
+
+    @functools.cached_property
+    def energy(self) -> float:
+        return float(self.acc.square().sum())
+
+    @functools.cached_property
+    def kept(self) -> torch.Tensor:
+        """Cumulative sums of the squares, largest first: ``kept[k - 1]`` is what k entries send."""
+        return self.acc.square().sort(descending=True).values.cumsum(0)
+
+    def singular(self, n: int, m: int) -> torch.Tensor:
+        """The singular values of the tensor as an n x m matrix, largest first."""
+        if (n, m) not in self._singular:
+            self._singular[n, m] = torch.linalg.svdvals(self.acc.view(n, m))
+        return self._singular[n, m]
+
+
+def _error(c: Compressor, stats: _Stats) -> float:
+    numel = stats.acc.numel()
+    if numel == 0 or c.name == "none":
+        return 0.0
+    if c.name in ("fp16", "bf16"):
+        wire = stats.acc.float().to(torch.float16 if c.name == "fp16" else torch.bfloat16).double()
+        return float((stats.acc - wire).square().sum())
+    if isinstance(c, TopKCompressor):
+        if numel < c.min_numel:
+            return 0.0
+        k = topk_count(c.ratio, numel)
+        return max(0.0, stats.energy - float(stats.kept[k - 1]))
+    if isinstance(c, LowRankCompressor):
+        shape = matrix_shape(ParamSlot("t", torch.Size(stats.shape), 0), c.rank, c.min_compression_rate)
+        if shape is None:
+            return 0.0
+        s = stats.singular(*shape)
+        return float(s[c.rank :].square().sum())
+    if isinstance(c, TernGradCompressor):
+        a = stats.acc.abs()
+        scale = float(a.max())
+        if c.clip_sigma:
+            scale = min(scale, c.clip_sigma * math.sqrt(stats.energy / numel))
+        clipped = a.clamp(max=scale)
+        return float((a - clipped).square().sum() + (scale * clipped - clipped.square()).sum())
+    raise ConfigError(f"[layerwise]: method {c.name!r} has no error model; accepted methods: {', '.join(PLANNED)}")

@@ -1,0 +1,349 @@
+"""Layer-wise compression: each tensor of the main method gets the setting that the
+measured errors and a byte budget choose (``[layerwise] enabled = true``).
+
+Every ``every`` steps from ``start_iter`` on, each rank measures, while it reduces the
+step's buckets, what every candidate setting (:mod:`commpress.adaptive.layer_errors`)
+would lose on every tensor of the main method: the error of compressing gradient plus
+residual. At the first bucket of the next step the ranks sum their errors (one small
+all-reduce through the backend), solve the multiple-choice knapsack
+(:func:`commpress.adaptive.knapsack.solve`: least summed error within the budget), check
+that every rank holds the same plan (a second all-reduce of its digest) and switch to it.
+
+The plan is applied through :class:`~commpress.compressors.composite.Composite`: every
+candidate setting is a method group of its own (``main`` the configured one, then
+``main@<setting>``), built up front so that the backend's channels (the sum of the groups'
+rounds) are known when it opens; a plan only says which group each tensor belongs to.
+When a tensor changes group its state goes with it: to a compressor of the same method its
+entries move by name (converted by :meth:`~commpress.compressors.base.Compressor.adapt_state`,
+as the bandwidth layer does); to another method, what it owes (Top-k's residual, the
+low-rank error) is added to its next gradient, so error feedback loses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from commpress.adaptive.knapsack import cheapest, solve
+from commpress.adaptive.layer_errors import Setting, candidates, owed, tensor_errors
+from commpress.comm import Backend
+from commpress.comm.checkpoint import sum_entries
+from commpress.compressors import AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, build
+from commpress.compressors.composite import Composite
+from commpress.config import Config, digest_of
+from commpress.config.groups import MAIN, MethodGroups
+from commpress.config.tables import LayerwiseConfig
+from commpress.errors import ConfigError
+from commpress.terminal import format_table
+
+__all__ = ["LayerPlan", "LayerwiseGroups", "label", "method_groups"]
+
+log = logging.getLogger("commpress.layerwise")
+
+
+def method_groups(config: Config, model: nn.Module | None = None, last_layer: Iterable[str] | None = None) -> MethodGroups:
+    """The method groups of ``config``: planned per tensor when its ``[layerwise]`` table is enabled."""
+    settings = config.section("layerwise")
+    if settings is not None and settings.enabled:
+        return LayerwiseGroups(config, model, last_layer)
+    return MethodGroups(config, model, last_layer)
+
+
+def label(setting: Setting) -> str:
+    """``"topk ratio=0.02"``, ``"powersgd rank=8"``, ``"none"``: a setting by its knob."""
+    method, params = setting
+    knob = {"topk": "ratio", "powersgd": "rank", "acpsgd": "rank"}.get(method)
+    return f"{method} {knob}={params[knob]:g}" if knob in params else method
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Each planned tensor's setting (its group key and label) and bytes per step, the
+    budget, the summed measured error, and the step the plan took effect."""
+
+    step: int
+    keys: dict[str, str]
+    labels: dict[str, str]
+    nbytes: dict[str, float]
+    budget: float
+    error: float
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.nbytes.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, for digests and checkpoints."""
+        return {
+            "step": self.step,
+            "keys": dict(self.keys),
+            "labels": dict(self.labels),
+            "nbytes": dict(self.nbytes),
+            "budget": self.budget,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LayerPlan:
+        return cls(
+            int(data["step"]),
+            dict(data["keys"]),
+            dict(data["labels"]),
+            {k: float(v) for k, v in data["nbytes"].items()},
+            float(data["budget"]),
+            float(data["error"]),
+        )
+
+    def digest(self) -> str:
+        return digest_of(self.to_dict())
+
+    def __str__(self) -> str:
+        rows = [[name, self.labels[name], f"{self.nbytes[name]:,.0f}"] for name in self.keys]
+        head = f"layer-wise plan from step {self.step}: {self.total_bytes:,.0f} of {self.budget:,.0f} bytes per step"
+        return head + "\n" + format_table(["tensor", "setting", "bytes/step"], rows)
+
+
+@dataclass
+class _Measured:
+    """One tensor's measured errors (one per candidate) and what prices its settings."""
+
+    shape: tuple[int, ...]
+    element_size: int
+    errors: list[float]
+
+
+class LayerwiseGroups(MethodGroups):
+    """:class:`MethodGroups` whose main method is set per tensor by a measured plan (the
+    module docstring says how). ``plan`` is the plan in force (None until the first)."""
+
+    def __init__(self, config: Config, model: nn.Module | None = None, last_layer: Iterable[str] | None = None) -> None:
+        self.assigned: dict[str, str] = {}  # tensor -> group key, for the planned tensors
+        super().__init__(config, model, last_layer)
+        self.settings: LayerwiseConfig = config.section("layerwise")
+        bandwidth = config.section("bandwidth")
+        if bandwidth is not None and bandwidth.adaptive:
+            raise ConfigError(
+                "[layerwise] enabled = true is not accepted with [bandwidth] adaptive = true: the two plans are not "
+                "combined yet; turn one of them off"
+            )
+        settings = candidates(*self.specs[MAIN])
+        #: group key -> setting, every candidate (the configured one is ``main``)
+        self.candidates: dict[str, Setting] = {MAIN: settings[0]}
+        for setting in settings[1:]:
+            key = f"{MAIN}@{label(setting)}"
+            self.candidates[key] = setting
+            self.specs[key] = setting
+            self.compressors[key] = build(*setting)
+        self.composite = _Planned(self)
+        self.plan: LayerPlan | None = None
+        self._carry: dict[str, torch.Tensor] = {}  # tensor -> what it owes its next gradient (per rank)
+        self._consumed: set[str] = set()  # carries added to this step's gradients
+        self._measured: dict[str, _Measured] = {}  # committed: the next plan's input
+        self._staged: dict[str, _Measured] = {}  # measured in the step in progress
+        self._states: dict[str, dict[str, Any]] | None = None  # committed compressor states, while measuring
+
+    # ---- which group ---------------------------------------------------------------------
+
+    def planned(self, name: str) -> bool:
+        """Whether the plan sets the tensor called ``name`` (the main method's tensors)."""
+        return super().key_for(name) == MAIN
+
+    def key_for(self, name: str) -> str:
+        key = super().key_for(name)
+        return self.assigned.get(name, MAIN) if key == MAIN else key
+
+    def measuring(self, step: int) -> bool:
+        """Whether ``step``'s gradients are measured for the next plan."""
+        start = self.config.start_iter
+        return step >= start and (step - start) % self.settings.every == 0
+
+    # ---- reducing ------------------------------------------------------------------------
+
+    def prepare(self, bucket: Bucket, ctx: Context) -> None:
+        """Before a bucket is reduced: add what moved tensors owe to their gradients, and
+        measure the candidates on a measured step."""
+        momentum = getattr(self.compressors[MAIN], "momentum", None)
+        for c in self.compressors.values():  # DGC's momentum is handed over to the configured group
+            if getattr(c, "dgc", False) and c.momentum is None:
+                c.momentum = momentum
+        for slot in bucket.slots:
+            carry = self._carry.get(slot.name)
+            if carry is not None and slot.name not in self._consumed:
+                view = bucket.buffer.narrow(0, slot.offset, slot.numel)
+                view.add_(carry.to(view.device).reshape(-1))
+                self._consumed.add(slot.name)
+        if not self.measuring(ctx.step):
+            return
+        if self._states is None:
+            self._states = {key: self.compressors[key].state_dict() for key in self.candidates}
+        order = [self.compressors[key] for key in self.candidates]
+        for slot in bucket.slots:
+            if not slot.numel or not self.planned(slot.name):
+                continue
+            acc = bucket.buffer.narrow(0, slot.offset, slot.numel).to(torch.float32, copy=True)
+            key = self.key_for(slot.name)
+            extra = owed(self.compressors[key], _entries(self._states[key], slot.name))
+            if extra is not None:
+                acc.add_(extra.to(acc.device).reshape(-1))
+            errors = tensor_errors(order, tuple(slot.shape), acc)
+            self._staged[slot.name] = _Measured(tuple(slot.shape), bucket.buffer.element_size(), errors)
+
+    def end_step(self, commit: bool) -> None:
+        super().end_step(commit)
+        if commit:
+            for name in self._consumed:
+                self._carry.pop(name, None)
+            self._measured.update(self._staged)
+        self._consumed, self._staged, self._states = set(), {}, None
+
+    # ---- planning ------------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a measured step waits for its plan (made at the next step's first bucket)."""
+        return bool(self._measured)
+
+    def replan(self, backend: Backend, step: int) -> None:
+        """At the first bucket of ``step``: plan from the last measured step, if one is
+        waiting (two small collectives; nothing may be in flight)."""
+        if not self.waiting:
+            return
+        if not backend.can_block:
+            raise ConfigError(
+                "[layerwise] plans with collectives a hook must wait for: it needs ranks in separate processes "
+                "(a torch.distributed or MPI backend)"
+            )
+        backend.run(self.planning(step)).wait()
+
+    def planning(self, step: int) -> Reduction:
+        """The plan as a reduction: sum the ranks' errors, solve, compare digests, switch."""
+        names = sorted(self._measured)
+        errors = torch.tensor([self._measured[n].errors for n in names], dtype=torch.float64)
+        summed = yield AllReduce(errors)
+        plan = self.solve(names, summed.tolist(), step)
+        mine = float(int(plan.digest()[:12], 16))  # 48 bits: exact in float64
+        seen = yield AllReduce(torch.tensor([mine, -mine], dtype=torch.float64), op="max")
+        if seen[0].item() != mine or -seen[1].item() != mine:
+            raise RuntimeError(f"ranks planned differently (this rank's plan digest {plan.digest()}): {plan}")
+        self._measured = {}
+        self.apply(plan)
+
+    def solve(self, names: Sequence[str], errors: Sequence[Sequence[float]], step: int) -> LayerPlan:
+        """The plan for ``names`` (tensors measured, sorted) from their summed ``errors``."""
+        keys = list(self.candidates)
+        slots = [ParamSlot(n, torch.Size(self._measured[n].shape), 0) for n in names]
+        sizes = [self._measured[n].element_size for n in names]
+        costs = [[_bytes(self.compressors[k], s, e) for k in keys] for s, e in zip(slots, sizes)]
+        budget = self.budget(slots, sizes)
+        choice = solve(costs, errors, budget) or cheapest(costs)
+        return LayerPlan(
+            step,
+            {n: keys[c] for n, c in zip(names, choice)},
+            {n: label(self.candidates[keys[c]]) for n, c in zip(names, choice)},
+            {n: costs[i][c] for i, (n, c) in enumerate(zip(names, choice))},
+            budget,
+            sum(errors[i][c] for i, c in enumerate(choice)),
+        )
+
+    def budget(self, slots: Sequence[ParamSlot], sizes: Sequence[int]) -> float:
+        """Bytes per step the plan may spend on ``slots`` (``[layerwise] budget``)."""
+        budget = self.settings.budget
+        if budget == "uniform":
+            return sum(_bytes(self.compressors[MAIN], s, e) for s, e in zip(slots, sizes))
+        if isinstance(budget, float):
+            return budget * sum(4 * s.numel for s in slots)
+        return float(budget)
+
+    def apply(self, plan: LayerPlan) -> None:
+        """Switch to ``plan``, carrying every moved tensor's state (module docstring)."""
+        moves = {n: (self.key_for(n), k) for n, k in plan.keys.items() if self.key_for(n) != k}
+        self._move(moves)
+        changed = self.plan is None or plan.labels != self.plan.labels
+        self.assigned, self.plan = dict(plan.keys), plan
+        self.composite = _Planned(self)  # the parts of every bucket change
+        if changed:
+            log.info("%s", plan)
+
+    def _move(self, moves: Mapping[str, tuple[str, str]]) -> None:
+        touched = sorted({k for pair in moves.values() for k in pair})
+        states = {k: self.compressors[k].state_dict() for k in touched}
+        for name, (old, new) in sorted(moves.items()):
+            entries = {sk: d.pop(name) for sk, d in states[old].items() if isinstance(d, dict) and name in d}
+            source, target = self.compressors[old], self.compressors[new]
+            if entries and type(source) is type(target) and getattr(source, "dgc", False) == getattr(target, "dgc", False):
+                adapted = target.adapt_state({sk: {name: v} for sk, v in entries.items()}, source)
+                for sk, d in adapted.items():
+                    states[new].setdefault(sk, {}).update(d)
+                continue
+            debt = owed(source, entries)
+            if debt is not None:
+                debt = debt.detach().to(torch.float32, copy=True).cpu()
+                self._carry[name] = self._carry[name] + debt if name in self._carry else debt
+        for k in touched:
+            self.compressors[k].load_state_dict(states[k])
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def plan_state(self) -> dict[str, Any]:
+        """The plan in force (the same on every rank), and this rank's carries and
+        measurement waiting for the next plan (per rank)."""
+        return {
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+            "carry": {n: t.clone() for n, t in self._carry.items()},
+            "measured": {n: [list(m.shape), m.element_size, list(m.errors)] for n, m in self._measured.items()},
+        }
+
+    def holds_per_rank(self, state: Mapping[str, Any]) -> bool:
+        return bool(state.get("carry")) or bool(state.get("measured"))
+
+    def load_plan_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`plan_state` (before the compressors' own states are loaded)."""
+        self.assigned, self.plan = {}, None
+        if state["plan"] is not None:
+            plan = LayerPlan.from_dict(state["plan"])
+            self.assigned, self.plan = dict(plan.keys), plan
+        self.composite = _Planned(self)
+        self._carry = {str(n): t.detach().to(torch.float32, copy=True) for n, t in state["carry"].items()}
+        self._measured = {
+            str(n): _Measured(tuple(int(d) for d in shape), int(size), [float(e) for e in errors])
+            for n, (shape, size, errors) in state["measured"].items()
+        }
+        self._consumed, self._staged, self._states = set(), {}, None
+
+    @staticmethod
+    def combine_plan_states(shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scale: float) -> dict[str, Any]:
+        """One rank's plan state from a job of another world size: the plan of old rank 0,
+        the carries it takes over summed and scaled (as error feedback is); a waiting
+        measurement is dropped (the plan in force stays until the next measured step)."""
+        return {"plan": shared["plan"], "carry": sum_entries([p["carry"] for p in parts], scale), "measured": {}}
+
+
+class _Planned(Composite):
+    """The composite of a :class:`LayerwiseGroups`: its groups' parts, after
+    :meth:`LayerwiseGroups.prepare`."""
+
+    def __init__(self, groups: LayerwiseGroups) -> None:
+        super().__init__(groups.key_for, groups.compressors)
+        self.groups = groups
+
+    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
+        self.groups.prepare(bucket, ctx)
+        return (yield from super().reduce(bucket, ctx))
+
+
+def _entries(state: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """One tensor's entries of a compressor's state (state key -> value)."""
+    return {sk: d[name] for sk, d in state.items() if isinstance(d, dict) and name in d}
+
+
+def _bytes(compressor: Compressor, slot: ParamSlot, element_size: int) -> float:
+    """Bytes per step ``compressor`` sends of ``slot``."""
+    transfers = compressor.slot_transfers(slot, element_size)
+    if transfers is None:
+        raise ConfigError(f"[layerwise]: method {compressor.name!r} does not say what it sends (slot_transfers)")
+    return float(sum(t.nbytes for t in transfers))
