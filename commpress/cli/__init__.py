@@ -22,6 +22,7 @@ __all__ = ["main", "summary"]
 COMMANDS = {
     "demo": "commpress.cli.demo",
     "bench": "commpress.cli.bench",
+    "race": "commpress.cli.race",
     "bench-fsdp": "commpress.cli.bench_fsdp",
     "linkemu": "commpress.cli.linkemu",
     "bandwidth": "commpress.cli.bandwidth",
