@@ -14,6 +14,7 @@ from commpress.bench.methods import parse_methods
 from commpress.bench.race import RacePlan, RaceTask, race_rank
 from commpress.bench.race_report import format_report, summarize
 from commpress.cli import main
+from commpress.errors import ConfigError
 
 #: a transformer small enough for a few steps on 2 cores
 TINY = ["--width", "16", "--layers", "1", "--heads", "2", "--context", "16", "--batch", "4", "--eval-size", "16"]
@@ -107,3 +108,9 @@ def test_the_command_module_imports_torch_only_when_it_runs():
     names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in top if isinstance(n, ast.ImportFrom)}
     assert names <= {"__future__", "argparse", "os", "sys", "typing", "commpress.cli.args"}, names
+
+
+def test_without_a_target_ddp_runs_first():
+    with pytest.raises(ConfigError, match="the first method must be ddp"):
+        RacePlan(methods=tuple(parse_methods("topk;ddp")))
+    assert RacePlan(methods=tuple(parse_methods("topk;ddp")), target=2.0).target == 2.0

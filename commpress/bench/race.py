@@ -95,6 +95,10 @@ class RacePlan:
     bucket_cap_mb: float | None = None
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        if self.target is None and (not self.methods or self.methods[0].kind != "ddp"):
+            raise ConfigError("without a target, the first method must be ddp: its loss after target_steps is the target")
+
 
 def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
     """Run ``plan`` on this rank; every rank returns the same result (points are agreed
