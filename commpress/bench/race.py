@@ -193,7 +193,7 @@ class _Racer:
             ):
                 break
         if bar is not None and steps < self.stop_at:
-            bar(self.stop_at)  # stopped early: close the progress line
+            bar(self.stop_at, f"stopped after {steps} steps")  # closes the progress line
         self.finish()
         sent = torch.tensor([self.traffic.snapshot()["bytes_sent"] / steps], dtype=torch.float64)
         dist.all_reduce(sent)
