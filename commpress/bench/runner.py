@@ -14,19 +14,18 @@ import functools
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from commpress.bench.attach import Counting, attach, bucket_cap
 from commpress.bench.methods import BenchMethod
 from commpress.bench.workloads import make_workload
 from commpress.comm.counters import Traffic
-from commpress.hooks import register
 from commpress.terminal import Progress
 
 __all__ = ["BenchPlan", "bench_rank"]
@@ -117,13 +116,12 @@ class _Run:
         self.times: list[float] = []
         self.cap = plan.bucket_cap_mb
         self.traffic: Traffic | None = None
-        self.counting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self.counting: Counting = contextlib.nullcontext
         model = task.model()
         if method is not None:
-            if method.kind == "torch-powersgd":
-                self.cap = grad_bytes / 2**20 + 1  # one bucket: PyTorch's hook fails on gloo with several
+            self.cap = bucket_cap(method, grad_bytes, plan.bucket_cap_mb)
             model = DistributedDataParallel(model, **({"bucket_cap_mb": self.cap} if self.cap is not None else {}))
-            self.traffic, self.counting = _attach(method, model, grad_bytes)
+            self.traffic, self.counting = attach(method, model, grad_bytes)
         self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
@@ -141,79 +139,12 @@ class _Run:
             self.opt.step()
         if step >= self.plan.warmup:
             self.times.append(time.perf_counter() - t0)
-            if isinstance(self.traffic, _PlainTraffic):
-                self.traffic.step()
 
     def result(self) -> dict[str, Any]:
         if self.method is None:
             return {"step_seconds": self.times}
         assert self.traffic is not None
         return _method_row(self.method, self.method.note, self.cap, self.times, self.traffic)
-
-
-def _attach(
-    method: BenchMethod, ddp: DistributedDataParallel, grad_bytes: int
-) -> tuple[Traffic, Callable[[], contextlib.AbstractContextManager]]:
-    """Register the method's hook; return its traffic counters and a factory of the context
-    (opened around each step) that counts what PyTorch's own hooks send."""
-    if method.kind == "commpress":
-        return register(ddp, method.config).traffic, contextlib.nullcontext
-    traffic = _PlainTraffic(grad_bytes) if method.kind == "ddp" else Traffic()
-    if method.kind == "torch-fp16":
-        ddp.register_comm_hook(None, _timed_hook(default_hooks.fp16_compress_hook, traffic))
-    elif method.kind == "torch-powersgd":
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=method.params["rank"],
-            start_powerSGD_iter=method.params["start_iter"],
-            min_compression_rate=method.params["min_compression_rate"],
-            random_seed=0,
-        )
-        ddp.register_comm_hook(state, _timed_hook(powerSGD_hook.powerSGD_hook, traffic))
-    return traffic, functools.partial(_count_all_reduce, traffic) if method.kind != "ddp" else contextlib.nullcontext
-
-
-class _PlainTraffic(Traffic):
-    """DDP's own all-reduce sends every gradient byte once per step (no hook to count it)."""
-
-    def __init__(self, grad_bytes: int) -> None:
-        super().__init__()
-        self.grad_bytes = grad_bytes
-
-    def step(self) -> None:
-        self.add(nbytes=self.grad_bytes, collectives=1)
-
-
-def _timed_hook(hook: Callable[[Any, Any], torch.futures.Future], traffic: Traffic) -> Callable[[Any, Any], torch.futures.Future]:
-    """``hook`` counting the time it spends on the calling thread as compression time."""
-
-    @functools.wraps(hook)
-    def timed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        t0 = time.perf_counter()
-        try:
-            return hook(state, bucket)
-        finally:
-            traffic.add(seconds=time.perf_counter() - t0)
-
-    return timed
-
-
-@contextlib.contextmanager
-def _count_all_reduce(traffic: Traffic) -> Iterator[None]:
-    """Count the payload of every ``torch.distributed.all_reduce`` call (PyTorch's hooks
-    call it through the module attribute) while the context is open."""
-    original = dist.all_reduce
-
-    @functools.wraps(original)
-    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        traffic.add(nbytes=tensor.numel() * tensor.element_size(), collectives=1)
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = counted
-    try:
-        yield
-    finally:
-        dist.all_reduce = original
 
 
 class _LocalSGDRun:

@@ -24,6 +24,7 @@ __all__ = ["build_parser", "main", "plain", "summary"]
 COMMANDS = {
     "demo": "commpress.cli.demo",
     "bench": "commpress.cli.bench",
+    "race": "commpress.cli.race",
     "bench-fsdp": "commpress.cli.bench_fsdp",
     "linkemu": "commpress.cli.linkemu",
     "bandwidth": "commpress.cli.bandwidth",

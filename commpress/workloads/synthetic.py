@@ -116,11 +116,15 @@ class CharTransformer(nn.Module):
 @dataclass(frozen=True)
 class CharTransformerTask:
     """Next-character prediction at every position of a window of the demo's corpus (the
-    first 90% for training, the last 10% held out), with a tiny causal transformer."""
+    first 90% for training, the last 10% held out), with a causal transformer: tiny by
+    default (the quality suite's), GPT-2-like at larger ``width`` and ``layers``."""
 
     context: int = 32
     batch_size: int = 32
     seed: int = 0
+    width: int = 64
+    layers: int = 2
+    heads: int = 4
 
     def _windows(self, data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         win = data[starts[:, None] + torch.arange(self.context + 1)].long()
@@ -139,7 +143,7 @@ class CharTransformerTask:
 
     def model(self) -> CharTransformer:
         torch.manual_seed(self.seed)
-        return CharTransformer(self.context)
+        return CharTransformer(self.context, self.width, self.layers, self.heads)
 
     @staticmethod
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,227 @@
+"""Race every method to a held-out loss in wall-clock time, on one rank of a process group.
+
+Each method trains a fresh model (same seed, same batches per step and rank, same
+optimizer) wrapped in DDP with the method's gradient exchange (:mod:`commpress.bench.attach`)
+or, for a config with a ``[local_sgd]`` table, Local SGD/CO2. Every ``eval_every`` steps the
+clock stops and the ranks evaluate the held-out batch, each its share, with its own model;
+the loss over the whole batch is the curve's point. The clock counts training steps only
+(the slowest rank's). A method stops at the first evaluation at or below the target, at
+``max_steps``, or once its clock passes ``max_seconds``. Without a given target, ``ddp``
+runs first for ``target_steps`` steps and its held-out loss there is the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from commpress.bench.attach import attach, bucket_cap
+from commpress.bench.methods import BenchMethod
+from commpress.bench.quality import make_optimizer
+from commpress.errors import ConfigError
+from commpress.terminal import Progress
+from commpress.workloads.charlm import CharTask
+from commpress.workloads.synthetic import CharTransformerTask
+
+__all__ = ["LEARNING_RATES", "TASKS", "RacePlan", "RaceTask", "race_rank"]
+
+TASKS = ("transformer", "charlm")
+#: Default learning rate by (task, optimizer), constant over the run.
+LEARNING_RATES = {
+    ("transformer", "adamw"): 1e-3,
+    ("transformer", "sgd"): 0.05,
+    ("charlm", "adamw"): 6e-3,
+    ("charlm", "sgd"): 0.2,
+}
+
+
+@dataclass(frozen=True)
+class RaceTask:
+    """The model and data of a race: ``transformer`` (a causal transformer over characters,
+    GPT-2-like at the default size) or ``charlm`` (the demo's character MLP), both on the
+    standard library's text; ``width``, ``layers`` and ``heads`` shape the transformer."""
+
+    name: str = "transformer"
+    batch: int = 16
+    context: int = 64
+    width: int = 256
+    layers: int = 4
+    heads: int = 4
+    eval_size: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in TASKS:
+            raise ConfigError(f"task = {self.name!r} is not accepted; accepted: {', '.join(TASKS)}")
+        if self.name == "transformer" and self.width % self.heads:
+            raise ConfigError(f"width = {self.width} is not accepted; expected a multiple of heads = {self.heads}")
+
+    def data(self) -> CharTask | CharTransformerTask:
+        if self.name == "charlm":
+            return CharTask(context=self.context, batch_size=self.batch, seed=self.seed)
+        return CharTransformerTask(self.context, self.batch, self.seed, self.width, self.layers, self.heads)
+
+    @staticmethod
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+@dataclass(frozen=True)
+class RacePlan:
+    """Everything every rank needs to run the same race."""
+
+    methods: tuple[BenchMethod, ...]
+    task: RaceTask = RaceTask()
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    #: the loss to reach; None: ``ddp``'s held-out loss after ``target_steps``
+    target: float | None = None
+    target_steps: int = 200
+    max_steps: int = 400
+    max_seconds: float | None = None
+    eval_every: int = 10
+    #: untimed steps of each method on a throwaway model first: one-off costs (compiling
+    #: the CPU kernels, the allocator's first buffers) stay off the clock
+    warmup: int = 2
+    bucket_cap_mb: float | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.target is None and (not self.methods or self.methods[0].kind != "ddp"):
+            raise ConfigError("without a target, the first method must be ddp: its loss after target_steps is the target")
+
+
+def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
+    """Run ``plan`` on this rank; every rank returns the same result (points are agreed
+    over the ranks as they are taken)."""
+    data = plan.task.data()
+    x, y = data.eval_batch(plan.task.eval_size)
+    held_out = x[rank::world_size], y[rank::world_size]
+    model = data.model()
+    numel = sum(p.numel() for p in model.parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    target, target_source = plan.target, "given"
+    rows = []
+    for i, method in enumerate(plan.methods, start=1):
+        reference = target is None and method.kind == "ddp"
+        stop_at = plan.target_steps if reference else plan.max_steps
+        label = f"[{i}/{len(plan.methods)}] {method.label}"
+        bar = Progress(stop_at, f"{label:<40.40}").update if plan.progress and rank == 0 else None
+        if plan.warmup:
+            _warm_up(_Racer(data, method, plan, grad_bytes, plan.warmup), rank, world_size)
+        row = _Racer(data, method, plan, grad_bytes, stop_at).run(rank, world_size, held_out, target, bar)
+        if reference:
+            target, target_source = row["curve"][-1][2], f"ddp after {plan.target_steps} steps"
+        rows.append(row)
+    return {
+        "target": target,
+        "target_source": target_source,
+        "link": os.environ.get("COMMPRESS_LINK", "local"),
+        "world_size": world_size,
+        "task": {**asdict(plan.task), "numel": numel, "grad_bytes": grad_bytes},
+        "optimizer": plan.optimizer,
+        "lr": plan.lr,
+        "eval_every": plan.eval_every,
+        "warmup": plan.warmup,
+        "max_steps": plan.max_steps,
+        "max_seconds": plan.max_seconds,
+        "rows": rows,
+    }
+
+
+def _warm_up(spare: _Racer, rank: int, world: int) -> None:
+    """``spare``'s first steps, off the clock; the model is thrown away."""
+    for step in range(spare.stop_at):
+        spare.train(spare.data.batch(step, rank, world))
+    spare.finish()
+
+
+class _Racer:
+    """One method's run: its model, optimizer, gradient exchange and clock."""
+
+    def __init__(self, data: Any, method: BenchMethod, plan: RacePlan, grad_bytes: int, stop_at: int) -> None:
+        self.data, self.method, self.plan, self.stop_at = data, method, plan, stop_at
+        self.model = data.model()
+        local_sgd = method.config is not None and method.config.section("local_sgd") is not None
+        self.cap = plan.bucket_cap_mb if local_sgd else bucket_cap(method, grad_bytes, plan.bucket_cap_mb)
+        self.ddp = DistributedDataParallel(self.model, **({"bucket_cap_mb": self.cap} if self.cap is not None else {}))
+        self.opt = make_optimizer(plan.optimizer, self.ddp.parameters(), plan.lr)
+        self.finish: Callable[[], Any] = lambda: None
+        if local_sgd:
+            from commpress.local_sgd import from_config
+
+            trainer = from_config(self.ddp, self.opt, method.config, total_steps=plan.max_steps)
+            self.update, self.traffic, self.counting = trainer.step, trainer.traffic, contextlib.nullcontext
+            self.finish, self.note = trainer.finish, "local models averaged"
+        else:
+            self.traffic, self.counting = attach(method, self.ddp, grad_bytes, self.opt)
+            self.update, self.note = self.opt.step, method.note
+
+    def run(
+        self, rank: int, world: int, held_out: tuple[torch.Tensor, torch.Tensor], target: float | None, bar: Any
+    ) -> dict[str, Any]:
+        """Train until the target, the step cap or the time cap; the row's curve and bytes."""
+        clock, steps = 0.0, 0
+        curve = [(0, 0.0, self._evaluate(held_out))]
+        dist.barrier()
+        while steps < self.stop_at:
+            batch = self.data.batch(steps, rank, world)
+            t0 = time.perf_counter()
+            self.train(batch)
+            clock += time.perf_counter() - t0
+            steps += 1
+            if bar is not None:
+                bar(steps)
+            if steps % self.plan.eval_every and steps < self.stop_at:
+                continue
+            agreed = torch.tensor([clock], dtype=torch.float64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            curve.append((steps, agreed.item(), self._evaluate(held_out)))
+            dist.barrier()  # every rank starts the next step's clock together
+            if (target is not None and curve[-1][2] <= target) or (
+                self.plan.max_seconds is not None and curve[-1][1] >= self.plan.max_seconds
+            ):
+                break
+        if bar is not None and steps < self.stop_at:
+            bar(self.stop_at, f"stopped after {steps} steps")  # closes the progress line
+        self.finish()
+        sent = torch.tensor([self.traffic.snapshot()["bytes_sent"] / steps], dtype=torch.float64)
+        dist.all_reduce(sent)
+        return {
+            "method": self.method.label,
+            "kind": self.method.kind,
+            "note": self.note,
+            "bucket_cap_mb": self.cap,
+            "curve": curve,
+            "bytes_per_step": sent.item() / world,
+        }
+
+    def train(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """One training step on ``batch``."""
+        x, y = batch
+        with self.counting():
+            loss = self.plan.task.loss(self.ddp(x), y)
+            self.opt.zero_grad(set_to_none=False)
+            loss.backward()
+            self.update()
+
+    def _evaluate(self, held_out: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """The held-out loss: each rank takes its share of the batch (``held_out`` is this
+        rank's), the ranks' sums are added (Local SGD: each rank's own model, mid-round too)."""
+        x, y = held_out
+        with torch.no_grad():
+            out = self.model(x)
+            total = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
+        agreed = torch.tensor([total.item(), y.numel()], dtype=torch.float64)
+        dist.all_reduce(agreed)
+        return (agreed[0] / agreed[1]).item()

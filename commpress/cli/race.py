@@ -1,0 +1,171 @@
+"""Race every method to the same held-out loss and compare wall-clock time to get there.
+
+Real training of a real task on text that ships with Python (a GPT-2-like character
+transformer by default, or the demo's character MLP), every method on the same seed and
+data: plain DDP (``ddp``), PyTorch's ``torch-fp16`` and ``torch-powersgd`` hooks (the
+latter in one DDP bucket: on gloo it fails with several), and any commpress method spec or
+config file (hooks, Local SGD/CO2). The target is the held-out loss ``ddp`` reaches after
+``--target-steps`` steps, or ``--target``. Launch with ``--local N``, ``torchrun``,
+``mpirun``, or under ``commpress linkemu`` for real throttled links. Rank 0 prints the
+table; ``--json`` and ``--plot`` save it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from commpress.cli.args import integer, number
+
+__all__ = ["DEFAULT_METHODS", "add_arguments", "run"]
+
+#: Rows when neither ``--methods`` nor ``--config`` is given.
+DEFAULT_METHODS = "ddp;torch-fp16;torch-powersgd:rank=4;fp16;powersgd:rank=4;acpsgd:rank=4;topk:ratio=0.01"
+_DEFAULT_TARGET_STEPS = 200
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--local", type=integer(1), metavar="N", help="start N ranks on this machine (gloo) instead of a launcher"
+    )
+    parser.add_argument(
+        "--methods",
+        help=f"methods to race, e.g. 'ddp;torch-powersgd:rank=4;powersgd:rank=4' (default '{DEFAULT_METHODS}'); "
+        "ddp is added first when the target comes from it",
+    )
+    parser.add_argument(
+        "--config", action="append", default=[], metavar="FILE", help="a commpress config file as one more row (repeatable)"
+    )
+    parser.add_argument("--task", default="transformer", help="transformer (default) or charlm (the demo's MLP)")
+    parser.add_argument("--width", type=integer(1), default=256, help="transformer width (default 256)")
+    parser.add_argument("--layers", type=integer(1), default=4, help="transformer layers (default 4)")
+    parser.add_argument("--heads", type=integer(1), default=4, help="transformer attention heads (default 4)")
+    parser.add_argument("--context", type=integer(1), default=64, help="characters per window (default 64)")
+    parser.add_argument("--batch", type=integer(1), default=16, help="windows per rank and step (default 16)")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="AdamW or SGD with momentum")
+    parser.add_argument("--lr", type=number(0), help="constant learning rate (default: by task and optimizer)")
+    parser.add_argument("--target", type=number(0), metavar="LOSS", help="the held-out loss to reach")
+    parser.add_argument(
+        "--target-steps",
+        type=integer(1),
+        metavar="N",
+        help=f"without --target: the target is ddp's held-out loss after N steps (default {_DEFAULT_TARGET_STEPS})",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=integer(1),
+        help="stop a method that has not reached the target after this many steps (default twice the target steps)",
+    )
+    parser.add_argument("--max-seconds", type=number(0), help="stop a method whose clock passes this many seconds")
+    parser.add_argument("--eval-every", type=integer(1), default=10, metavar="E", help="evaluate every E steps (default 10)")
+    parser.add_argument(
+        "--warmup",
+        type=integer(0),
+        default=2,
+        help="untimed steps of each method on a throwaway model first, so one-off costs (kernel compilation) stay "
+        "off the clock (default 2)",
+    )
+    parser.add_argument("--eval-size", type=integer(1), default=128, help="held-out windows per evaluation (default 128)")
+    parser.add_argument("--bucket-cap-mb", type=number(0), help="DDP bucket size (default DDP's 25; torch-powersgd: 1 bucket)")
+    parser.add_argument(
+        "--threads",
+        type=integer(1),
+        help="torch threads per rank under torchrun/mpirun (default: cores / local ranks; --local splits the cores itself)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
+    parser.add_argument("--plot", metavar="PNG", help="write held-out loss against wall-clock seconds per method")
+    parser.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def plan_from_args(args: argparse.Namespace) -> Any:
+    """Validate the command line into a :class:`~commpress.bench.race.RacePlan`
+    (ConfigError on bad values)."""
+    from commpress.bench.methods import method_from_config, parse_methods
+    from commpress.bench.race import LEARNING_RATES, RacePlan, RaceTask
+    from commpress.cli.bench import check_can_plot, check_output_path
+    from commpress.errors import ConfigError
+
+    if args.target is not None and args.target_steps is not None:
+        raise ConfigError("--target and --target-steps are not accepted together; the target is one or the other")
+    target_steps = args.target_steps or _DEFAULT_TARGET_STEPS
+    max_steps = args.max_steps or 2 * target_steps
+    if args.target is None and max_steps < target_steps:
+        raise ConfigError(f"--max-steps = {max_steps} is not accepted; expected at least --target-steps = {target_steps}")
+    methods = parse_methods(args.methods or DEFAULT_METHODS) if args.methods or not args.config else []
+    for path in args.config:
+        try:
+            methods.append(method_from_config(path))
+        except ConfigError as exc:
+            raise ConfigError(f"--config: {exc}") from None
+    if args.target is None:  # the reference runs first: it sets the target
+        ddp = [m for m in methods if m.kind == "ddp"] or parse_methods("ddp")
+        methods = [ddp[0], *(m for m in methods if m is not ddp[0])]
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and path != "-":
+            check_output_path(option, path)
+    if args.plot is not None:
+        check_can_plot()
+    task = RaceTask(args.task, args.batch, args.context, args.width, args.layers, args.heads, args.eval_size)
+    return RacePlan(
+        methods=tuple(methods),
+        task=task,
+        optimizer=args.optimizer,
+        lr=args.lr or LEARNING_RATES[(task.name, args.optimizer)],
+        target=args.target,
+        target_steps=target_steps,
+        max_steps=max_steps,
+        max_seconds=args.max_seconds,
+        eval_every=args.eval_every,
+        warmup=args.warmup,
+        bucket_cap_mb=args.bucket_cap_mb,
+        progress=not args.quiet,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from commpress.bench.race import race_rank
+    from commpress.bench.race_report import format_report, summarize, write_json, write_plot
+    from commpress.comm.from_env import detect_launcher
+    from commpress.errors import ConfigError
+
+    plan = plan_from_args(args)
+    launch = detect_launcher()
+    if args.local is not None:
+        from commpress.comm.launch import run_local
+
+        _banner(plan, args.local, "local processes")
+        raw = run_local(race_rank, args.local, plan, timeout=24 * 3600.0)[0]
+    elif launch.kind != "none":
+        import torch
+        import torch.distributed as dist
+
+        from commpress.comm.from_env import init_from_env
+
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // launch.local_world_size))
+        init_from_env("gloo")
+        if launch.rank == 0:
+            _banner(plan, launch.world_size, launch.kind)
+        try:
+            raw = race_rank(launch.rank, launch.world_size, plan)
+        finally:
+            dist.destroy_process_group()
+        if launch.rank != 0:
+            return 0
+    else:
+        raise ConfigError(
+            "not started by torchrun or mpirun; pass --local N to start N ranks here, or launch with "
+            "`torchrun --nproc_per_node N -m commpress race ...` / `mpirun -n N python -m commpress race ...`"
+        )
+    summary = summarize(raw)
+    print(format_report(summary))
+    if args.json:
+        write_json(summary, args.json)
+    if args.plot:
+        write_plot(summary, args.plot)
+    return 0
+
+
+def _banner(plan: Any, world: int, how: str) -> None:
+    print(f"commpress race: {len(plan.methods)} methods, {world} ranks ({how}), task {plan.task.name}", file=sys.stderr)
