@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any
 
-from commpress.cli.args import integer, number
+from commpress.cmdline import LIST_HELP, integer, method_list, number
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "run"]
 
@@ -32,8 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--methods",
-        help=f"methods to race, e.g. 'ddp;torch-powersgd:rank=4;powersgd:rank=4' (default '{DEFAULT_METHODS}'); "
-        "ddp is added first when the target comes from it",
+        type=method_list(),
+        help=f"{LIST_HELP}: the baselines ddp, torch-fp16, torch-powersgd or commpress methods, e.g. "
+        f"'ddp;torch-powersgd:rank=4;powersgd:rank=4' (default '{DEFAULT_METHODS}'); ddp is added first when the "
+        "target comes from it",
     )
     parser.add_argument(
         "--config", action="append", default=[], metavar="FILE", help="a commpress config file as one more row (repeatable)"
