@@ -91,7 +91,7 @@ def _rank0_resume(rank: int, world: int, path: str) -> dict[str, tuple[bool, boo
     for method in METHODS:
         straight = _ddp_run(rank, method, None, save=False, resume=False)
         _ddp_run(rank, method, path, save=True, resume=False)
-        parts = torch.load(path, weights_only=True)["hook"]["ranks"]
+        parts = torch.load(path, weights_only=True)["hook"]["ddp_hook"]["ranks"]
         resumed = _ddp_run(rank, method, path, save=False, resume=True)
         out[method] = (torch.equal(resumed, straight), str(parts[0]["compressors"]) != str(parts[1]["compressors"]))
     return out

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from commpress.bench.methods import BenchMethod
 from commpress.bench.workloads import make_workload
 from commpress.comm.counters import Traffic
-from commpress.hooks import register
+from commpress.hooks import register_ddp_hook
 from commpress.terminal import Progress
 
 __all__ = ["BenchPlan", "bench_rank"]
@@ -157,7 +157,7 @@ def _attach(
     """Register the method's hook; return its traffic counters and a factory of the context
     (opened around each step) that counts what PyTorch's own hooks send."""
     if method.kind == "commpress":
-        return register(ddp, method.config).traffic, contextlib.nullcontext
+        return register_ddp_hook(ddp, method.config).traffic, contextlib.nullcontext
     traffic = _PlainTraffic(grad_bytes) if method.kind == "ddp" else Traffic()
     if method.kind == "torch-fp16":
         ddp.register_comm_hook(None, _timed_hook(default_hooks.fp16_compress_hook, traffic))
