@@ -138,20 +138,21 @@ def register(
     ``step()`` then runs the rounds (the training loop stays ``loss.backward();
     optimizer.step()``; call :meth:`Registration.finish` at the end). For the DDP hook,
     methods that apply momentum themselves (Top-k with ``dgc = true``) take it over from
-    the optimizer's SGD groups. ``process_group``: the group to communicate in (default:
-    the model's, or the world). ``total_steps``: lets QSR cap the last round.
+    the optimizer's SGD groups. ``process_group``: the group the DDP hook or Local SGD
+    communicates in (default: the model's, or the world; FSDP uses its own mesh).
+    ``total_steps``: lets QSR cap the last round.
     """
     cfg = Config.load(config)
     if isinstance(model, FullyShardedDataParallel) or any(isinstance(m, FSDPModule) for m in model.modules()):
         return _sharded(model, cfg)
+    is_ddp = isinstance(model, DistributedDataParallel)
+    if not is_ddp and not dist.is_initialized() and cfg.backend == "torch":
+        return Registration(cfg)  # a single process: nobody to send to, nothing to apply
     if cfg.section("fsdp") is not None:
         raise ConfigError(
             f"the config's [fsdp] table sets a sharded model's collectives; this {type(model).__name__} is not sharded "
             "(fully_shard or FullyShardedDataParallel): remove [fsdp], or shard the model before register()"
         )
-    is_ddp = isinstance(model, DistributedDataParallel)
-    if not is_ddp and not dist.is_initialized() and cfg.backend == "torch":
-        return Registration(cfg)  # a single process: nobody to send to, nothing to apply
     if cfg.section("local_sgd") is not None:
         return Registration(cfg, local_sgd=_local_sgd(model, cfg, optimizer, process_group, total_steps))
     if not is_ddp:

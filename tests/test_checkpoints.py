@@ -164,7 +164,7 @@ def _pickled(rank: int, world: int, path: str) -> tuple[bool, str]:
     straight = _ddp_run(rank, "topk", None, save=False, resume=False)
     ddp = DistributedDataParallel(_model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    state = register(ddp, {"method": "topk", "params": TOPK, "start_iter": 2})
+    state = register(ddp, {"method": "topk", "params": TOPK, "start_iter": 2}).hook  # the CommState pickles
     for step in range(SAVE_AT):
         x, y = _batch(rank, step)
         F.mse_loss(ddp(x), y).backward()

@@ -93,7 +93,7 @@ DRIVER = textwrap.dedent(
         report = {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "events": hook.events,
-            "step": hook.state.step,
+            "step": hook.state.hook.step,  # the DDP hook's CommState
             "sent": hook.state.traffic.bytes_sent,
         }
         torch.save(report, OUT / f"{name}_rank{trainer.global_rank}.pt")

@@ -48,6 +48,7 @@ def test_a_single_process_has_nothing_to_apply():
     model = torch.nn.Linear(4, 2)
     reg = commpress.register(model, CONFIGS / "bf16.toml", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert reg.parts() == {} and reg.traffic.bytes_sent == 0 and reg.state_dict() == {}
+    assert commpress.register(model, CONFIGS / "fsdp_qsdp.toml").parts() == {}  # Accelerate's FSDP also shards only when launched
     with pytest.raises(ConfigError, match=r"unknown config key 'rank': it belongs in \[params\] of method acpsgd or powersgd"):
         commpress.register(model, {"method": "powersgd", "rank": 4})
 
@@ -76,18 +77,38 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1) for p in model.parameters()])
 
 
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, step, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Two Local SGD / CO2 rounds of the user's loop, ``step()`` ending each; the last loss."""
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(8):
+        x = torch.randn(16, 64, generator=data, dtype=dtype)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        step()
+    return loss
+
+
+def _explicit(path: Path, rank: int) -> torch.Tensor:
+    """The same run through the explicit trainer API (``trainer.step()``): its final model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from commpress.local_sgd import from_config
+
+    model = DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    trainer = from_config(model, opt, path)
+    _steps(model, opt, trainer.step, rank, torch.float32)
+    trainer.finish()
+    return _flat(model)
+
+
 def _train(path: Path, rank: int, dtype: torch.dtype = torch.float32) -> dict:
     """A few steps with the config at ``path``: the user's loop, unchanged."""
     model = _wrap(path.name, _model(dtype))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     reg = commpress.register(model, path, optimizer=opt)
-    data = torch.Generator().manual_seed(rank)
-    for _ in range(4):  # a whole Local SGD / CO2 round
-        x = torch.randn(16, 64, generator=data, dtype=dtype)
-        loss = model(x).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    loss = _steps(model, opt, opt.step, rank, dtype)
     reg.finish()
     whole = reg.state_dict(full=True)  # a collective: every rank's parts, as a rank-0 checkpoint holds them
     reg.load_state_dict(whole)  # each part takes its own back
@@ -143,6 +164,7 @@ def _all(rank: int, world: int) -> dict:
     out = {name: _train(CONFIGS / name, rank) for name in FILES}
     out["float64 none"] = _train(CONFIGS / "none.toml", rank, torch.float64)
     out["float64 local_sgd"] = _train(CONFIGS / "local_sgd_h4.toml", rank, torch.float64)
+    out["explicit"] = {name: _explicit(CONFIGS / name, rank) for name in ("local_sgd_h4.toml", "co2_h4.toml")}
     out["refusals"] = _refusals(rank)
     return out
 
@@ -163,6 +185,13 @@ def test_every_ready_config_trains_on_two_ranks(runs, name):
     assert a["sent"] > 0 and a["sent"] == b["sent"]
     assert torch.equal(a["params"], b["params"])  # averaged gradients, or models after the last round
     assert a["whole"] == ["ranks", "world_size"]  # state_dict(full=True) is the whole job's
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["local_sgd_h4.toml", "co2_h4.toml"])
+def test_optimizer_step_hooks_train_exactly_as_the_explicit_trainer(runs, name):
+    for run in runs:
+        assert torch.equal(run[name]["params"], run["explicit"][name])
 
 
 @pytest.mark.multiproc
