@@ -2,7 +2,7 @@
 
 Quick start::
 
-    state = commpress.register(ddp_model, {"method": "powersgd", "params": {"rank": 4}})
+    state = commpress.register(ddp_model, "docs/configs/powersgd.toml", optimizer=optimizer)
 
 The names below and the subpackages (``commpress.fsdp``, ``commpress.local_sgd``, ...) load
 at their first use, so ``import commpress`` and the ``commpress`` command's ``--help`` do
@@ -20,9 +20,10 @@ from commpress.errors import ConfigError
 if TYPE_CHECKING:
     from commpress.comm.checkpoint import DCPState
     from commpress.config import Config
-    from commpress.hooks import CommState, ddp_hook, register
+    from commpress.hooks import CommState, ddp_hook
+    from commpress.registration import Registration, register
 
-__all__ = ["CommState", "Config", "ConfigError", "DCPState", "ddp_hook", "register"]
+__all__ = ["CommState", "Config", "ConfigError", "DCPState", "Registration", "ddp_hook", "register"]
 __version__ = "0.1.0"
 
 #: Name -> the module that defines it.
@@ -30,8 +31,9 @@ _LAZY = {
     "CommState": "commpress.hooks",
     "Config": "commpress.config",
     "DCPState": "commpress.comm.checkpoint",
+    "Registration": "commpress.registration",
     "ddp_hook": "commpress.hooks",
-    "register": "commpress.hooks",
+    "register": "commpress.registration",
 }
 
 

@@ -88,13 +88,20 @@ def check_keys(where: str, data: Any) -> None:
             raise ConfigError(f"{where}: key {key!r} is not accepted; setting names are strings")
 
 
-def check_kwargs(where: str, data: Mapping[str, Any], fields: Mapping[str, tuple[Any, bool]]) -> dict[str, Any]:
-    """Validate ``data`` against ``fields`` (name -> (type, required)); return converted values."""
+def check_kwargs(
+    where: str,
+    data: Mapping[str, Any],
+    fields: Mapping[str, tuple[Any, bool]],
+    belongs: Callable[[str], str] | None = None,
+) -> dict[str, Any]:
+    """Validate ``data`` against ``fields`` (name -> (type, required)); return converted
+    values. ``belongs(key)``: text that says where an unknown key belongs instead."""
     check_keys(where, data)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         accepted = ", ".join(sorted(fields)) or "none"
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; accepted keys: {accepted}")
+        hint = belongs(unknown[0]) if belongs is not None else ""
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}{hint}; accepted keys: {accepted}")
     missing = [k for k, (_, required) in fields.items() if required and k not in data]
     if missing:
         raise ConfigError(f"{where}: missing required key {missing[0]!r}")
@@ -129,9 +136,10 @@ def _dataclass_fields(cls: type) -> dict[str, tuple[Any, bool]]:
     }
 
 
-def parse_dataclass(where: str, cls: type[T], data: Mapping[str, Any]) -> T:
-    """Build dataclass ``cls`` from ``data``, with clear errors for unknown or mistyped keys."""
-    return cls(**check_kwargs(where, data, _dataclass_fields(cls)))
+def parse_dataclass(where: str, cls: type[T], data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> T:
+    """Build dataclass ``cls`` from ``data``, with clear errors for unknown or mistyped keys
+    (``belongs``: as for :func:`check_kwargs`)."""
+    return cls(**check_kwargs(where, data, _dataclass_fields(cls), belongs))
 
 
 def check_fields(where: str, obj: Any) -> None:

@@ -122,7 +122,7 @@ class DDPCase(Case):
         super().__init__(rank)
         self.ddp = DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.002)
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=0.05)
-        self.state = commpress.register(self.ddp, config)
+        self.state = commpress.register(self.ddp, config).hook
 
     def step(self, i: int) -> None:
         x, y = _batch(i, self.rank)

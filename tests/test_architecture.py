@@ -1,9 +1,9 @@
 """The package's shape, read from its imports: layers only import downward, no circles.
 
 Layers, lowest first (docs/architecture.md draws them): shared basics, kernels, algorithms,
-the config, backends, the bandwidth layer, the framework adapters, what the commands
-run, the commands. Imports inside functions count too: a lazy import is still a
-dependency.
+the config, backends, the bandwidth layer, the framework adapters, the one call that
+applies a config through them (registration), what the commands run, the commands.
+Imports inside functions count too: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ LAYERS = [
     {"comm"},
     {"adaptive"},
     {"hooks", "fsdp", "local_sgd"},
+    {"registration"},  # one call that applies a config's tables through the adapters
     {"workloads", "linkemu", "bench"},
     {"cli", "__main__"},
     {"__init__"},  # the package's front door re-exports the adapters

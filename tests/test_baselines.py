@@ -41,9 +41,9 @@ def test_none_divides_first_like_ddp():
     assert torch.equal(buckets[1].buffer, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("method", ["none", "fp16", "bf16"])
-def test_half_precision_gradients(dtype, method):
+def test_half_precision_and_float64_gradients(dtype, method):
     buckets = _buckets(2, dtype=dtype)
     expected = torch.stack([b.buffer.float() for b in buckets]).mean(0)
     sim = SimulatedWorld(2)

@@ -102,7 +102,7 @@ def _rank0_resume(rank: int, world: int, path: str) -> dict[str, tuple[bool, boo
     for method in METHODS:
         straight = _ddp_run(rank, method, None, save=False, resume=False)
         _ddp_run(rank, method, path, save=True, resume=False)
-        parts = torch.load(path, weights_only=True)["hook"]["ranks"]
+        parts = torch.load(path, weights_only=True)["hook"]["ddp_hook"]["ranks"]
         resumed = _ddp_run(rank, method, path, save=False, resume=True)
         out[method] = (torch.equal(resumed, straight), str(parts[0]["compressors"]) != str(parts[1]["compressors"]))
     return out
@@ -175,7 +175,7 @@ def _pickled(rank: int, world: int, path: str) -> tuple[bool, str]:
     straight = _ddp_run(rank, "topk", None, save=False, resume=False)
     ddp = DistributedDataParallel(_model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    state = register(ddp, {"method": "topk", "params": TOPK, "start_iter": 2})
+    state = register(ddp, {"method": "topk", "params": TOPK, "start_iter": 2}).hook  # the CommState pickles
     _train(ddp, opt, rank, range(SAVE_AT))
     blob = pickle.dumps({"model": ddp.module.state_dict(), "optimizer": opt.state_dict(), "hook": state})
     if rank == 0:

@@ -24,7 +24,10 @@ def test_defaults_and_round_trip():
         ({"start_iter": -1}, "start_iter = -1"),
         ({"start_iter": 1.5}, "start_iter = 1.5"),
         ({"backend": "nccl"}, "backend = 'nccl' is not accepted; accepted: torch, mpi"),
-        ({"method": "none", "params": {"rank": 4}}, "unknown key 'rank'; accepted keys: none"),
+        (
+            {"method": "none", "params": {"rank": 4}},
+            "unknown key 'rank': it belongs in [params] of method acpsgd or powersgd; accepted keys: none",
+        ),
         ({"params": 3}, "params = 3"),
         ({"overrides": {"params": ["*.bias"]}}, "expected a list of tables"),
         ({"overrides": [{"params": []}]}, "overrides[0]: params = []"),
@@ -36,6 +39,74 @@ def test_bad_config_names_key_value_and_accepted(data, needle):
     with pytest.raises(ConfigError) as err:
         Config.load(data)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"rank": 4}, "unknown config key 'rank': it belongs in [params] of method acpsgd or powersgd; accepted keys: method"),
+        (
+            {"method": "powersgd", "params": {"start_iter": 3}},
+            "unknown key 'start_iter': it belongs at the top level (before any [table])",
+        ),
+        ({"period": 4}, "unknown config key 'period': it belongs in [local_sgd]; accepted keys"),
+        ({"fsdp": {"period": 4}}, "fsdp: unknown key 'period': it belongs in [local_sgd]; accepted keys: bucket_size"),
+        ({"local_sgd": {"grad_bits": 8}}, "local_sgd: unknown key 'grad_bits': it belongs in [fsdp]"),
+        (
+            {"bandwidth": {"method": "fp16"}},
+            "[bandwidth]: unknown key 'method': it belongs at the top level (before any [table]) or in [[overrides]]",
+        ),
+        (
+            {"overrides": [{"params": ["*"], "rank": 2}]},
+            "overrides[0]: unknown key 'rank': it belongs in this override's method_params",
+        ),
+        (
+            {"method": "topk", "params": {"rank": 2}},
+            "method 'topk': unknown key 'rank': it belongs in [params] of method acpsgd or powersgd",
+        ),
+    ],
+)
+def test_a_key_in_the_wrong_table_names_the_table_it_belongs_in(data, needle):
+    with pytest.raises(ConfigError) as err:
+        Config.load(data)
+    assert needle in str(err.value)
+
+
+def test_json_file_holds_the_same_schema(tmp_path):
+    (tmp_path / "c.json").write_text(
+        '{"method": "bf16", "start_iter": 2, "overrides": [{"params": ["*.bias"], "method": "none"}], '
+        '"local_sgd": {"qsr_alpha": null}}'
+    )
+    (tmp_path / "c.toml").write_text(
+        'method = "bf16"\nstart_iter = 2\n[[overrides]]\nparams = ["*.bias"]\nmethod = "none"\n[local_sgd]\n'
+    )
+    assert Config.load(tmp_path / "c.json") == Config.load(str(tmp_path / "c.toml"))
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "needle"),
+    [
+        ("c.yaml", "method: bf16\n", "has suffix '.yaml'; accepted: .toml (TOML) or .json (JSON)"),
+        ("commpress", 'method = "bf16"\n', "has suffix '(none)'; accepted: .toml"),
+        ("c.json", '{"method": "bf16",}', "is not valid JSON: "),
+        ("c.json", '["bf16"]', "holds a JSON list; expected one object of settings"),
+        ("c.json", '{"method": "bf16", "method": "fp16"}', "key 'method' appears twice in one JSON object"),
+        ("c.json", '{"method": "bf16", "rank": 4}', "unknown config key 'rank': it belongs in [params]"),
+    ],
+)
+def test_config_file_formats_and_their_errors(tmp_path, name, text, needle):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as err:
+        Config.load(tmp_path / name)
+    assert needle in str(err.value)
+
+
+def test_a_method_name_given_as_a_file_suggests_the_dict(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"config file 'bf16' does not exist; 'bf16' is a method name: .*pass a dict: \{\"method\": \"bf16\"\}"
+    ):
+        Config.load("bf16")
 
 
 def test_toml_file(tmp_path):

@@ -89,7 +89,7 @@ def _state_round_trip(rank: int, world: int) -> list[str]:
     from commpress import CommState, ConfigError, ddp_hook, register
 
     ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
-    state = register(ddp, {"method": "fp16", "start_iter": 2})
+    state = register(ddp, {"method": "fp16", "start_iter": 2}).hook
     for _ in range(3):
         ddp(torch.ones(2, 4)).sum().backward()
     saved = state.state_dict()

@@ -244,7 +244,7 @@ def _train_adaptive(config: dict, rank: int, world: int, steps: int) -> tuple[to
 
     task = CharTask(batch_size=16)
     ddp = DistributedDataParallel(task.model(), bucket_cap_mb=0.5)
-    state = register(ddp, config)
+    state = register(ddp, config).hook
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(steps):
         x, y = task.batch(step, rank, world)

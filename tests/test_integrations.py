@@ -4,7 +4,8 @@ The scripts are read from the doc's ``python`` blocks (so the doc cannot go stal
 block's first line is ``# <file>.py: <command>``. Complete scripts print, on every rank,
 ``rank R: loss L, sent B bytes``; the test checks that both ranks trained with commpress
 (bytes sent through commpress > 0, the same on both ranks, finite loss). Launchers are
-taken from this interpreter's environment (torchrun, accelerate); accelerate gets
+taken from this interpreter's environment (torchrun, accelerate); the Accelerate script
+also runs without its launcher, in one process, as the doc says it does; accelerate gets
 ``--main_process_port 0`` so that runs on a shared machine do not collide on port 29500.
 """
 
@@ -49,9 +50,10 @@ def _argv(command: str) -> list[str]:
     return argv
 
 
-def _run(tmp_path: Path, name: str, extra: str = "") -> str:
-    command, source = BLOCKS[name]
-    (tmp_path / name).write_text(source + extra)
+def _run(tmp_path: Path, name: str, extra: str = "", command: str | None = None) -> str:
+    """Run the doc's block ``name`` with its own command (or ``command``); its output."""
+    command = command or BLOCKS[name][0]
+    (tmp_path / name).write_text(BLOCKS[name][1] + extra)
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", HF_HOME=str(tmp_path / "hf"))
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(_argv(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -73,6 +75,15 @@ def test_script_trains_with_commpress_on_two_ranks(tmp_path, name):
     assert math.isfinite(loss0) and math.isfinite(loss1)
     assert sent0 > 0, f"{name}: commpress sent nothing (the hook never ran):\n{output[-2000:]}"
     assert sent0 == sent1
+
+
+def test_accelerate_script_runs_without_its_launcher_too(tmp_path):
+    """``python train_accelerate.py``: Accelerate trains in one process, register applies
+    nothing, the script runs as written."""
+    output = _run(tmp_path, "train_accelerate.py", command="python train_accelerate.py")
+    reports = REPORT.findall(output)
+    assert [(rank, sent) for rank, _, sent in reports] == [("0", "0")], output[-2000:]
+    assert math.isfinite(float(reports[0][1]))
 
 
 def test_lightning_strategy_snippet_builds_before_the_process_group(tmp_path):

@@ -93,7 +93,7 @@ DRIVER = textwrap.dedent(
         report = {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "events": hook.events,
-            "step": hook.state.step,
+            "step": hook.state.hook.step,  # the DDP hook's CommState
             "sent": hook.state.traffic.bytes_sent,
         }
         torch.save(report, OUT / f"{name}_rank{trainer.global_rank}.pt")
@@ -162,7 +162,7 @@ def test_lightning_restores_the_checkpoint_before_on_fit_start(runs):
 def test_checkpoint_holds_every_ranks_hook_state_as_plain_data(runs):
     (path,) = sorted((runs / "ckpt").glob("*.ckpt"))
     checkpoint = torch.load(path, weights_only=True)  # Lightning's whole file, commpress's entry included
-    state = checkpoint["commpress"]
+    state = checkpoint["commpress"]["ddp_hook"]  # the DDP hook, the part commpress.register applied
     assert state["world_size"] == 2
     assert [part["rank"] for part in state["ranks"]] == [0, 1]
     assert all(part["step"] == 4 for part in state["ranks"])

@@ -75,7 +75,7 @@ def _loop(
         return grad.flatten().index_fill(0, torch.tensor([0]), float("nan")).view_as(grad) if poisoned["now"] else grad
 
     list(model.parameters())[-1].register_hook(poison)
-    state = register(ddp, config)
+    state = register(ddp, config).hook  # the CommState: its state dict is inspected below
     opt = torch.optim.SGD(ddp.parameters(), lr=0.2, momentum=0.9)
     if checkpoint is not None:
         saved = torch.load(io.BytesIO(checkpoint), weights_only=False)

@@ -10,16 +10,28 @@ import torch
 from commpress import CommState, ConfigError
 
 
-def test_a_float64_parameter_is_refused_with_its_name_and_a_way_out():
+def test_float64_parameters_are_refused_by_count_with_advice_that_works():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2).double())
-    with pytest.raises(ConfigError, match=r"parameter '1\.weight' has dtype float64, which method 'powersgd' does not take"):
+    with pytest.raises(ConfigError) as err:
         CommState({"method": "powersgd"}, model=model)
+    assert str(err.value) == (
+        "2 parameters of dtype float64 ('1.weight', '1.bias'): method 'powersgd' does not take float64 (accepted: "
+        "float32, float16, bfloat16); convert them, or send them with none / bf16 / fp16 through an override: "
+        '[[overrides]] params = ["1.weight", "1.bias"], method = "none"'
+    )
+    advised = {"method": "powersgd", "overrides": [{"params": ["1.weight", "1.bias"], "method": "none"}]}
+    assert set(CommState(advised, model=model).compressors) == {"main", "override0"}
+
+
+@pytest.mark.parametrize("method", ["none", "fp16", "bf16"])
+def test_float64_models_register_with_the_all_reduce_methods(method):
+    CommState({"method": method}, model=torch.nn.Linear(3, 3).double())
 
 
 def test_a_complex_parameter_is_refused():
     model = torch.nn.Linear(3, 3)
     model.register_parameter("phase", torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64)))
-    with pytest.raises(ConfigError, match=r"parameter 'phase' has dtype complex64"):
+    with pytest.raises(ConfigError, match=r"1 parameter of dtype complex64 \('phase'\): no method takes complex64"):
         CommState({"method": "none"}, model=model)
 
 

@@ -1,5 +1,6 @@
 """No config table is silently ignored: each entry point applies its own tables and names
-the function that applies any other."""
+where any other applies (``commpress.register`` applies every table that fits the model;
+tests/test_register.py runs it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from commpress.local_sgd import from_config
 
 @pytest.mark.parametrize(
     ("table", "where"),
-    [({"local_sgd": {"period": 4}}, r"local_sgd\.from_config"), ({"fsdp": {"grad_bits": 8}}, r"fsdp\.apply")],
+    [
+        ({"local_sgd": {"period": 4}}, r"commpress\.register\(model, config, optimizer=optimizer\)"),
+        ({"fsdp": {"grad_bits": 8}}, r"commpress\.register\(model, config\) on a model sharded with fully_shard"),
+    ],
 )
 def test_the_ddp_hook_refuses_tables_it_does_not_apply(table, where):
     with pytest.raises(ConfigError, match=where):
@@ -24,7 +28,7 @@ def test_the_ddp_hook_refuses_tables_it_does_not_apply(table, where):
 def test_local_sgd_refuses_fsdp_and_bandwidth_tables():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match=r"\[fsdp\] table is not applied by Local SGD.*fsdp\.apply"):
+    with pytest.raises(ConfigError, match=r"\[fsdp\] table is not applied by Local SGD.*on a model sharded with"):
         from_config(model, opt, {"local_sgd": {"period": 2}, "fsdp": {}})
     with pytest.raises(ConfigError, match=r"\[bandwidth\] table is not applied by Local SGD"):
         from_config(model, opt, {"local_sgd": {"period": 2}, "bandwidth": {"adaptive": True}})
@@ -40,7 +44,7 @@ def test_local_sgd_refuses_fsdp_and_bandwidth_tables():
     ],
 )
 def test_fsdp_refuses_what_it_does_not_apply(config):
-    with pytest.raises(ConfigError, match=r"applies only the \[fsdp\] table"):
+    with pytest.raises(ConfigError, match=r"does not apply to a sharded \(FSDP\) model: .*give it a config with \[fsdp\] only"):
         load_fsdp_config({**config, "fsdp": {"grad_bits": 8}})
 
 

@@ -2,7 +2,7 @@
 
 Shared by ``commpress bench`` (step time) and ``commpress race`` (time to a loss), so both
 compare the same things: DDP's own all-reduce (``ddp``), PyTorch's ``fp16_compress_hook``
-and ``powerSGD_hook``, and commpress configs through :func:`commpress.register`.
+and ``powerSGD_hook``, and commpress configs through :func:`commpress.hooks.register_ddp_hook`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.bench.methods import BenchMethod
 from commpress.comm.counters import Traffic
-from commpress.hooks import register
+from commpress.hooks import register_ddp_hook
 
 __all__ = ["Counting", "attach", "bucket_cap"]
 
@@ -41,7 +41,7 @@ def attach(
     """Register the method's hook on ``ddp`` (``optimizer``: for commpress methods that take
     over its momentum); return its traffic counters and the per-step counting context."""
     if method.kind == "commpress":
-        return register(ddp, method.config, optimizer=optimizer).traffic, contextlib.nullcontext
+        return register_ddp_hook(ddp, method.config, optimizer=optimizer).traffic, contextlib.nullcontext
     traffic = Traffic()
     if method.kind == "ddp":
         return traffic, functools.partial(_count_plain, traffic, grad_bytes)

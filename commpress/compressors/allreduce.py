@@ -1,5 +1,9 @@
 """Baselines that all-reduce the whole bucket: ``none`` (full precision) and the dtype
-casts ``fp16`` / ``bf16`` (half the bytes on the wire)."""
+casts ``fp16`` / ``bf16`` (half the bytes on the wire).
+
+These take float64 gradients too: every backend all-reduces float64, and a cast to a
+16-bit wire dtype does not care where it starts, so a float64 model (or the float64
+parameters of one, through an override) trains with them."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ class NoneCompressor(Compressor):
     sums, exactly like DDP without a hook, so parameters stay bit-identical."""
 
     name: ClassVar[str] = "none"
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (*Compressor.dtypes, torch.float64)
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)
@@ -38,6 +43,7 @@ class _CastCompressor(Compressor):
     """All-reduce in a narrower floating dtype, averaging before the cast to avoid overflow."""
 
     wire_dtype: ClassVar[torch.dtype]
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (*Compressor.dtypes, torch.float64)
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from commpress.compressors.base import Compressor
@@ -38,10 +38,11 @@ def compressor_class(method: str) -> type[Compressor]:
         raise ConfigError(f"method = {method!r} is not a known compressor; accepted: {', '.join(available())}") from None
 
 
-def check_params(method: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate parameter names and types for ``method`` (ranges are checked on build)."""
+def check_params(method: str, params: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """Validate parameter names and types for ``method`` (ranges are checked on build);
+    ``belongs(key)`` says where an unknown key belongs instead (the config knows)."""
     cls = compressor_class(method)
-    return check_kwargs(f"method {method!r}", params, signature_fields(cls.__init__))
+    return check_kwargs(f"method {method!r}", params, signature_fields(cls.__init__), belongs)
 
 
 def build(method: str, params: Mapping[str, Any] | None = None) -> Compressor:

@@ -1,4 +1,4 @@
-"""One validated configuration, read from a TOML file or a dict.
+"""One validated configuration, read from a TOML or JSON file or a dict.
 
 Top-level keys choose the gradient compressor for hooks::
 
@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import hashlib
 import json
 import os
-import stat
-import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from commpress.cmdline import parse_method_spec, parse_settings
 from commpress.compressors import build, check_params
-from commpress.config.tables import TABLES
+from commpress.config.files import read_config_file
+from commpress.config.keys import OVERRIDE_KEYS, TOP_LEVEL, TOP_LEVEL_HOME, belongs
+from commpress.config.tables import TABLE_TYPES, parse_table
 from commpress.errors import ConfigError
 from commpress.schema import check_keys
 
@@ -57,7 +58,7 @@ class Override:
         if not isinstance(self.method_params, Mapping):
             raise ConfigError(f"method_params = {self.method_params!r} is not accepted; expected a table of parameters")
         check_keys("method_params", self.method_params)
-        object.__setattr__(self, "method_params", check_params(self.method, self.method_params))
+        object.__setattr__(self, "method_params", check_params(self.method, self.method_params, belongs))
         build(self.method, self.method_params)  # range checks happen in the compressor
 
     def matches(self, name: str) -> bool:
@@ -79,7 +80,7 @@ class Config:
         if not isinstance(self.params, Mapping):
             raise ConfigError(f"params = {self.params!r} is not accepted; expected a table of the method's parameters")
         check_keys("params", self.params)
-        object.__setattr__(self, "params", check_params(self.method, self.params))
+        object.__setattr__(self, "params", check_params(self.method, self.params, belongs))
         if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 0:
             raise ConfigError(f"start_iter = {self.start_iter!r} is not accepted; expected an integer >= 0")
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
@@ -91,30 +92,30 @@ class Config:
 
     @classmethod
     def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
-        """A Config from a Config, a dict, or the path of a TOML file."""
+        """A Config from a Config, a dict, or the path of a TOML (``.toml``) or JSON
+        (``.json``) file; both hold the same keys and tables."""
         if source is None:
             return cls()
         if isinstance(source, Config):
             return source
         if isinstance(source, (str, os.PathLike)):
-            return cls.from_dict(_read_toml(source))
+            return cls.from_dict(read_config_file(source))
         if isinstance(source, Mapping):
             return cls.from_dict(source)
-        raise ConfigError(f"config must be a Config, a dict or a TOML path, got {type(source).__name__}")
+        raise ConfigError(f"config must be a Config, a dict or the path of a .toml or .json file, got {type(source).__name__}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Config:
         """A Config from TOML-shaped data (what :meth:`to_dict` returns)."""
         check_keys("config", data)
         data = dict(data)
+        for key in data:
+            if key not in TOP_LEVEL and key not in TABLE_TYPES:
+                accepted = ", ".join([*TOP_LEVEL, *sorted(TABLE_TYPES)])
+                raise ConfigError(f"unknown config key {key!r}{belongs(key, TOP_LEVEL_HOME)}; accepted keys: {accepted}")
         core = {k: data.pop(k) for k in ("method", "params", "start_iter", "backend") if k in data}
         overrides = tuple(_parse_override(i, o) for i, o in enumerate(_as_list(data.pop("overrides", []))))
-        sections = {}
-        for key, value in data.items():
-            if key not in TABLES:
-                accepted = ", ".join(["method", "params", "start_iter", "backend", "overrides", *sorted(TABLES)])
-                raise ConfigError(f"unknown config key {key!r}; accepted keys: {accepted}")
-            sections[key] = TABLES[key](value)
+        sections = {key: parse_table(key, value, functools.partial(belongs, here=f"[{key}]")) for key, value in data.items()}
         return cls(overrides=overrides, sections=sections, **core)
 
     def section(self, name: str) -> Any | None:
@@ -165,45 +166,14 @@ def _parse_override(i: int, raw: Any) -> Override:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where} = {raw!r} is not accepted; expected a table with keys params, method, method_params")
     check_keys(where, raw)
-    unknown = sorted(set(raw) - {"params", "method", "method_params"})
+    unknown = sorted(set(raw) - set(OVERRIDE_KEYS))
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; accepted keys: method, method_params, params")
+        hint = belongs(unknown[0], "[[overrides]]")
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}{hint}; accepted keys: {', '.join(sorted(OVERRIDE_KEYS))}")
     try:
         return Override(raw.get("params"), raw.get("method", "none"), raw.get("method_params", {}))
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-
-
-def _read_toml(source: str | os.PathLike[str]) -> dict[str, Any]:
-    """The table in the TOML file at ``source``; ConfigError (naming the path) when it cannot be read."""
-    path = os.fspath(source)
-    if not path:
-        raise ConfigError("config file '' is not accepted; expected the path of a TOML file")
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, ValueError) as exc:
-        raise _unreadable(path, exc) from None
-    if stat.S_ISDIR(mode):
-        raise ConfigError(f"config file {path!r} is a directory; expected a TOML file")
-    if not stat.S_ISREG(mode):  # a FIFO or a device could block or never end
-        raise ConfigError(f"config file {path!r} is not a regular file; expected a TOML file")
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
-    except OSError as exc:
-        raise _unreadable(path, exc) from None
-
-
-def _unreadable(path: str, exc: Exception) -> ConfigError:
-    if isinstance(exc, FileNotFoundError):
-        return ConfigError(f"config file {path!r} does not exist")
-    if isinstance(exc, OSError):  # permissions, symlink loops, names too long, ...
-        return ConfigError(f"config file {path!r} cannot be read: {exc.strerror or exc}")
-    return ConfigError(f"config file {path!r} is not accepted: {exc}")  # a NUL character
 
 
 def digest_of(data: Any) -> str:

@@ -7,6 +7,7 @@ the subsystem that applies a table imports its class from here.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,11 +21,13 @@ __all__ = [
     "BITS",
     "FULL_PRECISION",
     "TABLES",
+    "TABLE_TYPES",
     "BandwidthConfig",
     "FSDPConfig",
     "LayerwiseConfig",
     "LocalSGDConfig",
     "check_co2_settings",
+    "parse_table",
 ]
 
 
@@ -188,19 +191,32 @@ class LayerwiseConfig:
 BUDGET_ACCEPTED = "'uniform', an integer >= 1 (bytes per step and rank) or a number in (0, 1) (a ratio of float32 bytes)"
 
 
-#: Every table a config may hold: its name -> its parser.
-TABLES: dict[str, Callable[[Mapping[str, Any]], Any]] = {
-    "local_sgd": lambda data: parse_dataclass("local_sgd", LocalSGDConfig, data),
-    "fsdp": lambda data: parse_dataclass("fsdp", FSDPConfig, data),
-    "bandwidth": lambda data: parse_dataclass("[bandwidth]", BandwidthConfig, data),
-    "layerwise": lambda data: parse_dataclass("[layerwise]", LayerwiseConfig, data),
+#: Every table a config may hold: its name -> its dataclass.
+TABLE_TYPES: dict[str, type] = {
+    "local_sgd": LocalSGDConfig,
+    "fsdp": FSDPConfig,
+    "bandwidth": BandwidthConfig,
+    "layerwise": LayerwiseConfig,
 }
 
-#: The function that applies each table (and, for ``None``, the top-level ``method``), so an
-#: entry point handed a table it does not apply can say where it belongs.
+#: How errors name each table's keys (``local_sgd: period = 0 ...``).
+_LABELS = {"local_sgd": "local_sgd", "fsdp": "fsdp", "bandwidth": "[bandwidth]", "layerwise": "[layerwise]"}
+
+
+def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> Any:
+    """The ``[name]`` table's dataclass from ``data`` (``belongs``: see
+    :func:`commpress.schema.check_kwargs`)."""
+    return parse_dataclass(_LABELS[name], TABLE_TYPES[name], data, belongs)
+
+
+#: Every table a config may hold: its name -> its parser.
+TABLES: dict[str, Callable[[Mapping[str, Any]], Any]] = {name: functools.partial(parse_table, name) for name in TABLE_TYPES}
+
+#: Where each table takes effect, so an entry point handed a table it does not apply can
+#: say where it belongs: :func:`commpress.register` applies every table that fits the model.
 APPLIED_BY: dict[str, str] = {
-    "local_sgd": "commpress.local_sgd.from_config(model, optimizer, config)",
-    "fsdp": "commpress.fsdp.apply(model, config)",
+    "local_sgd": "commpress.register(model, config, optimizer=optimizer) (Local SGD / CO2 at the optimizer's step)",
+    "fsdp": "commpress.register(model, config) on a model sharded with fully_shard or FSDP1",
     "bandwidth": "commpress.register(ddp_model, config) (the DDP hook)",
     "layerwise": "commpress.register(ddp_model, config) (the DDP hook)",
 }

@@ -1,6 +1,6 @@
 """Adapters that turn a compressor plus a backend into framework hooks."""
 
-from commpress.hooks.ddp import ddp_hook, register
+from commpress.hooks.ddp import ddp_hook, register_ddp_hook
 from commpress.hooks.state import CommState
 
-__all__ = ["CommState", "ddp_hook", "register"]
+__all__ = ["CommState", "ddp_hook", "register_ddp_hook"]

@@ -14,7 +14,7 @@ from commpress.config import Config
 from commpress.hooks.optimizer import hand_over_momentum
 from commpress.hooks.state import CommState
 
-__all__ = ["ddp_hook", "register"]
+__all__ = ["ddp_hook", "register_ddp_hook"]
 
 
 def ddp_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -25,13 +25,14 @@ def ddp_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[
     return state.reduce(bucket.index(), bucket.buffer(), bucket.parameters(), advance=bucket.is_last())
 
 
-def register(
+def register_ddp_hook(
     model: DistributedDataParallel,
     config: Config | Mapping[str, Any] | str | None = None,
     process_group: Any = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> CommState:
-    """Build a :class:`CommState` for ``model`` from ``config`` and register :func:`ddp_hook`.
+    """Build a :class:`CommState` for ``model`` from ``config`` and register :func:`ddp_hook`
+    (the DDP part of :func:`commpress.register`, which applies every table of a config).
 
     Call it on every rank, after wrapping the model in DDP and before the first backward.
     ``optimizer``: needed by methods that apply momentum themselves (Top-k with
@@ -40,7 +41,7 @@ def register(
     (:func:`commpress.hooks.optimizer.hand_over_momentum`); ignored otherwise.
     """
     if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"register() expects a DistributedDataParallel model, got {type(model).__name__}")
+        raise TypeError(f"register_ddp_hook() expects a DistributedDataParallel model, got {type(model).__name__}")
     cfg = Config.load(config)
     group = process_group if process_group is not None or cfg.backend != "torch" else model.process_group
     state = CommState(cfg, model=model.module, process_group=group)

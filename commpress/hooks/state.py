@@ -14,7 +14,7 @@ from commpress.adaptive.layerwise import LayerPlan, LayerwiseGroups, method_grou
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
-from commpress.compressors import Bucket, Context, ParamSlot, build, host
+from commpress.compressors import Bucket, Context, ParamSlot, available, build, compressor_class, host
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
 from commpress.config.tables import APPLIED_BY
@@ -344,19 +344,37 @@ def check_model(model: torch.nn.Module, config: Config, groups: MethodGroups) ->
                 "reduce dense gradient buckets only; construct it with sparse=False to use commpress"
             )
     names = []
+    refused: dict[tuple[str, torch.dtype], list[str]] = {}  # (method, dtype) -> parameter names
     for name, p in model.named_parameters():
         names.append(name)
-        if not p.requires_grad:
-            continue
-        key = groups.key_for(name)
-        compressor = groups.compressors[key]
-        if p.dtype not in compressor.dtypes:
-            accepted = ", ".join(str(d).removeprefix("torch.") for d in compressor.dtypes)
-            raise ConfigError(
-                f"parameter {name!r} has dtype {str(p.dtype).removeprefix('torch.')}, which method "
-                f"{compressor.name!r} does not take (accepted: {accepted}); convert the model or add an override "
-                f'that sends it with a method that does (e.g. params = ["{name}"], method = "none" if accepted there)'
-            )
+        compressor = groups.compressors[groups.key_for(name)]
+        if p.requires_grad and p.dtype not in compressor.dtypes:
+            refused.setdefault((compressor.name, p.dtype), []).append(name)
+    if refused:
+        raise ConfigError("; ".join(_dtype_advice(method, dtype, found, config) for (method, dtype), found in refused.items()))
     unmatched = config.unmatched_overrides(names)
     if unmatched:
         raise ConfigError(f"overrides: params {unmatched} match no parameter of the model (names look like {names[:3]})")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_advice(method: str, dtype: torch.dtype, names: list[str], config: Config) -> str:
+    """Which parameters of ``dtype`` ``method`` refuses, and advice that works: the
+    methods that take the dtype, through an override, or converting the model."""
+    shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    accepted = ", ".join(_dtype_name(d) for d in compressor_class(method).dtypes)
+    found = f"{len(names)} parameter{'s' if len(names) > 1 else ''} of dtype {_dtype_name(dtype)} ({shown})"
+    takers = sorted((m for m in available() if dtype in compressor_class(m).dtypes), key=lambda m: m != "none")  # exact first
+    if not takers:
+        return f"{found}: no method takes {_dtype_name(dtype)} (method {method!r} takes {accepted}): convert them to one of those"
+    globs = ", ".join(f'"{n}"' for n in names[:4])
+    if len(names) > 4:
+        globs += f", ... (all {len(names)}, or globs that match them)"
+    first = " as the first [[overrides]] entry (the first match wins)" if config.overrides else ""
+    return (
+        f"{found}: method {method!r} does not take {_dtype_name(dtype)} (accepted: {accepted}); convert them, or send "
+        f'them with {" / ".join(takers)} through an override{first}: [[overrides]] params = [{globs}], method = "{takers[0]}"'
+    )

@@ -11,12 +11,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic, checkpoint
 from commpress.comm.agreement import agree_on_settings
-from commpress.compressors import host
+from commpress.compressors import available, compressor_class, host
 from commpress.config import digest_of
 from commpress.config.groups import MAIN
+from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.ddp import skip_gradient_allreduce
 from commpress.local_sgd.flat import FlatModel
@@ -38,7 +40,8 @@ def check_finite(average: torch.Tensor, name: str, round_index: int) -> None:
 
 class LocalSGD:
     """Call :meth:`step` in place of ``optimizer.step()``; it averages the model across
-    ranks at the end of every round.
+    ranks at the end of every round. Or call :meth:`register_optimizer_hooks` once and keep
+    calling ``optimizer.step()`` (what :func:`commpress.register` does).
 
     ``period``: an int (average every ``period`` steps) or a :class:`Period` such as
     :class:`QSR`. ``averager``: a :class:`ParameterAverager`, or a compressor name
@@ -89,6 +92,15 @@ class LocalSGD:
             agree_on_settings(self.settings, self.name, "torch" if dist.is_initialized() else "mpi", process_group)
         self._check_resume = False  # after a load: ranks compare step and settings at the next averaging
         self.flat = FlatModel(model, buffers=average_buffers)
+        compressor = self.averager.compressor
+        if self.flat.dtype not in compressor.dtypes:
+            dtype = str(self.flat.dtype).removeprefix("torch.")
+            takers = [m for m in available() if self.flat.dtype in compressor_class(m).dtypes]
+            advice = f"average with {' / '.join(takers)}, or convert the model" if takers else "convert the model"
+            raise ConfigError(
+                f"{self.name} averages the model's {dtype} values with method {compressor.name!r}, which does not "
+                f"take {dtype}: {advice}"
+            )
         #: the last average, identical on every rank; rounds average differences from it
         self.anchor = self.flat.read()
         if is_ddp:
@@ -98,6 +110,7 @@ class LocalSGD:
             self.flat.write(self.anchor)
         self._delta = self.flat.empty()
         self.wait_seconds: list[float] = []
+        self._hooks: list[RemovableHandle] = []
 
     def _settings(self) -> dict[str, Any]:
         """Settings every rank must share, beyond the period and the averaging method."""
@@ -115,14 +128,36 @@ class LocalSGD:
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """One local optimizer step; averages when it ends the round."""
-        self.clock.begin_step(float(self.optimizer.param_groups[0]["lr"]))
+        if self._hooks:
+            raise RuntimeError(
+                f"{self.name} runs from the optimizer's step hooks (register_optimizer_hooks, commpress.register): "
+                "call optimizer.step(), not step(), or every step would count twice"
+            )
+        self._begin_step()
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self._end_step()
+        return loss
+
+    def register_optimizer_hooks(self) -> None:
+        """Run the rounds from ``optimizer.step()`` itself, through its step pre- and
+        post-hooks (as torchft runs DiLoCo), so the training loop keeps calling
+        ``optimizer.step()``. A step the optimizer does not take (GradScaler skips it on
+        inf) is not counted. :meth:`step` is refused from then on."""
+        if not self._hooks:
+            self._hooks = [
+                self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._begin_step()),
+                self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._end_step()),
+            ]
+
+    def _begin_step(self) -> None:
+        self.clock.begin_step(float(self.optimizer.param_groups[0]["lr"]))
+
+    def _end_step(self) -> None:
         if self.clock.end_step():
             if self._check_resume and self.averager.backend.can_block:
                 checkpoint.check_resume(self.averager.backend, self.clock.step, digest_of(self.settings), self.name)
             self._check_resume = False
             self.sync()
-        return loss
 
     def sync(self) -> None:
         """Average the models now (every rank must call it)."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.config import Config
-from commpress.hooks import register
+from commpress.hooks import register_ddp_hook
 from commpress.workloads.charlm import CharTask
 
 __all__ = ["TrainResult", "cosine_lr", "train_ddp", "train_local_sgd"]
@@ -111,7 +111,7 @@ def train_ddp(
 
     task = task or CharTask(batch_size=64)
     model, ddp, opt = _setup(task, lr, bucket_cap_mb)
-    state = register(ddp, config, optimizer=opt) if config is not None else None
+    state = register_ddp_hook(ddp, config, optimizer=opt) if config is not None else None
     if hook is not None:
         hook(ddp)
     losses, times = _run_steps(ddp, opt, opt.step, task, steps, lr, on_step)

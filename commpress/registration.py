@@ -1,0 +1,203 @@
+"""One call for a whole config: :func:`register` applies every table of one config (a
+dict, a ``.toml`` or ``.json`` file, a :class:`~commpress.config.Config`) that applies to
+the model it is handed, and refuses, saying why, each one that cannot:
+
+==========================================  =============================================
+model                                       what applies
+==========================================  =============================================
+``DistributedDataParallel``                 the DDP comm hook: ``method``, ``params``,
+                                            ``overrides``, ``start_iter``, ``backend``,
+                                            ``[bandwidth]``; or, with ``[local_sgd]``,
+                                            Local SGD / CO2 run by the optimizer's step
+                                            (``method`` then compresses the averaging)
+sharded by ``fully_shard``, or FSDP1 root   ``[fsdp]``
+a plain module                              ``[local_sgd]``; nothing in a single process
+                                            (torch.distributed not initialized)
+==========================================  =============================================
+
+Tables stay the contract of one subsystem each (:mod:`commpress.config.tables`); this
+module only picks, per model, which subsystems a config reaches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
+
+from commpress.comm import Traffic
+from commpress.config import Config
+from commpress.errors import ConfigError
+from commpress.fsdp import FSDP2State, QuantizedState, apply
+from commpress.fsdp.config import check_sharded_config
+from commpress.hooks import CommState, register_ddp_hook
+from commpress.local_sgd import LocalSGD, from_config
+
+__all__ = ["Registration", "register"]
+
+
+class Registration:
+    """What :func:`register` applied to a model, one attribute per part (None where that
+    part does not apply): ``hook``, the DDP hook's :class:`~commpress.hooks.CommState`;
+    ``local_sgd``, the :class:`~commpress.local_sgd.LocalSGD` or
+    :class:`~commpress.local_sgd.CO2` trainer run by the optimizer's step hooks; ``fsdp``,
+    the FSDP state (:class:`~commpress.fsdp.FSDP2State` or
+    :class:`~commpress.fsdp.QuantizedState`). No part applies in a single process.
+
+    Checkpoints: :meth:`state_dict` holds each applied part's state under its name
+    (``"ddp_hook"``, ``"local_sgd"``, ``"fsdp"``); ``full=True`` gathers every rank's parts
+    (a collective: call it on every rank) for a checkpoint saved on rank 0 only, and
+    :meth:`load_state_dict` hands each part its own, as the parts do
+    (:mod:`commpress.comm.checkpoint`).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        hook: CommState | None = None,
+        local_sgd: LocalSGD | None = None,
+        fsdp: FSDP2State | QuantizedState | None = None,
+    ) -> None:
+        self.config = config
+        self.hook = hook
+        self.local_sgd = local_sgd
+        self.fsdp = fsdp
+
+    def parts(self) -> dict[str, Any]:
+        """The applied parts by name, as :meth:`state_dict` keys them."""
+        named = (("ddp_hook", self.hook), ("local_sgd", self.local_sgd), ("fsdp", self.fsdp))
+        return {name: part for name, part in named if part is not None}
+
+    @property
+    def traffic(self) -> Traffic:
+        """What this rank sent through commpress (:class:`~commpress.comm.Traffic`): the
+        DDP hook's, the averaging's, or FSDP's; for FSDP2 both sides summed when read;
+        zero where nothing applies."""
+        if self.hook is not None:
+            return self.hook.traffic
+        if self.local_sgd is not None:
+            return self.local_sgd.traffic
+        if isinstance(self.fsdp, FSDP2State):
+            sides = self.fsdp.traffic().values()
+            return Traffic(
+                bytes_sent=int(sum(s["bytes_sent"] for s in sides)),
+                collectives=int(sum(s["collectives"] for s in sides)),
+                compute_seconds=sum(s["compute_seconds"] for s in sides),
+            )
+        if self.fsdp is not None:
+            return self.fsdp.traffic
+        return Traffic()
+
+    def finish(self) -> None:
+        """End of training: Local SGD averages the steps since its last round, CO2 waits
+        for its last average and applies it (every rank ends with the same model). The
+        other parts have nothing left to do."""
+        if self.local_sgd is not None:
+            self.local_sgd.finish()
+
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """Each applied part's state under its name; ``full=True``: every rank's (a
+        collective, see :meth:`commpress.CommState.state_dict`)."""
+        return {name: part.state_dict(full=full) for name, part in self.parts().items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (this rank's parts or the whole job's), part by part."""
+        parts = self.parts()
+        if set(state) != set(parts):
+            raise ConfigError(
+                f"the state holds {', '.join(sorted(map(str, state))) or 'nothing'}; this registration applies "
+                f"{', '.join(parts) or 'nothing'}: load a state saved by a registration of the same config and kind "
+                "of model (DDP, sharded, plain)"
+            )
+        for name, part in parts.items():
+            part.load_state_dict(state[name])
+
+    def __repr__(self) -> str:
+        return f"Registration({', '.join(self.parts()) or 'nothing applied'}; method={self.config.method!r})"
+
+
+def register(
+    model: torch.nn.Module,
+    config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    process_group: Any = None,
+    total_steps: int | None = None,
+) -> Registration:
+    """Apply every table of ``config`` that applies to ``model`` (the module docstring's
+    table), on every rank, after wrapping or sharding the model and before the first
+    backward.
+
+    ``optimizer``: the model's optimizer. With ``[local_sgd]`` it is required: its
+    ``step()`` then runs the rounds (the training loop stays ``loss.backward();
+    optimizer.step()``; call :meth:`Registration.finish` at the end). For the DDP hook,
+    methods that apply momentum themselves (Top-k with ``dgc = true``) take it over from
+    the optimizer's SGD groups. ``process_group``: the group the DDP hook or Local SGD
+    communicates in (default: the model's, or the world; FSDP uses its own mesh).
+    ``total_steps``: lets QSR cap the last round.
+    """
+    cfg = Config.load(config)
+    if isinstance(model, FullyShardedDataParallel) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return _sharded(model, cfg)
+    is_ddp = isinstance(model, DistributedDataParallel)
+    if not is_ddp and not dist.is_initialized() and cfg.backend == "torch":
+        return Registration(cfg)  # a single process: nobody to send to, nothing to apply
+    if cfg.section("fsdp") is not None:
+        raise ConfigError(
+            f"the config's [fsdp] table sets a sharded model's collectives; this {type(model).__name__} is not sharded "
+            "(fully_shard or FullyShardedDataParallel): remove [fsdp], or shard the model before register()"
+        )
+    if cfg.section("local_sgd") is not None:
+        return Registration(cfg, local_sgd=_local_sgd(model, cfg, optimizer, process_group, total_steps))
+    if not is_ddp:
+        raise TypeError(
+            f"register() got a {type(model).__name__}, neither DistributedDataParallel nor sharded, in a job of several "
+            "processes: wrap it in DistributedDataParallel (the DDP hook) or shard it (FSDP) first, or give the config "
+            "a [local_sgd] table to average the plain module"
+        )
+    return Registration(cfg, hook=register_ddp_hook(model, cfg, process_group, optimizer))
+
+
+def _sharded(model: torch.nn.Module, cfg: Config) -> Registration:
+    """``[fsdp]`` on a sharded model, which the config must hold (no silent defaults)."""
+    check_sharded_config(cfg)
+    section = cfg.section("fsdp")
+    if section is None:
+        raise ConfigError(
+            "the model is sharded (FSDP) and the config has no [fsdp] table: add one ([fsdp] with no keys takes "
+            "QSDP's defaults, 8-bit weights and gradients; weight_bits = grad_bits = 32 leaves FSDP as it is)"
+        )
+    return Registration(cfg, fsdp=apply(model, section))
+
+
+def _local_sgd(
+    model: torch.nn.Module,
+    cfg: Config,
+    optimizer: torch.optim.Optimizer | None,
+    process_group: Any,
+    total_steps: int | None,
+) -> LocalSGD:
+    """The Local SGD / CO2 trainer of ``[local_sgd]``, run by ``optimizer``'s step hooks."""
+    if cfg.section("bandwidth") is not None:
+        raise ConfigError(
+            "the config's [bandwidth] table plans the DDP hook's gradient reduction; with [local_sgd] gradients stay "
+            "local and the whole model is averaged in one collective: remove one of the two tables"
+        )
+    if optimizer is None:
+        raise TypeError("the config's [local_sgd] table runs at the optimizer's step: pass register(..., optimizer=optimizer)")
+    # torch.optim.Optimizer.__init__ makes the hook tables; a wrapper that skips it lacks them
+    if not hasattr(optimizer, "_optimizer_step_post_hooks"):
+        raise TypeError(
+            f"the config's [local_sgd] table runs at the optimizer's step hooks, which this {type(optimizer).__name__} "
+            "does not hold (a wrapper: Accelerate's AcceleratedOptimizer, for one): pass the torch.optim optimizer "
+            "it wraps (optimizer.optimizer)"
+        )
+    trainer = from_config(model, optimizer, cfg, total_steps=total_steps, process_group=process_group)
+    trainer.register_optimizer_hooks()
+    return trainer
