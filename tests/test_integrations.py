@@ -55,6 +55,8 @@ def _run(tmp_path: Path, name: str, extra: str = "", command: str | None = None)
     command = command or BLOCKS[name][0]
     (tmp_path / name).write_text(BLOCKS[name][1] + extra)
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", HF_HOME=str(tmp_path / "hf"))
+    if os.geteuid() == 0:  # Open MPI refuses root unless told (the doc says so)
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("MASTER_PORT", None)
     proc = subprocess.run(_argv(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     output = proc.stdout + proc.stderr
@@ -63,10 +65,11 @@ def _run(tmp_path: Path, name: str, extra: str = "", command: str | None = None)
 
 
 def test_doc_has_the_three_launchers():
-    assert {"train_torchrun.py", "train_lightning.py", "train_accelerate.py", "lightning_strategy.py"} <= set(BLOCKS)
+    assert {"train_torchrun.py", "train_mpirun.py", "train_lightning.py", "train_accelerate.py"} <= set(BLOCKS)
+    assert "lightning_strategy.py" in BLOCKS
 
 
-@pytest.mark.parametrize("name", ["train_torchrun.py", "train_lightning.py", "train_accelerate.py"])
+@pytest.mark.parametrize("name", ["train_torchrun.py", "train_mpirun.py", "train_lightning.py", "train_accelerate.py"])
 def test_script_trains_with_commpress_on_two_ranks(tmp_path, name):
     output = _run(tmp_path, name)
     reports = {int(rank): (float(loss), int(sent)) for rank, loss, sent in REPORT.findall(output)}
