@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
+from commpress.adaptive.layerwise import LayerPlan
 from commpress.comm import Traffic
 from commpress.config import Config
 from commpress.errors import ConfigError
@@ -93,6 +94,12 @@ class Registration:
         if self.fsdp is not None:
             return self.fsdp.traffic
         return Traffic()
+
+    @property
+    def plan(self) -> LayerPlan | None:
+        """The DDP hook's ``[layerwise]`` plan in force (each tensor's setting and bytes), or
+        None (no plan yet, no ``[layerwise]`` table, no hook)."""
+        return self.hook.plan if self.hook is not None else None
 
     def finish(self) -> None:
         """End of training: Local SGD averages the steps since its last round, CO2 waits
