@@ -60,7 +60,7 @@ def _resume(rank: int, world: int, path: str) -> dict[str, tuple[bool, dict, dic
     for method in CONFIGS:
         straight, plan = _run(rank, method, path, save=False, resume=False)
         _run(rank, method, path, save=True, resume=False)
-        saved = torch.load(path, weights_only=True)["hook"]["ranks"][rank]["layerwise"]
+        saved = torch.load(path, weights_only=True)["hook"]["ddp_hook"]["ranks"][rank]["layerwise"]
         resumed, _ = _run(rank, method, path, save=False, resume=True)
         out[method] = (torch.equal(resumed, straight), plan, saved)
     return out
