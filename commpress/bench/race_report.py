@@ -8,10 +8,9 @@ for its time and steps in the JSON.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
+from commpress.bench.report import pyplot, write_json
 from commpress.terminal import format_table
 
 __all__ = ["format_report", "summarize", "write_json", "write_plot"]
@@ -104,25 +103,10 @@ def format_report(summary: dict[str, Any]) -> str:
     return text
 
 
-def write_json(summary: dict[str, Any], path: str) -> None:
-    """The summary as JSON (``-``: standard output)."""
-    text = json.dumps(summary, indent=2)
-    if path == "-":
-        print(text)
-    else:
-        Path(path).write_text(text + "\n")
-
-
 def write_plot(summary: dict[str, Any], path: str) -> None:
     """A PNG of held-out loss against wall-clock seconds, one line per method, the target
     dashed (needs matplotlib, commpress's ``bench`` extra)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib (commpress's bench extra)") from None
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in summary["rows"]:
         (line,) = ax.plot([p["seconds"] for p in r["curve"]], [p["loss"] for p in r["curve"]], label=_label(r))

@@ -17,7 +17,7 @@ from typing import Any
 
 from commpress.terminal import format_table
 
-__all__ = ["LOOPBACK_NOTE", "format_report", "summarize", "write_json", "write_plot"]
+__all__ = ["LOOPBACK_NOTE", "format_report", "pyplot", "summarize", "write_json", "write_plot"]
 
 #: Printed under the table of a run on one host without a link limit.
 LOOPBACK_NOTE = (
@@ -124,9 +124,8 @@ def write_json(summary: dict[str, Any], path: str) -> None:
         Path(path).write_text(text + "\n")
 
 
-def write_plot(summary: dict[str, Any], path: str) -> None:
-    """A PNG bar chart of median step time per method, split into computation,
-    compression and network wait (needs matplotlib, commpress's ``bench`` extra)."""
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing to files (the Agg backend); a clear error without it."""
     try:
         import matplotlib
 
@@ -134,6 +133,13 @@ def write_plot(summary: dict[str, Any], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("--plot needs matplotlib: pip install matplotlib (commpress's bench extra)") from None
+    return plt
+
+
+def write_plot(summary: dict[str, Any], path: str) -> None:
+    """A PNG bar chart of median step time per method, split into computation,
+    compression and network wait (needs matplotlib, commpress's ``bench`` extra)."""
+    plt = pyplot()
     rows = summary["methods"]
     labels = [r["label"] for r in rows]
     compute = [1000 * summary["compute_seconds_median"]] * len(rows)

@@ -13,6 +13,7 @@ it. Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -134,37 +135,12 @@ def _start_iter(method: BenchMethod) -> int:
 def run(args: argparse.Namespace) -> int:
     from commpress.bench.report import format_report, summarize, write_json, write_plot
     from commpress.bench.runner import bench_rank
-    from commpress.comm.from_env import detect_launcher
+    from commpress.cli.ranks import run_on_ranks
 
     plan = plan_from_args(args)
-    launch = detect_launcher()
-    if args.local is not None:
-        from commpress.comm.launch import run_local
-
-        _banner(plan, args.local, "local processes")
-        raw = run_local(bench_rank, args.local, plan)[0]
-    elif launch.kind != "none":
-        import torch
-        import torch.distributed as dist
-
-        from commpress.comm.from_env import init_from_env
-
-        threads = args.threads or max(1, (os.cpu_count() or 1) // launch.local_world_size)
-        torch.set_num_threads(threads)
-        init_from_env("gloo")
-        if launch.rank == 0:
-            _banner(plan, launch.world_size, launch.kind)
-        try:
-            raw = bench_rank(launch.rank, launch.world_size, plan)
-        finally:
-            dist.destroy_process_group()
-        if launch.rank != 0:
-            return 0
-    else:
-        raise ConfigError(
-            "not started by torchrun or mpirun; pass --local N to start N ranks here, or launch with "
-            "`torchrun --nproc_per_node N -m commpress bench ...` / `mpirun -n N python -m commpress bench ...`"
-        )
+    raw = run_on_ranks(bench_rank, plan, args.local, args.threads, "bench", functools.partial(_banner, plan))
+    if raw is None:
+        return 0
     summary = summarize(raw)
     print(format_report(summary))
     if args.json:

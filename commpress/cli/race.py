@@ -13,7 +13,7 @@ table; ``--json`` and ``--plot`` save it.
 from __future__ import annotations
 
 import argparse
-import os
+import functools
 import sys
 from typing import Any
 
@@ -129,37 +129,13 @@ def plan_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> int:
     from commpress.bench.race import race_rank
     from commpress.bench.race_report import format_report, summarize, write_json, write_plot
-    from commpress.comm.from_env import detect_launcher
-    from commpress.errors import ConfigError
+    from commpress.cli.ranks import run_on_ranks
 
     plan = plan_from_args(args)
-    launch = detect_launcher()
-    if args.local is not None:
-        from commpress.comm.launch import run_local
-
-        _banner(plan, args.local, "local processes")
-        raw = run_local(race_rank, args.local, plan, timeout=24 * 3600.0)[0]
-    elif launch.kind != "none":
-        import torch
-        import torch.distributed as dist
-
-        from commpress.comm.from_env import init_from_env
-
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // launch.local_world_size))
-        init_from_env("gloo")
-        if launch.rank == 0:
-            _banner(plan, launch.world_size, launch.kind)
-        try:
-            raw = race_rank(launch.rank, launch.world_size, plan)
-        finally:
-            dist.destroy_process_group()
-        if launch.rank != 0:
-            return 0
-    else:
-        raise ConfigError(
-            "not started by torchrun or mpirun; pass --local N to start N ranks here, or launch with "
-            "`torchrun --nproc_per_node N -m commpress race ...` / `mpirun -n N python -m commpress race ...`"
-        )
+    banner = functools.partial(_banner, plan)
+    raw = run_on_ranks(race_rank, plan, args.local, args.threads, "race", banner, timeout=24 * 3600.0)
+    if raw is None:
+        return 0
     summary = summarize(raw)
     print(format_report(summary))
     if args.json:
