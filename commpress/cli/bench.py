@@ -19,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from commpress.bench.catalog import WORKLOADS
+from commpress.cli.ranks import add_rank_arguments
 from commpress.cmdline import LIST_HELP, integer, method_list, number
 from commpress.errors import ConfigError
 
@@ -54,13 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=integer(1), default=20, help="timed steps per method (default 20)")
     parser.add_argument("--warmup", type=integer(2), default=5, help="untimed steps first (default 5, at least 2)")
     parser.add_argument("--bucket-cap-mb", type=number(0), help="DDP bucket size (default DDP's 25)")
-    parser.add_argument(
-        "--threads",
-        type=integer(1),
-        help="torch threads per rank under torchrun/mpirun (default: cores / local ranks; --local splits the cores itself)",
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
-    parser.add_argument("--plot", metavar="PNG", help="write a bar chart of step time per method")
+    add_rank_arguments(parser, plot="a bar chart of step time per method")
     parser.add_argument(
         "--interleave",
         action="store_true",
@@ -133,21 +128,12 @@ def _start_iter(method: BenchMethod) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from commpress.bench.report import format_report, summarize, write_json, write_plot
+    from commpress.bench import report
     from commpress.bench.runner import bench_rank
-    from commpress.cli.ranks import run_on_ranks
+    from commpress.cli.ranks import run_and_report
 
     plan = plan_from_args(args)
-    raw = run_on_ranks(bench_rank, plan, args.local, args.threads, "bench", functools.partial(_banner, plan))
-    if raw is None:
-        return 0
-    summary = summarize(raw)
-    print(format_report(summary))
-    if args.json:
-        write_json(summary, args.json)
-    if args.plot:
-        write_plot(summary, args.plot)
-    return 0
+    return run_and_report(bench_rank, plan, args, "bench", functools.partial(_banner, plan), report)
 
 
 def _banner(plan: BenchPlan, world: int, how: str) -> None:

@@ -33,6 +33,7 @@ _OFF = {"weight_bits": 32, "grad_bits": 32}
 #: param_dtype and reduce_dtype (names of torch dtypes).
 MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
 
+
 @dataclass(frozen=True)
 class Row:
     """One line of the table: a label, its ``[fsdp]`` settings and FSDP2's own mixed
@@ -91,9 +92,7 @@ def parse_rows(rows_text: str | Sequence[str]) -> list[Row]:
         label, colon, rest = (part.strip() for part in spec.partition(":"))
         if not colon:  # a bare name is a default row; a new row needs its settings
             if label not in named:
-                raise ConfigError(
-                    f"--rows: {label!r} is no default row ({', '.join(named)}); a new row is 'label:key=value,...'"
-                )
+                raise ConfigError(f"--rows: {label!r} is no default row ({', '.join(named)}); a new row is 'label:key=value,...'")
             rows.append(named[label])
             continue
         config: dict[str, Any] = {}

@@ -17,6 +17,7 @@ import functools
 import sys
 from typing import Any
 
+from commpress.cli.ranks import add_rank_arguments
 from commpress.cmdline import LIST_HELP, integer, method_list, number
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "run"]
@@ -71,13 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--eval-size", type=integer(1), default=128, help="held-out windows per evaluation (default 128)")
     parser.add_argument("--bucket-cap-mb", type=number(0), help="DDP bucket size (default DDP's 25; torch-powersgd: 1 bucket)")
-    parser.add_argument(
-        "--threads",
-        type=integer(1),
-        help="torch threads per rank under torchrun/mpirun (default: cores / local ranks; --local splits the cores itself)",
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
-    parser.add_argument("--plot", metavar="PNG", help="write held-out loss against wall-clock seconds per method")
+    add_rank_arguments(parser, plot="held-out loss against wall-clock seconds per method")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
@@ -127,22 +122,13 @@ def plan_from_args(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from commpress.bench import race_report
     from commpress.bench.race import race_rank
-    from commpress.bench.race_report import format_report, summarize, write_json, write_plot
-    from commpress.cli.ranks import run_on_ranks
+    from commpress.cli.ranks import run_and_report
 
     plan = plan_from_args(args)
     banner = functools.partial(_banner, plan)
-    raw = run_on_ranks(race_rank, plan, args.local, args.threads, "race", banner, timeout=24 * 3600.0)
-    if raw is None:
-        return 0
-    summary = summarize(raw)
-    print(format_report(summary))
-    if args.json:
-        write_json(summary, args.json)
-    if args.plot:
-        write_plot(summary, args.plot)
-    return 0
+    return run_and_report(race_rank, plan, args, "race", banner, race_report, timeout=24 * 3600.0)
 
 
 def _banner(plan: Any, world: int, how: str) -> None:

@@ -3,11 +3,27 @@ ranks a launcher started (torchrun, mpirun)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
-__all__ = ["run_on_ranks"]
+from commpress.cmdline import integer
+
+__all__ = ["add_rank_arguments", "run_and_report", "run_on_ranks"]
+
+
+def add_rank_arguments(parser: argparse.ArgumentParser, plot: str) -> None:
+    """The options every command run through :func:`run_and_report` shares: threads per
+    launched rank, ``--json`` and ``--plot`` (``plot``: what the picture shows)."""
+    parser.add_argument(
+        "--threads",
+        type=integer(1),
+        help="torch threads per rank under torchrun/mpirun (default: cores / local ranks; --local splits the cores itself)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON ('-': standard output)")
+    parser.add_argument("--plot", metavar="PNG", help=f"write {plot}")
 
 
 def run_on_ranks(
@@ -52,3 +68,27 @@ def run_on_ranks(
     finally:
         dist.destroy_process_group()
     return raw if launch.rank == 0 else None
+
+
+def run_and_report(
+    fn: Callable[[int, int, Any], Any],
+    plan: Any,
+    args: argparse.Namespace,
+    command: str,
+    banner: Callable[[int, str], None],
+    report: ModuleType,
+    timeout: float = 600.0,
+) -> int:
+    """:func:`run_on_ranks` with ``args.local`` and ``args.threads``; rank 0 prints
+    ``report``'s table of the result and writes ``args.json`` and ``args.plot`` (``report``:
+    a module with ``summarize``, ``format_report``, ``write_json`` and ``write_plot``)."""
+    raw = run_on_ranks(fn, plan, args.local, args.threads, command, banner, timeout)
+    if raw is None:
+        return 0
+    summary = report.summarize(raw)
+    print(report.format_report(summary))
+    if args.json:
+        report.write_json(summary, args.json)
+    if args.plot:
+        report.write_plot(summary, args.plot)
+    return 0
