@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import torch
+
 from commpress.compressors.base import Compressor
 from commpress.errors import ConfigError
 from commpress.schema import check_kwargs, signature_fields
@@ -26,6 +28,12 @@ def register_compressor(cls: C) -> C:
 def available() -> list[str]:
     """Names of every registered compressor."""
     return sorted(_REGISTRY)
+
+
+def methods_taking(dtype: torch.dtype) -> list[str]:
+    """The registered methods whose compressors take gradients of ``dtype``: ``none``
+    (exact) first, then by name; what error messages about a refused dtype suggest."""
+    return sorted((m for m in available() if dtype in _REGISTRY[m].dtypes), key=lambda m: (m != "none", m))
 
 
 def compressor_class(method: str) -> type[Compressor]:

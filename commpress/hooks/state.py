@@ -14,7 +14,8 @@ from commpress.adaptive.layerwise import LayerPlan, LayerwiseGroups, method_grou
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
-from commpress.compressors import Bucket, Context, ParamSlot, available, build, compressor_class, host
+from commpress.compressors import Bucket, Context, ParamSlot, build, compressor_class, host
+from commpress.compressors.registry import methods_taking
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
 from commpress.config.tables import APPLIED_BY
@@ -367,7 +368,7 @@ def _dtype_advice(method: str, dtype: torch.dtype, names: list[str], config: Con
     shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
     accepted = ", ".join(_dtype_name(d) for d in compressor_class(method).dtypes)
     found = f"{len(names)} parameter{'s' if len(names) > 1 else ''} of dtype {_dtype_name(dtype)} ({shown})"
-    takers = sorted((m for m in available() if dtype in compressor_class(m).dtypes), key=lambda m: m != "none")  # exact first
+    takers = methods_taking(dtype)
     if not takers:
         return f"{found}: no method takes {_dtype_name(dtype)} (method {method!r} takes {accepted}): convert them to one of those"
     globs = ", ".join(f'"{n}"' for n in names[:4])

@@ -15,7 +15,8 @@ from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic, checkpoint
 from commpress.comm.agreement import agree_on_settings
-from commpress.compressors import available, compressor_class, host
+from commpress.compressors import host
+from commpress.compressors.registry import methods_taking
 from commpress.config import digest_of
 from commpress.config.groups import MAIN
 from commpress.errors import ConfigError
@@ -95,7 +96,7 @@ class LocalSGD:
         compressor = self.averager.compressor
         if self.flat.dtype not in compressor.dtypes:
             dtype = str(self.flat.dtype).removeprefix("torch.")
-            takers = [m for m in available() if self.flat.dtype in compressor_class(m).dtypes]
+            takers = methods_taking(self.flat.dtype)
             advice = f"average with {' / '.join(takers)}, or convert the model" if takers else "convert the model"
             raise ConfigError(
                 f"{self.name} averages the model's {dtype} values with method {compressor.name!r}, which does not "
