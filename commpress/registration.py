@@ -9,7 +9,9 @@ model                                       what applies
                                             ``overrides``, ``start_iter``, ``backend``,
                                             ``[bandwidth]``; or, with ``[local_sgd]``,
                                             Local SGD / CO2 run by the optimizer's step
-                                            (``method`` then compresses the averaging)
+                                            (``method`` then compresses the averaging);
+                                            or, with ``[onebit_adam]``, 1-bit Adam on the
+                                            AdamW (``method`` compresses the momentum)
 sharded by ``fully_shard``, or FSDP1 root   ``[fsdp]``
 a plain module                              ``[local_sgd]``; nothing in a single process
                                             (torch.distributed not initialized)
@@ -37,7 +39,8 @@ from commpress.errors import ConfigError
 from commpress.fsdp import FSDP2State, QuantizedState, apply
 from commpress.fsdp.config import check_sharded_config
 from commpress.hooks import CommState, register_ddp_hook
-from commpress.local_sgd import LocalSGD, from_config
+from commpress.local_sgd import LocalSGD, ParameterAverager, from_config
+from commpress.optim import OneBitAdam, check_adam
 
 __all__ = ["Registration", "register"]
 
@@ -46,12 +49,13 @@ class Registration:
     """What :func:`register` applied to a model, one attribute per part (None where that
     part does not apply): ``hook``, the DDP hook's :class:`~commpress.hooks.CommState`;
     ``local_sgd``, the :class:`~commpress.local_sgd.LocalSGD` or
-    :class:`~commpress.local_sgd.CO2` trainer run by the optimizer's step hooks; ``fsdp``,
+    :class:`~commpress.local_sgd.CO2` trainer run by the optimizer's step hooks;
+    ``onebit_adam``, the :class:`~commpress.optim.OneBitAdam` on the user's AdamW; ``fsdp``,
     the FSDP state (:class:`~commpress.fsdp.FSDP2State` or
     :class:`~commpress.fsdp.QuantizedState`). No part applies in a single process.
 
     Checkpoints: :meth:`state_dict` holds each applied part's state under its name
-    (``"ddp_hook"``, ``"local_sgd"``, ``"fsdp"``); ``full=True`` gathers every rank's parts
+    (``"ddp_hook"``, ``"local_sgd"``, ``"onebit_adam"``, ``"fsdp"``); ``full=True`` gathers every rank's parts
     (a collective: call it on every rank) for a checkpoint saved on rank 0 only, and
     :meth:`load_state_dict` hands each part its own, as the parts do
     (:mod:`commpress.comm.checkpoint`).
@@ -63,16 +67,23 @@ class Registration:
         *,
         hook: CommState | None = None,
         local_sgd: LocalSGD | None = None,
+        onebit_adam: OneBitAdam | None = None,
         fsdp: FSDP2State | QuantizedState | None = None,
     ) -> None:
         self.config = config
         self.hook = hook
         self.local_sgd = local_sgd
+        self.onebit_adam = onebit_adam
         self.fsdp = fsdp
 
     def parts(self) -> dict[str, Any]:
         """The applied parts by name, as :meth:`state_dict` keys them."""
-        named = (("ddp_hook", self.hook), ("local_sgd", self.local_sgd), ("fsdp", self.fsdp))
+        named = (
+            ("ddp_hook", self.hook),
+            ("local_sgd", self.local_sgd),
+            ("onebit_adam", self.onebit_adam),
+            ("fsdp", self.fsdp),
+        )
         return {name: part for name, part in named if part is not None}
 
     @property
@@ -84,6 +95,8 @@ class Registration:
             return self.hook.traffic
         if self.local_sgd is not None:
             return self.local_sgd.traffic
+        if self.onebit_adam is not None:
+            return self.onebit_adam.traffic
         if isinstance(self.fsdp, FSDP2State):
             sides = self.fsdp.traffic().values()
             return Traffic(
@@ -162,6 +175,8 @@ def register(
         )
     if cfg.section("local_sgd") is not None:
         return Registration(cfg, local_sgd=_local_sgd(model, cfg, optimizer, process_group, total_steps))
+    if cfg.section("onebit_adam") is not None:
+        return Registration(cfg, onebit_adam=_onebit_adam(model, cfg, optimizer, process_group, total_steps))
     if not is_ddp:
         raise TypeError(
             f"register() got a {type(model).__name__}, neither DistributedDataParallel nor sharded, in a job of several "
@@ -208,3 +223,36 @@ def _local_sgd(
     trainer = from_config(model, optimizer, cfg, total_steps=total_steps, process_group=process_group)
     trainer.register_optimizer_hooks()
     return trainer
+
+
+def _onebit_adam(
+    model: torch.nn.Module,
+    cfg: Config,
+    optimizer: torch.optim.Optimizer | None,
+    process_group: Any,
+    total_steps: int | None,
+) -> OneBitAdam:
+    """1-bit Adam of ``[onebit_adam]`` on the DDP ``model`` and its AdamW ``optimizer``."""
+    for table in ("bandwidth", "layerwise"):
+        if cfg.section(table) is not None:
+            raise ConfigError(
+                f"the config's [{table}] table plans the DDP hook's gradient compression; with [onebit_adam] the "
+                "gradients stay local after the warm-up and the momentum is averaged with the top-level method: "
+                f"remove [{table}]"
+            )
+    if cfg.overrides or cfg.start_iter:
+        raise ConfigError(
+            "overrides and start_iter are not accepted with [onebit_adam]: the momentum is averaged as one vector with "
+            "the top-level method, after [onebit_adam] warmup exact steps"
+        )
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"the config's [onebit_adam] table runs under DistributedDataParallel; got {type(model).__name__}")
+    if optimizer is None:
+        raise TypeError("the config's [onebit_adam] table takes over AdamW's step: pass register(..., optimizer=adamw)")
+    check_adam(optimizer)
+    warmup = cfg.section("onebit_adam").warmup_steps(total_steps)
+    group = process_group if process_group is not None or cfg.backend != "torch" else model.process_group
+    averager = ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend)
+    onebit = OneBitAdam(optimizer, model.module.named_parameters(), averager, warmup)
+    onebit.attach(model, group)
+    return onebit

@@ -22,7 +22,7 @@ LAYERS = [
     {"config"},
     {"comm"},
     {"adaptive"},
-    {"hooks", "fsdp", "local_sgd"},
+    {"hooks", "fsdp", "local_sgd", "optim"},
     {"registration"},  # one call that applies a config's tables through the adapters
     {"workloads", "linkemu", "bench"},
     {"cli", "__main__"},

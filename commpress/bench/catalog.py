@@ -39,6 +39,7 @@ METHODS = (
     "terngrad-layerwise",
     "powersgd-layerwise",
     "acpsgd-layerwise",
+    "onebit-adam",
 )
 #: The rows a ``-layerwise`` row plans per tensor (``[layerwise]``, at the row's own bytes).
 LAYERWISE_OF = ("topk", "topk-dgc", "terngrad", "powersgd", "acpsgd")

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from commpress.bench.catalog import LAYERWISE_OF, METHODS, OPTIMIZERS
+from commpress.bench.simulated_adam import OneBitAdamRanks
 from commpress.bench.simulated_training import WORLD, CO2Ranks, LocalSGDRanks, QSDPRanks, data_parallel, run_ranks
 from commpress.cmdline import parse_method_spec
 from commpress.comm import SimulatedWorld
@@ -86,7 +87,8 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     commpress's ``[fsdp]`` table: 8-bit weights and gradients, the table's other defaults.
     A ``<row>-layerwise`` row is ``<row>`` with ``[layerwise] enabled = true``: each tensor's
     setting planned from the measured errors, within the bytes the row sends
-    (``budget = "uniform"``), re-planned every 50 steps.
+    (``budget = "uniform"``), re-planned every 50 steps. ``onebit-adam`` is 1-bit Adam
+    (``[onebit_adam]``, AdamW only): 15% exact steps, then the momentum in 1-bit signs.
     """
     rows: dict[str, dict[str, Any]] = {
         "none": {"method": "none"},
@@ -101,6 +103,7 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
         "local-sgd+qsr": {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": lr}},
         "co2": {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}},
         "qsdp-w8g8": {"method": "none", "fsdp": {"weight_bits": 8, "grad_bits": 8}},
+        "onebit-adam": {"method": "onebit", "onebit_adam": {"warmup": 0.15}},
     }
     base = label.removesuffix("-layerwise")
     if label != base and base in LAYERWISE_OF:
@@ -153,7 +156,9 @@ def train(
     sim = SimulatedWorld(WORLD)
     local = cfg.section("local_sgd")
     try:
-        if cfg.section("fsdp") is not None:
+        if cfg.section("onebit_adam") is not None:
+            step_fn = OneBitAdamRanks(cfg, models, opts, sim, steps)
+        elif cfg.section("fsdp") is not None:
             step_fn = QSDPRanks(load_fsdp_config(cfg), models, opts, sim, spec.units)
         elif local is None:
             step_fn = data_parallel(cfg, models, opts, sim)

@@ -1,5 +1,5 @@
 """The config tables beside the top-level keys, all listed here: ``[local_sgd]``,
-``[fsdp]``, ``[bandwidth]`` and ``[layerwise]``. Each is a frozen dataclass validated on construction
+``[fsdp]``, ``[bandwidth]``, ``[layerwise]`` and ``[onebit_adam]``. Each is a frozen dataclass validated on construction
 (:class:`~commpress.errors.ConfigError` names the key, the value and what is accepted);
 the subsystem that applies a table imports its class from here.
 """
@@ -26,6 +26,7 @@ __all__ = [
     "FSDPConfig",
     "LayerwiseConfig",
     "LocalSGDConfig",
+    "OneBitAdamConfig",
     "check_co2_settings",
     "parse_table",
 ]
@@ -191,16 +192,50 @@ class LayerwiseConfig:
 BUDGET_ACCEPTED = "'uniform', an integer >= 1 (bytes per step and rank) or a number in (0, 1) (a ratio of float32 bytes)"
 
 
+@dataclass(frozen=True)
+class OneBitAdamConfig:
+    """The ``[onebit_adam]`` table: 1-bit Adam on the user's AdamW, the momentum averaged
+    through the config's top-level ``method`` (``onebit``: signs and a scale) after a warm-up
+    of exact AdamW steps. ``warmup``: an integer (steps) or a number in (0, 1) (that fraction
+    of ``register(..., total_steps=N)``); the default 0.15 is the paper's share for
+    BERT-Large (23k of 152k steps)."""
+
+    warmup: int | float = 0.15
+
+    def __post_init__(self) -> None:
+        check_fields("[onebit_adam]", self)
+        if isinstance(self.warmup, int):
+            _check("warmup", self.warmup, self.warmup >= 1, WARMUP_ACCEPTED, "onebit_adam")
+        else:
+            _check("warmup", self.warmup, 0 < self.warmup < 1, WARMUP_ACCEPTED, "onebit_adam")
+
+    def warmup_steps(self, total_steps: int | None) -> int:
+        """The warm-up in steps; a fraction needs ``total_steps``."""
+        if isinstance(self.warmup, int):
+            return self.warmup
+        if total_steps is None:
+            raise ConfigError(
+                f"[onebit_adam] warmup = {self.warmup} is a fraction of the run: pass register(..., total_steps=N), "
+                "or give warmup as a number of steps (an integer >= 1)"
+            )
+        return max(1, round(self.warmup * total_steps))
+
+
+#: What ``[onebit_adam] warmup`` accepts, for error messages.
+WARMUP_ACCEPTED = "an integer >= 1 (exact AdamW steps) or a number in (0, 1) (a fraction of total_steps)"
+
+
 #: Every table a config may hold: its name -> its dataclass.
 TABLE_TYPES: dict[str, type] = {
     "local_sgd": LocalSGDConfig,
     "fsdp": FSDPConfig,
     "bandwidth": BandwidthConfig,
     "layerwise": LayerwiseConfig,
+    "onebit_adam": OneBitAdamConfig,
 }
 
 #: How errors name each table's keys (``local_sgd: period = 0 ...``).
-_LABELS = {"local_sgd": "local_sgd", "fsdp": "fsdp", "bandwidth": "[bandwidth]", "layerwise": "[layerwise]"}
+_LABELS = {"local_sgd": "local_sgd", "fsdp": "fsdp", "bandwidth": "[bandwidth]", "layerwise": "[layerwise]", "onebit_adam": "[onebit_adam]"}
 
 
 def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> Any:
@@ -219,4 +254,5 @@ APPLIED_BY: dict[str, str] = {
     "fsdp": "commpress.register(model, config) on a model sharded with fully_shard or FSDP1",
     "bandwidth": "commpress.register(ddp_model, config) (the DDP hook)",
     "layerwise": "commpress.register(ddp_model, config) (the DDP hook)",
+    "onebit_adam": "commpress.register(ddp_model, config, optimizer=adamw) (1-bit Adam at the optimizer's step)",
 }
