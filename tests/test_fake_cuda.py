@@ -48,8 +48,16 @@ PARAMS = {
     "powersgd": [{"rank": 2}, {"rank": 2, "warm_start": False}],
     "acpsgd": [{"rank": 2}, {"rank": 2, "warm_start": False}],
     # min_numel 0: these small tensors would otherwise travel whole, with no Top-k state
-    "topk": [{"ratio": 0.1, "min_numel": 0}, {"ratio": 0.1, "value_dtype": "float16", "min_numel": 0}],
+    "topk": [
+        {"ratio": 0.1, "min_numel": 0},
+        {"ratio": 0.1, "value_dtype": "float16", "min_numel": 0},
+        {"ratio": 0.1, "value_bits": 2, "min_numel": 0},
+    ],
     "terngrad": [{}],
+    "quant": [
+        {"bits": 4, "min_numel": 0, "bucket_size": 16},
+        {"bits": 2, "error_feedback": True, "min_numel": 40, "bucket_size": 8},
+    ],
 }
 CASES = [(m, p) for m in available() if not m.startswith("test-") for p in PARAMS.get(m, [{}])]
 

@@ -131,13 +131,13 @@ class QuantCompressor(Compressor):
         average = average_whole(all_dense)
         write_whole(bucket.buffer, whole, dense_pieces, average)
         # one host transfer: each tensor's (min, scale) finite on every rank, the whole
-        # tensors' average finite, and all small enough that no sum overflows
+        # tensors received finite, and all small enough that no sum overflows
         limit = min(torch.finfo(torch.float32).max / ctx.world_size, torch.finfo(bucket.buffer.dtype).max) / 4
-        bounded = host.finite(average, bound=limit)
+        bounded = host.finite(all_dense, bound=limit)
         for mins, scales, _ in received:
             bounded = bounded & host.finite(mins, bound=limit) & host.finite(scales, bound=limit / (2**self.bits - 1))
         checks = [host.finite(mins, scales) for mins, scales, _ in received]
-        *finite, whole_finite, bounded = host.flags(torch.stack([*checks, host.finite(average), bounded]))
+        *finite, whole_finite, bounded = host.flags(torch.stack([*checks, host.finite(all_dense), bounded]))
         for s, ok in zip(quantized, finite):
             if not ok:
                 bucket.buffer.narrow(0, s.offset, s.numel).fill_(math.nan)
@@ -146,7 +146,8 @@ class QuantCompressor(Compressor):
         if self.error_feedback and pieces:  # not from a non-finite step: the old residuals stay
             self._memory.stage("residual", pieces, x)
         # a decoded value is at most |min| + (2^b - 1)·scale: bounded, no sum over the ranks
-        # overflows float32 and the average fits the bucket's dtype
+        # overflows float32 and the average fits the bucket's dtype; finite inputs whose sum
+        # may overflow are left to the hook's check
         return True if bounded else None
 
     def _accumulate(self, grad: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
