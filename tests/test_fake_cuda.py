@@ -160,7 +160,7 @@ def test_steps_and_resume_stay_on_the_device(fake_cuda, method, params, dtype):
         c.end_step(True)
     saved = [c.state_dict() for c in comps]
     _check_state_on_cpu(saved)
-    stateful = method in ("powersgd", "acpsgd", "topk")
+    stateful = method in ("powersgd", "acpsgd", "topk") or params.get("error_feedback", False)
     assert bool(saved[0]) == stateful
     resumed = [build(method, params) for _ in range(world)]
     for c, s in zip(resumed, saved):

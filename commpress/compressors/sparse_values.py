@@ -60,7 +60,7 @@ class ValueCodec:
             empty = values.new_empty(0)
             return [empty, empty, empty.to(torch.uint8)], empty
         pieces = [torch.cat(mins), torch.cat(scales), torch.cat(packed)]
-        return pieces, self.decode(*(p.unsqueeze(0) for p in pieces), counts)[0]
+        return pieces, self.decode(*(p.unsqueeze(0) for p in pieces), counts).select(0, 0)
 
     def decode(self, mins: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """Every rank's values, float32 ``[world, k]``: ``lo + q * scale`` (multiply, then
