@@ -50,6 +50,7 @@ PARAMS = {
     # min_numel 0: these small tensors would otherwise travel whole, with no Top-k state
     "topk": [{"ratio": 0.1, "min_numel": 0}, {"ratio": 0.1, "value_dtype": "float16", "min_numel": 0}],
     "terngrad": [{}],
+    "onebit": [{"min_numel": 0}, {"min_numel": 100}, {"min_numel": 0, "error_feedback": False}],
 }
 CASES = [(m, p) for m in available() if not m.startswith("test-") for p in PARAMS.get(m, [{}])]
 
@@ -152,7 +153,7 @@ def test_steps_and_resume_stay_on_the_device(fake_cuda, method, params, dtype):
         c.end_step(True)
     saved = [c.state_dict() for c in comps]
     _check_state_on_cpu(saved)
-    stateful = method in ("powersgd", "acpsgd", "topk")
+    stateful = method in ("powersgd", "acpsgd", "topk") or (method == "onebit" and params.get("error_feedback", True))
     assert bool(saved[0]) == stateful
     resumed = [build(method, params) for _ in range(world)]
     for c, s in zip(resumed, saved):
@@ -165,7 +166,7 @@ def test_steps_and_resume_stay_on_the_device(fake_cuda, method, params, dtype):
             restored = fake_cuda["restored"]
             assert (restored > 0) == stateful  # saved tensors went back to the device once
     assert fake_cuda["restored"] == restored  # ... and stayed there
-    if method in ("topk", "terngrad"):  # their kernels were reached with CUDA tensors
+    if method in ("topk", "terngrad", "onebit"):  # their kernels were reached with CUDA tensors
         assert fake_cuda["launches"], method
 
 

@@ -132,15 +132,19 @@ class OneBitCompressor(Compressor):
         self._memory.end_step(commit)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"residuals": {name: float32 tensor}}``, the committed residuals (CPU copies)."""
-        return {"residuals": self._memory.tensors("residual")}
+        """``{"residuals": {name: float32 tensor}}``, the committed residuals (CPU copies);
+        ``{}`` without error feedback (no state)."""
+        return {"residuals": self._memory.tensors("residual")} if self.error_feedback else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; buckets pick their residuals up by parameter name
         (moved to the gradients' device at first use)."""
-        if set(state) != {"residuals"}:
-            raise ValueError(f"compressor 'onebit' expects state with keys ['residuals'], got keys {sorted(state)}")
-        if state["residuals"] and not self.error_feedback:
-            raise ValueError("compressor 'onebit' with error_feedback = false keeps no residuals, got saved ones")
+        expected = {"residuals"} if self.error_feedback else set()
+        if set(state) != expected:
+            raise ValueError(
+                f"compressor 'onebit' with error_feedback = {str(self.error_feedback).lower()} expects state with keys "
+                f"{sorted(expected)}, got keys {sorted(state)}"
+            )
         self._memory.clear()
-        self._memory.load("residual", state["residuals"])
+        if state:
+            self._memory.load("residual", state["residuals"])
