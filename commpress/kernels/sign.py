@@ -60,7 +60,9 @@ def sign_pack_many(
     from .cpu import sign as cpu
 
     packed, totals = cpu.sign_pack(x, offsets, lengths, error, acc)
-    return packed, torch.from_numpy((totals / numel).astype(np.float32))
+    scales = torch.empty(lengths.size, dtype=torch.float32)  # (from_numpy of an empty quotient may have stride 0)
+    scales.numpy()[:] = totals / numel
+    return packed, scales
 
 
 def sign_unpack_accumulate_many(
