@@ -58,6 +58,7 @@ PARAMS = {
         {"bits": 4, "min_numel": 0, "bucket_size": 16},
         {"bits": 2, "error_feedback": True, "min_numel": 40, "bucket_size": 8},
     ],
+    "onebit": [{"min_numel": 0}, {"min_numel": 100}, {"min_numel": 0, "error_feedback": False}],
 }
 CASES = [(m, p) for m in available() if not m.startswith("test-") for p in PARAMS.get(m, [{}])]
 
@@ -160,7 +161,7 @@ def test_steps_and_resume_stay_on_the_device(fake_cuda, method, params, dtype):
         c.end_step(True)
     saved = [c.state_dict() for c in comps]
     _check_state_on_cpu(saved)
-    stateful = method in ("powersgd", "acpsgd", "topk") or params.get("error_feedback", False)
+    stateful = method in ("powersgd", "acpsgd", "topk") or params.get("error_feedback", method == "onebit")
     assert bool(saved[0]) == stateful
     resumed = [build(method, params) for _ in range(world)]
     for c, s in zip(resumed, saved):
@@ -173,7 +174,7 @@ def test_steps_and_resume_stay_on_the_device(fake_cuda, method, params, dtype):
             restored = fake_cuda["restored"]
             assert (restored > 0) == stateful  # saved tensors went back to the device once
     assert fake_cuda["restored"] == restored  # ... and stayed there
-    if method in ("topk", "terngrad"):  # their kernels were reached with CUDA tensors
+    if method in ("topk", "terngrad", "onebit"):  # their kernels were reached with CUDA tensors
         assert fake_cuda["launches"], method
 
 

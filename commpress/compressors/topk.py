@@ -169,9 +169,6 @@ class TopKCompressor(Compressor):
         self.clip_norm = clip_norm
         self.seed = seed
         self._memory = ErrorMemory()
-        # per bucket layout, the buffers acc alternates between: reusing one that no state
-        # views any more saves a fresh allocation (and its page faults) every step
-        self._spares: dict[tuple, list[torch.Tensor]] = {}
 
     def ratio_at(self, step: int) -> float:
         """The ratio used at ``step`` (the hook's step counter, the one ``start_iter`` counts)."""
@@ -258,18 +255,9 @@ class TopKCompressor(Compressor):
             u, v = correct(self._memory, pieces, grad, self.momentum)
             return v, u, None
         residual, _ = self._memory.gather("residual", pieces, grad.numel(), grad.device)
-        out = self._spare((tuple(pieces), grad.numel(), grad.device), grad.numel(), grad.device)
+        out = self._memory.spare((tuple(pieces), grad.numel(), grad.device), grad.numel(), grad.device)
         return out, None, residual.narrow(0, 0, grad.numel())  # the spare itself: the memory tracks buffers by identity
 
-    def _spare(self, key: tuple, numel: int, device: torch.device) -> torch.Tensor:
-        """A float32 buffer of ``numel`` elements that no committed or staged state views."""
-        buffers = self._spares.setdefault(key, [])
-        free = next((b for b in buffers if not self._memory.holds(b)), None)
-        if free is None:
-            free = torch.empty(numel, dtype=torch.float32, device=device)
-            if len(buffers) < 2:  # committed + staged: two suffice in steady state
-                buffers.append(free)
-        return free
 
     def _decode_whole(self, gathered: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
         """The average of the tensors sent whole (summed in rank order); with DGC, their
