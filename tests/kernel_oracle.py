@@ -211,17 +211,64 @@ def span_stats(x: torch.Tensor, spans: Sequence[tuple[int, int]]) -> tuple[torch
     """Largest ``bits & 0x7FFFFFFF`` as a float32, and the float64 sum of squares: rows of a chunk
     in order, chunks in order, lanes in order."""
     xs = x.float().numpy()
-    chunk = STATS_LANES * STATS_ROWS
     peaks, sums = [], []
     for o, n in spans:
         block = xs[o : o + n]
         peaks.append(np.max(block.view(np.uint32) & np.uint32(0x7FFFFFFF)) if n else np.uint32(0))
-        squares = np.zeros(-(-n // chunk) * chunk, np.float64)  # padding adds +0.0: no change to a sum >= 0
-        squares[:n] = block.astype(np.float64) ** 2
-        lanes = np.add.reduce(squares.reshape(-1, STATS_ROWS, STATS_LANES), axis=1)  # rows in order
-        lanes = np.add.reduce(lanes, axis=0) if lanes.size else np.zeros(STATS_LANES)  # chunks in order
-        sums.append(np.cumsum(lanes)[-1])  # lanes in order
+        sums.append(_stats_sum(block.astype(np.float64) ** 2))
     return torch.from_numpy(np.array(peaks, np.uint32).view(np.float32)), torch.from_numpy(np.array(sums, np.float64))
+
+
+def _stats_sum(values: np.ndarray) -> float:
+    """The float64 sum of ``values`` (all >= 0) in span_stats' order."""
+    chunk = STATS_LANES * STATS_ROWS
+    padded = np.zeros(-(-values.size // chunk) * chunk, np.float64)  # padding adds +0.0: no change to a sum >= 0
+    padded[: values.size] = values
+    lanes = np.add.reduce(padded.reshape(-1, STATS_ROWS, STATS_LANES), axis=1)  # rows in order
+    lanes = np.add.reduce(lanes, axis=0) if lanes.size else np.zeros(STATS_LANES)  # chunks in order
+    return np.cumsum(lanes)[-1]  # lanes in order
+
+
+# ---- 1-bit signs ---------------------------------------------------------------------------
+
+
+@np.errstate(invalid="ignore")
+def sign_pack_many(x, spans, error=None, acc=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """a = x (+ error, float32; stored in ``acc``); bit 1 where a < 0, 8 per byte; scale =
+    float32(sum|a| / n), the sum in span_stats' order (0 for an empty span)."""
+    a = x.float().numpy() if error is None else x.float().numpy() + error.numpy()
+    pieces, scales = [], []
+    for o, n in spans:
+        block = a[o : o + n]
+        if acc is not None:
+            acc.numpy()[o : o + n] = block
+        pieces.append(_pack_np((block < 0).astype(np.uint8), 1))
+        scales.append(np.float32(_stats_sum(np.abs(block).astype(np.float64)) / max(n, 1)))
+    packed = np.concatenate(pieces) if pieces else np.zeros(0, np.uint8)
+    return torch.from_numpy(packed), torch.from_numpy(np.array(scales, np.float32))
+
+
+def sign_unpack_accumulate_many(packed, scales, spans, out, residual=None, rank=0) -> torch.Tensor:
+    """Per span: the sum over ranks, in order, of ``+-scale_r`` (bit 1: minus) in float32, / world
+    if > 1, into ``out``; ``residual`` minus ``rank``'s own value."""
+    world, at = packed.shape[0], 0
+    for t, (o, n) in enumerate(spans):
+        nbytes = -(-n // 8)
+        rows = []
+        for r in range(world):
+            s = np.float32(scales[r, t].item())
+            bits = _unpack_np(packed[r, at : at + nbytes].numpy(), 1, n)
+            rows.append(np.where(bits == 1, -s, s).astype(np.float32))
+        total = rows[0]
+        for row in rows[1:]:
+            total = total + row
+        if world > 1:
+            total = total / np.float32(world)
+        _write(out[o : o + n], total)
+        if residual is not None:
+            residual.numpy()[o : o + n] -= rows[rank]
+        at += nbytes
+    return out
 
 
 # ---- top-k -------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ METHODS = {
     "terngrad": ("terngrad", {}),
     "topk": ("topk", TOPK),
     "topk-dgc": ("topk", {**TOPK, "dgc": True}),
+    "quant-ef": ("quant", {"bits": 2, "error_feedback": True, "min_numel": 0, "bucket_size": 8}),
 }
 STEPS, SAVE_AT = 8, 5
 
@@ -111,7 +112,7 @@ def _rank0_resume(rank: int, world: int, path: str) -> dict[str, tuple[bool, boo
 def test_rank0_whole_job_checkpoint_resumes_every_method_bit_for_bit(tmp_path):
     for rank, results in enumerate(run_local(_rank0_resume, 2, str(tmp_path / "ckpt.pt"))):
         differ = {method for method, (_, d) in results.items() if d}
-        assert differ == {"powersgd", "acpsgd", "topk", "topk-dgc"}  # per-rank state: rank 0's alone would be wrong
+        assert differ == {"powersgd", "acpsgd", "topk", "topk-dgc", "quant-ef"}  # per-rank state: rank 0's alone would be wrong
         for method, (same, _) in results.items():
             assert same, f"rank {rank}, {method}: resumed parameters differ from the uninterrupted run"
 

@@ -26,6 +26,7 @@ from commpress.compressors import (
 )
 from commpress.compressors.collectives import ReduceScatter
 from commpress.compressors.lowrank import LowRankCompressor
+from commpress.compressors.quant import QuantCompressor
 from commpress.compressors.topk import TopKCompressor
 
 # other test modules register test-only compressors; these are the package's own
@@ -38,8 +39,11 @@ PARAMS = {
         {"ratio": 0.05},
         {"ratio": 0.2, "min_numel": 0, "value_dtype": "bfloat16"},
         {"ratio": 0.1, "value_dtype": "float16"},
+        {"ratio": 0.1, "min_numel": 0, "value_bits": 2},
+        {"ratio": 0.05, "value_bits": 8},
     ],
     "terngrad": [{"clip_sigma": 0.0}],
+    "quant": [{"bits": 2, "min_numel": 0, "bucket_size": 64}, {"bits": 4, "error_feedback": True, "min_numel": 40}],
 }
 CASES = [(m, p) for m in METHODS for p in [{}, *PARAMS.get(m, [])]]
 STEPS = 4  # ACP-SGD alternates P and Q steps: its model is their mean
@@ -131,10 +135,12 @@ def _bytes(method: str, params: dict, layout=MATRICES) -> float:
 def test_a_target_ratio_gives_bytes_within_the_methods_bound(method, params, ratio):
     """Low-rank: the factors carry at most ``ratio`` of the float32 bytes, one rank more
     would carry more (or the rank is 1). Top-k: at least ``ratio``, less than one entry per
-    tensor more. Methods without a knob keep their parameters."""
+    tensor more (with ``value_bits``, also the tensor's (min, scale) and a byte of padding).
+    quant: at most ``ratio`` (or 2 bits), the next bits up more. Methods without a knob keep
+    their parameters."""
     if issubclass(compressor_class(method), LowRankCompressor):
         params = {**params, "min_compression_rate": 0.0}
-    if method == "topk":
+    if method in ("topk", "quant"):
         params = {**params, "min_numel": 0}
     c = build(method, params)
     change = c.params_for_ratio(ratio, MATRICES)
@@ -147,15 +153,20 @@ def test_a_target_ratio_gives_bytes_within_the_methods_bound(method, params, rat
         assert _bytes(method, {**params, "rank": rank + 1}) > target
     elif isinstance(c, TopKCompressor):
         assert set(change) == {"ratio"}
-        entry = 4 + c.value_dtype.itemsize
+        entry = 4 + c.value_dtype.itemsize if c.value_bits is None else 4 + c.value_bits / 8 + 8 + 1
         assert target - 1e-6 <= _bytes(method, {**params, **change}) < target + entry * len(MATRICES)
+    elif isinstance(c, QuantCompressor):
+        assert set(change) == {"bits"}
+        bits = change["bits"]
+        assert _bytes(method, {**params, **change}) <= target or bits == 2
+        assert bits == 8 or _bytes(method, {**params, "bits": bits * 2}) > target
     else:
         assert change == {}, f"{method} has a knob: state its bound and check it here"
 
 
-@pytest.mark.parametrize("method", ["powersgd", "acpsgd", "topk"])
+@pytest.mark.parametrize("method", ["powersgd", "acpsgd", "topk", "quant"])
 def test_the_mapping_grows_with_the_ratio(method):
-    base = {"min_numel": 0} if method == "topk" else {}
+    base = {"min_numel": 0} if method in ("topk", "quant") else {}
     sent = [_bytes(method, {**base, **build(method, base).params_for_ratio(r, MATRICES)}) for r in RATIOS]
     assert sent == sorted(sent) and sent[0] < sent[-1]
 

@@ -142,3 +142,23 @@ def test_span_stats(dtype):
     peak, sumsq = cc.span_stats(x.cuda(), spans)
     want_peak, want_sumsq = cc.span_stats(x, spans)
     assert same_bits(peak, want_peak) and same_bits(sumsq.view(torch.int64), want_sumsq.view(torch.int64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sign(dtype):
+    world, n = 3, 3_000_001
+    spans = [(0, 0), (1, 7), (10, 65536 + 3), (100_000, 1_500_000), (1_600_000, 1_400_001)]
+    gpu, cpu = [], []
+    for r in range(world):
+        x, error = data(n, dtype, r), data(n, torch.float32, 10 + r)
+        acc = torch.empty(n)
+        gpu_acc = acc.cuda()
+        gpu.append((*cc.sign_pack_many(x.cuda(), spans, error.cuda(), gpu_acc), gpu_acc))
+        cpu.append((*cc.sign_pack_many(x, spans, error, acc), acc))
+        assert all(same_bits(a, b) for a, b in zip(gpu[-1], cpu[-1]))
+    packed, scales = (torch.stack([p[i] for p in cpu]) for i in (0, 1))
+    out, residual = torch.empty(n, dtype=dtype), cpu[1][2].clone()
+    gpu_out, gpu_residual = out.cuda(), residual.cuda()
+    cc.sign_unpack_accumulate_many(packed.cuda(), scales.cuda(), spans, gpu_out, gpu_residual, 1)
+    cc.sign_unpack_accumulate_many(packed, scales, spans, out, residual, 1)
+    assert same_bits(gpu_out, out) and same_bits(gpu_residual, residual)

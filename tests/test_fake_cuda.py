@@ -48,8 +48,17 @@ PARAMS = {
     "powersgd": [{"rank": 2}, {"rank": 2, "warm_start": False}],
     "acpsgd": [{"rank": 2}, {"rank": 2, "warm_start": False}],
     # min_numel 0: these small tensors would otherwise travel whole, with no Top-k state
-    "topk": [{"ratio": 0.1, "min_numel": 0}, {"ratio": 0.1, "value_dtype": "float16", "min_numel": 0}],
+    "topk": [
+        {"ratio": 0.1, "min_numel": 0},
+        {"ratio": 0.1, "value_dtype": "float16", "min_numel": 0},
+        {"ratio": 0.1, "value_bits": 2, "min_numel": 0},
+    ],
     "terngrad": [{}],
+    "quant": [
+        {"bits": 4, "min_numel": 0, "bucket_size": 16},
+        {"bits": 2, "error_feedback": True, "min_numel": 40, "bucket_size": 8},
+    ],
+    "onebit": [{"min_numel": 0}, {"min_numel": 100}, {"min_numel": 0, "error_feedback": False}],
 }
 CASES = [(m, p) for m in available() if not m.startswith("test-") for p in PARAMS.get(m, [{}])]
 
@@ -152,7 +161,7 @@ def test_steps_and_resume_stay_on_the_device(fake_cuda, method, params, dtype):
         c.end_step(True)
     saved = [c.state_dict() for c in comps]
     _check_state_on_cpu(saved)
-    stateful = method in ("powersgd", "acpsgd", "topk")
+    stateful = method in ("powersgd", "acpsgd", "topk") or params.get("error_feedback", method == "onebit")
     assert bool(saved[0]) == stateful
     resumed = [build(method, params) for _ in range(world)]
     for c, s in zip(resumed, saved):
@@ -165,7 +174,7 @@ def test_steps_and_resume_stay_on_the_device(fake_cuda, method, params, dtype):
             restored = fake_cuda["restored"]
             assert (restored > 0) == stateful  # saved tensors went back to the device once
     assert fake_cuda["restored"] == restored  # ... and stayed there
-    if method in ("topk", "terngrad"):  # their kernels were reached with CUDA tensors
+    if method in ("topk", "terngrad", "onebit"):  # their kernels were reached with CUDA tensors
         assert fake_cuda["launches"], method
 
 

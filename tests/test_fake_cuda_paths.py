@@ -47,7 +47,7 @@ def _model() -> torch.nn.Module:
     )
 
 
-@pytest.mark.parametrize("method", ["none", "bf16", "powersgd", "acpsgd", "terngrad", "topk"])
+@pytest.mark.parametrize("method", ["none", "bf16", "powersgd", "acpsgd", "terngrad", "topk", "onebit"])
 def test_the_hook_state_keeps_every_step_on_the_gradients_device(checked_world, method):
     config = {"method": method, "overrides": [{"params": ["*.bias"], "method": "fp16"}]}
     world = checked_world(2)

@@ -51,7 +51,7 @@ def host_kernels(tmp_path_factory):
     (folder / "shim.h").write_text(SHIM)
     cmd = [CXX, "-O1", "-std=c++17", "-ffp-contract=off", "-mf16c", "-shared", "-fPIC", "-include", str(folder / "shim.h")]
     jobs = {}
-    for name in ("rng", "bitpack", "ternary", "quantize", "topk", "stats"):  # compiled concurrently
+    for name in ("rng", "bitpack", "ternary", "quantize", "topk", "stats", "sign"):  # compiled concurrently
         src = folder / f"{name}.cpp"
         src.write_text(_cupy.source(name))
         jobs[name] = subprocess.Popen([*cmd, "-o", str(folder / f"lib{name}.so"), str(src)], stderr=subprocess.PIPE, text=True)
@@ -204,3 +204,37 @@ def test_span_stats(on_host, dtype):
     want_peak, want_sumsq = cc.span_stats(x, spans)
     assert same_bits(peak, want_peak) and same_bits(sumsq.view(torch.int64), want_sumsq.view(torch.int64))
     assert torch.isnan(peak[3]) and torch.isnan(sumsq[3]) and peak[0] == 0 and sumsq[0] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sign(on_host, dtype):
+    """Codes, sums of magnitudes (the stats lane and total passes with null peaks), acc, then
+    the decode and residual of three ranks."""
+    world, n = 3, 3 * 16384 + 5003
+    spans = [(0, 0), (1, 7), (10, 16384 + 3), (16400, 2 * 16384 + 600), (9, 1)]
+    offsets, lengths = (np.array(v, np.int64) for v in zip(*spans))
+    payloads, accs = [], []
+    for r in range(world):
+        x, error = data(n, dtype, r), data(n, torch.float32, 10 + r)
+        if r == 1:
+            x[16400 + 20000] = float("nan")
+        acc, want_acc = torch.full((n,), 3.0), torch.full((n,), 3.0)
+        packed, totals = _launch.sign_pack(x, offsets, lengths, error if r else None, acc if r else None)
+        want_packed, want_scales = cc.sign_pack_many(x, spans, error if r else None, want_acc if r else None)
+        numel = torch.from_numpy(np.maximum(lengths, 1).astype(np.float64))
+        assert same_bits(packed, want_packed) and same_bits((totals / numel).float(), want_scales) and same_bits(acc, want_acc)
+        payloads.append((packed, want_scales))
+        accs.append(acc)
+    packed, scales = (torch.stack(p) for p in zip(*payloads))
+    assert scales[1, 3].isnan() and scales[0, 0] == 0
+    for rank in (0, 2):
+        out, ref = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+        residual, want_residual = accs[rank].clone(), accs[rank].clone()
+        _launch.sign_decode(packed, scales, offsets, lengths, out, residual, rank)
+        cc.sign_unpack_accumulate_many(packed, scales, spans, ref, want_residual, rank)
+        assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()  # a NaN's bits are not specified
+        assert same_bits(out[~ref.isnan()], ref[~ref.isnan()]) and same_bits(residual, want_residual)
+    out, ref = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+    _launch.sign_decode(packed, scales, offsets, lengths, out, None, 0)
+    cc.sign_unpack_accumulate_many(packed, scales, spans, ref)
+    assert same_bits(out[~ref.isnan()], ref[~ref.isnan()])

@@ -31,7 +31,7 @@ def test_kernel_sources_compile_for_sm80_and_sm90(tmp_path):
         jobs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     failures = {name: job.communicate()[0] for name, job in jobs.items() if job.wait() != 0}
     assert not failures, failures
-    assert len(SOURCES) == 6 and all((tmp_path / f"{name}.fatbin").stat().st_size > 0 for name in SOURCES)
+    assert len(SOURCES) == 7 and all((tmp_path / f"{name}.fatbin").stat().st_size > 0 for name in SOURCES)
 
 
 def test_launchers_name_existing_kernels():

@@ -22,6 +22,9 @@ METHODS = [
     ("topk", {"ratio": 0.05, "min_numel": 64}),
     ("topk", {"ratio": 0.05, "value_dtype": "float16"}),
     ("topk", {"ratio": 0.05, "dgc": True, "momentum": 0.9, "min_numel": 64}),
+    ("topk", {"ratio": 0.05, "value_bits": 2, "min_numel": 64}),
+    ("quant", {"min_numel": 64}),
+    ("quant", {"bits": 2, "error_feedback": True, "min_numel": 0, "bucket_size": 64}),
 ]
 SIZES = (300, 40, 9)
 BIG = torch.finfo(torch.float32).max / 1.5  # two of these overflow a float32 sum

@@ -51,6 +51,8 @@ class ErrorMemory:
         self._staged: dict[tuple[str, str], _Entry] = {}
         self._staged_counts: dict[str, int] = {}
         self._bases: set[int] = set()  # ids of the buffers entries view (committed or staged)
+        # per key (a bucket layout), the buffers a compressor's new state alternates between
+        self._spares: dict[tuple, list[torch.Tensor]] = {}
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -98,6 +100,19 @@ class ErrorMemory:
         reused. Conservative: a buffer whose staged entries were replaced counts as held
         until the step ends."""
         return id(buffer) in self._bases
+
+    def spare(self, key: tuple, numel: int, device: torch.device) -> torch.Tensor:
+        """A float32 buffer of ``numel`` elements on ``device`` that no committed or staged
+        entry views, for the state a step stages (``key``: the bucket layout it is for).
+        Reusing one that no state views any more saves a fresh allocation (and its page
+        faults) every step; two per key suffice in steady state (committed + staged)."""
+        buffers = self._spares.setdefault(key, [])
+        free = next((b for b in buffers if not self.holds(b)), None)
+        if free is None:
+            free = torch.empty(numel, dtype=torch.float32, device=device)
+            if len(buffers) < 2:
+                buffers.append(free)
+        return free
 
     def count(self, name: str) -> int:
         """The committed step counter of ``name`` (0 if it has none)."""

@@ -15,11 +15,16 @@ share each step, so layers with small gradients are not starved by layers with l
 ones, and the result does not depend on how DDP groups parameters into buckets (its
 rebuild after the first step, ``bucket_cap_mb``, a resumed run's fresh buckets).
 
+With ``value_bits`` the values travel as b-bit stochastic codes, one (min, scale) per
+tensor's selection (:mod:`commpress.compressors.sparse_values`), and what the codes drop
+goes back into the residual too.
+
 Tensors of fewer than ``min_numel`` elements (biases, norms) are sent whole in float32,
-in the same all-gather, and averaged exactly.
+in the same all-gather, and averaged exactly (:mod:`commpress.compressors.whole`).
 
 Wire bytes per rank and bucket: k·(value bytes + 4) + 4·d, k the sum of the compressed
-tensors' k, d the elements of the tensors sent whole.
+tensors' k, d the elements of the tensors sent whole; with ``value_bits`` = b,
+Σ_t (4·k_t + ⌈k_t·b/8⌉ + 8) + 4·d.
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ import torch
 
 from commpress.compressors import host
 from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, on_dense_copy
-from commpress.compressors.collectives import sum_rows
 from commpress.compressors.dgc import clip_local, correct, dense_momentum, mask
 from commpress.compressors.framing import frame, unframe
 from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.seeding import check_seed, tensor_key, tensor_seeds
+from commpress.compressors.sparse_values import ValueCodec
+from commpress.compressors.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
-from commpress.kernels import scatter_add_decode, topk_select_many
+from commpress.kernels import derive_seed, scatter_add_decode, topk_select_many
 
 __all__ = ["DEFAULT_MIN_NUMEL", "TopKCompressor", "topk_count"]
 
@@ -47,8 +53,9 @@ _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 #: With ``selection = "auto"``, tensors up to this many elements use the exact k-th value
 #: (cheap at that size); larger ones the sampled threshold.
 EXACT_MAX_NUMEL = 1 << 16
-#: Tensors smaller than this are sent whole by default (see docs/quantization.md for the measurement).
-DEFAULT_MIN_NUMEL = 1024
+#: What the value codes' random keys fold in beside the seed, so that they differ from the
+#: sampled selection's (both are keyed by seed, rank, step and parameter name).
+_VALUE_STREAM = 0x76616C75
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
@@ -66,6 +73,10 @@ class TopKCompressor(Compressor):
         ratio: fraction of every tensor's entries sent per step, in (0, 1].
         value_dtype: dtype of the values on the wire: "float32", "float16" or "bfloat16"
             (the rounding error goes back into the residual, so it is not lost either).
+        value_bits: 2, 4 or 8: the values travel as b-bit stochastic codes with one
+            float32 (min, scale) per tensor's selection instead (``value_dtype`` float32
+            only); the quantization error goes back into the residual, with ``dgc`` into
+            the velocity. Left out: values in ``value_dtype``.
         selection: "exact" (k-th value of all |acc|), "sampled" (threshold estimated on a sample,
             count corrected to exactly k) or "auto" (exact up to ``EXACT_MAX_NUMEL``
             elements per tensor, sampled above).
@@ -105,6 +116,7 @@ class TopKCompressor(Compressor):
         self,
         ratio: float = 0.01,
         value_dtype: Literal["float32", "float16", "bfloat16"] = "float32",
+        value_bits: Literal[2, 4, 8] | None = None,
         selection: Literal["auto", "exact", "sampled"] = "auto",
         warmup_steps: int = 0,
         warmup_ratio: float = 0.25,
@@ -134,9 +146,18 @@ class TopKCompressor(Compressor):
             raise ConfigError(f"{where}: momentum = {momentum!r} is not accepted; expected a number in [0, 1)")
         if not (math.isfinite(clip_norm) and clip_norm >= 0):
             raise ConfigError(f"{where}: clip_norm = {clip_norm!r} is not accepted; expected a number >= 0 (0: off)")
+        if value_bits not in (None, 2, 4, 8):
+            raise ConfigError(f"{where}: value_bits = {value_bits!r} is not accepted; expected one of 2, 4, 8 (or leave it out)")
+        if value_bits is not None and value_dtype != "float32":
+            raise ConfigError(
+                f"{where}: value_bits = {value_bits!r} is not accepted with value_dtype = {value_dtype!r}; "
+                "quantized values replace value_dtype: leave value_dtype at 'float32'"
+            )
         check_seed(where, seed)
         self.ratio = ratio
         self.value_dtype = _VALUE_DTYPES[value_dtype]
+        self.value_bits = value_bits
+        self._codec = ValueCodec(value_bits) if value_bits is not None else None
         self.selection = selection
         self.warmup_steps = warmup_steps
         self.warmup_ratio = warmup_ratio
@@ -148,9 +169,6 @@ class TopKCompressor(Compressor):
         self.clip_norm = clip_norm
         self.seed = seed
         self._memory = ErrorMemory()
-        # per bucket layout, the buffers acc alternates between: reusing one that no state
-        # views any more saves a fresh allocation (and its page faults) every step
-        self._spares: dict[tuple, list[torch.Tensor]] = {}
 
     def ratio_at(self, step: int) -> float:
         """The ratio used at ``step`` (the hook's step counter, the one ``start_iter`` counts)."""
@@ -163,13 +181,19 @@ class TopKCompressor(Compressor):
         ``min_numel`` whole in float32 (the ratio after any warm-up)."""
         if slot.numel < self.min_numel:
             return (Transfer("all_gather", 4 * slot.numel),)
-        return (Transfer("all_gather", topk_count(self.ratio, slot.numel) * (4 + self.value_dtype.itemsize)),)
+        k = topk_count(self.ratio, slot.numel)
+        if self._codec is not None:
+            return (Transfer("all_gather", 4 * k + self._codec.nbytes(k)),)
+        return (Transfer("all_gather", k * (4 + self.value_dtype.itemsize)),)
 
     def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
         """The ``ratio`` whose (index, value) pairs carry ``ratio`` of float32's bytes: each
         tensor Top-k compresses then sends at least ``ratio`` of its float32 bytes and less
-        than one entry (4 + value bytes) more; the same for every tensor."""
-        return {"ratio": min(1.0, ratio * 4 / (self.value_dtype.itemsize + 4))}
+        than one entry (4 + value bytes) more; the same for every tensor. With
+        ``value_bits`` = b an entry is 4 + b/8 bytes, and a tensor sends less than one entry,
+        its (min, scale) and a byte of padding more."""
+        value_bytes = self.value_bits / 8 if self.value_bits is not None else self.value_dtype.itemsize
+        return {"ratio": min(1.0, ratio * 4 / (value_bytes + 4))}
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)
@@ -186,29 +210,29 @@ class TopKCompressor(Compressor):
                 "method 'topk' with dgc = true has no momentum: pass optimizer= to commpress.register (it hands the "
                 "optimizer's momentum over), or set params.momentum and run the optimizer without momentum"
             )
-        sparse = [s for s in slots if s.numel >= self.min_numel]
-        whole = [s for s in slots if s.numel < self.min_numel]
+        sparse, whole = split_whole(slots, self.min_numel)
         pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in sparse]
         grad = clip_local(bucket.buffer, slots, self.clip_norm, ctx.world_size) if self.clip_norm else bucket.buffer
         counts = [topk_count(self.ratio_at(ctx.step), s.numel) for s in sparse]
         k = sum(counts)
         acc, u, error = self._accumulate(grad, pieces)
-        indices, values = self._select(acc, error, grad, bucket, sparse, counts, ctx)
+        seeds = tensor_seeds(self.seed, ctx.rank, ctx.step, bucket, sparse)
+        indices, values = self._select(acc, error, grad, sparse, counts, seeds)
         if u is not None and self.momentum_masking:
             mask(u, indices)
         # Inf/NaN rank first in every tensor's selection, so a non-finite acc always sends
         # a non-finite value: every rank's decode is then non-finite (no extra pass needed)
         finite = host.flags(host.finite(values))[0]
-        wire = self._to_wire(acc, indices, values) if finite else values.to(self.value_dtype)
-        dense, dense_pieces = self._whole(grad, bucket, whole)
-        gathered = yield AllGather(frame([indices, wire, dense]))
-        all_indices, all_values, all_dense = unframe(
-            gathered, [(torch.int32, k), (self.value_dtype, k), (torch.float32, dense.numel())]
+        wire = self._to_wire(acc, indices, values, counts, seeds, finite)
+        dense, dense_pieces = whole_part(grad, bucket, whole)
+        gathered = yield AllGather(frame([indices, dense, *wire]))
+        all_indices, all_dense, *all_wire = unframe(
+            gathered, [(torch.int32, k), (torch.float32, dense.numel()), *self._wire_layout(k, counts)]
         )
+        all_values = self._codec.decode(*all_wire, counts) if self._codec is not None else all_wire[0]
         scatter_add_decode(all_values, all_indices, n, bucket.buffer, average=True)
         average = self._decode_whole(all_dense, dense_pieces)
-        for slot, (_, offset, _) in zip(whole, dense_pieces):
-            bucket.buffer.narrow(0, slot.offset, slot.numel).copy_(average.narrow(0, offset, slot.numel))
+        write_whole(bucket.buffer, whole, dense_pieces, average)
         # the bucket is zeros, sums of world values / world and `average`: finite if the
         # values and the average are, and bounded so that no sum overflows the bucket's dtype
         # (which also makes every received value finite: a non-finite one reaches the average)
@@ -231,34 +255,14 @@ class TopKCompressor(Compressor):
             u, v = correct(self._memory, pieces, grad, self.momentum)
             return v, u, None
         residual, _ = self._memory.gather("residual", pieces, grad.numel(), grad.device)
-        out = self._spare((tuple(pieces), grad.numel(), grad.device), grad.numel(), grad.device)
+        out = self._memory.spare((tuple(pieces), grad.numel(), grad.device), grad.numel(), grad.device)
         return out, None, residual.narrow(0, 0, grad.numel())  # the spare itself: the memory tracks buffers by identity
 
-    def _spare(self, key: tuple, numel: int, device: torch.device) -> torch.Tensor:
-        """A float32 buffer of ``numel`` elements that no committed or staged state views."""
-        buffers = self._spares.setdefault(key, [])
-        free = next((b for b in buffers if not self._memory.holds(b)), None)
-        if free is None:
-            free = torch.empty(numel, dtype=torch.float32, device=device)
-            if len(buffers) < 2:  # committed + staged: two suffice in steady state
-                buffers.append(free)
-        return free
-
-    @staticmethod
-    def _whole(grad: torch.Tensor, bucket: Bucket, whole: list[ParamSlot]) -> tuple[torch.Tensor, list[Piece]]:
-        """The tensors sent whole, end to end in float32, and their pieces in that layout."""
-        pieces, offset = [], 0
-        for s in whole:
-            pieces.append((tensor_key(bucket, s), offset, tuple(s.shape)))
-            offset += s.numel
-        if not whole:
-            return grad.new_empty(0, dtype=torch.float32), pieces
-        return torch.cat([grad.narrow(0, s.offset, s.numel) for s in whole]).to(torch.float32), pieces
 
     def _decode_whole(self, gathered: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
         """The average of the tensors sent whole (summed in rank order); with DGC, their
         momentum ``U = m·U + average``."""
-        average = sum_rows(gathered).div_(gathered.shape[0])
+        average = average_whole(gathered)
         return dense_momentum(self._memory, pieces, average, self.momentum) if self.dgc and pieces else average
 
     def _stage(
@@ -279,10 +283,9 @@ class TopKCompressor(Compressor):
         acc: torch.Tensor,
         error: torch.Tensor | None,
         grad: torch.Tensor,
-        bucket: Bucket,
         slots: list[ParamSlot],
         counts: list[int],
-        ctx: Context,
+        seeds: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every tensor's top entries of ``acc`` (first set to grad + ``error`` when that is
         given) as (bucket-wide int32 indices, float32 values); the selected entries of
@@ -293,22 +296,35 @@ class TopKCompressor(Compressor):
             acc,
             [(s.offset, s.numel) for s in slots],
             counts,
-            tensor_seeds(self.seed, ctx.rank, ctx.step, bucket, slots),
+            seeds,
             [self.selection == "exact" or (self.selection == "auto" and s.numel <= EXACT_MAX_NUMEL) for s in slots],
             grad=None if error is None else grad,
             error=error,
         )
         return indices, values
 
-    def _to_wire(self, acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """``values`` in the wire dtype; what the cast drops goes back into ``acc`` (the
-        new residual) at the selected entries."""
-        if self.value_dtype == torch.float32:
-            return values
-        clamped = values.clamp(-_FP16_MAX, _FP16_MAX) if self.value_dtype == torch.float16 else values
-        wire = clamped.to(self.value_dtype)
-        acc.index_put_((indices.long(),), values - wire.float(), accumulate=True)
+    def _to_wire(
+        self, acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, counts: list[int], seeds: list[int], finite: bool
+    ) -> list[torch.Tensor]:
+        """``values`` as the frame pieces of :meth:`_wire_layout`: in the wire dtype, or as
+        b-bit codes (a non-finite value makes its tensor's codes decode to NaN). When
+        ``finite``, what the wire drops goes back into ``acc`` (the new residual, or DGC's
+        velocity) at the selected entries."""
+        if self._codec is not None:
+            wire, sent = self._codec.encode(values, counts, [derive_seed(s, _VALUE_STREAM) for s in seeds])
+        elif self.value_dtype == torch.float32 or not finite:  # Inf is not clamped away: it must reach every rank
+            return [values.to(self.value_dtype)]
+        else:
+            clamped = values.clamp(-_FP16_MAX, _FP16_MAX) if self.value_dtype == torch.float16 else values
+            wire = [clamped.to(self.value_dtype)]
+            sent = wire[0].float()
+        if finite:
+            acc.index_put_((indices.long(),), values - sent, accumulate=True)
         return wire
+
+    def _wire_layout(self, k: int, counts: list[int]) -> list[tuple[torch.dtype, int]]:
+        """The values' frame pieces (dtype, count) for ``k`` entries, ``counts`` per tensor."""
+        return self._codec.layout(counts) if self._codec is not None else [(self.value_dtype, k)]
 
     def end_step(self, commit: bool) -> None:
         """Apply (``commit``) or drop the state the step staged."""

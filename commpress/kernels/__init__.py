@@ -13,6 +13,7 @@ from .bitpack import pack_bits, packed_size, unpack_bits
 from .feedback import add_error, update_error
 from .quantize import dequantize, quantize_pack, unpack_accumulate
 from .rng import derive_seed, uniform
+from .sign import sign_pack_many, sign_unpack_accumulate_many
 from .stats import span_stats
 from .ternary import ternary_quantize_pack, ternary_unpack_accumulate
 from .ternary_many import ternary_quantize_pack_many, ternary_unpack_accumulate_many
@@ -26,6 +27,8 @@ __all__ = [
     "packed_size",
     "quantize_pack",
     "scatter_add_decode",
+    "sign_pack_many",
+    "sign_unpack_accumulate_many",
     "span_stats",
     "ternary_quantize_pack",
     "ternary_quantize_pack_many",

@@ -62,7 +62,7 @@ def ternary_pack_items(x, scales, bounds, seeds, x_at, out_at, item_segment, ite
 
 
 @inline
-def _ranks_average(part, world, stride, div, out):
+def ranks_average(part, world, stride, div, out):
     """``out[i]`` = ``part[i] + part[stride + i] + ...`` (``world`` rows, in rank order), / ``div``
     if ``world > 1``; row 0 of ``part`` is overwritten with the sum."""
     n = out.size
@@ -110,7 +110,7 @@ def ternary_decode(packed, scales, first, out):
             tab = rows[r * 256 : r * 256 + 256]
             for b in range(src.size):
                 dst[b] = tab[src[b]]
-        _ranks_average(part, world, PIECE, div, out[4 * bs : 4 * be])
+        ranks_average(part, world, PIECE, div, out[4 * bs : 4 * be])
     for i in range(m & ~3, m):
         shift = (i & 3) * 2
         acc = value[0, (packed[0, base + (i >> 2)] >> shift) & 3]

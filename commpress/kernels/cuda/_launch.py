@@ -71,16 +71,30 @@ def ternary_unpack_accumulate(packed: torch.Tensor, scales: torch.Tensor, n: int
     return out
 
 
-def span_stats(x: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """(peak float32[T], sum of squares float64[T]) of the spans: per-chunk lanes, per-tensor lanes, totals."""
+_NULL = np.uint64(0)  # a null pointer argument: the kernel leaves that array alone
+
+
+def _chunk_list(offsets: np.ndarray, lengths: np.ndarray, device: torch.device) -> tuple[int, list[torch.Tensor]]:
+    """The spans cut into chunks of span_stats' order: the chunk count and, on ``device``, each
+    chunk's first element, its end, its first packed byte at one bit per element, and every
+    span's first chunk (and the count after the last)."""
     chunk = STATS_LANES * STATS_ROWS
     per = -(-lengths // chunk)  # chunks per tensor
     span_chunks = np.concatenate([np.zeros(1, np.int64), np.cumsum(per)])
     count = int(span_chunks[-1])
     tensor = np.repeat(np.arange(lengths.size), per)
-    first = offsets[tensor] + (np.arange(count) - span_chunks[:-1][tensor]) * chunk
+    within = (np.arange(count) - span_chunks[:-1][tensor]) * chunk
+    first = offsets[tensor] + within
     end = np.minimum(first + chunk, (offsets + lengths)[tensor])
-    first_t, end_t, span_t = (torch.from_numpy(a.astype(np.int64)).to(x.device) for a in (first, end, span_chunks))
+    nbytes = (lengths + 7) // 8
+    byte_first = (np.cumsum(nbytes) - nbytes)[tensor] + within // 8
+    arrays = [torch.from_numpy(a.astype(np.int64)).to(device) for a in (first, end, byte_first, span_chunks)]
+    return count, arrays
+
+
+def span_stats(x: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """(peak float32[T], sum of squares float64[T]) of the spans: per-chunk lanes, per-tensor lanes, totals."""
+    count, (first_t, end_t, _, span_t) = _chunk_list(offsets, lengths, x.device)
     sums = torch.empty(count * STATS_LANES, dtype=torch.float64, device=x.device)
     peaks = torch.empty(count * STATS_LANES, dtype=torch.int32, device=x.device)  # read as u32 bits
     lanes, spans = np.int64(STATS_LANES), np.int64(lengths.size)
@@ -92,6 +106,44 @@ def span_stats(x: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> tup
     peak = torch.empty(lengths.size, dtype=torch.float32, device=x.device)
     launch("stats", "cp_stats_total", x.device, lengths.size, (span_t, spans, lanes, sums, peaks, sumsq, peak))
     return peak, sumsq
+
+
+def sign_pack(
+    x: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, error: torch.Tensor | None, acc: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed signs, float64 sums of |a| per span): the chunk pass, then stats.cu's lane and total passes."""
+    count, (first_t, end_t, byte_first_t, span_t) = _chunk_list(offsets, lengths, x.device)
+    packed = torch.empty(int(((lengths + 7) // 8).sum()), dtype=torch.uint8, device=x.device)
+    sums = torch.empty(count * STATS_LANES, dtype=torch.float64, device=x.device)
+    lanes, rows, spans = np.int64(STATS_LANES), np.int64(STATS_ROWS), np.int64(lengths.size)
+    feedback = error is not None
+    head = (x, _code(x), error if feedback else _NULL, acc if feedback else _NULL, np.int32(feedback))
+    args = (*head, first_t, end_t, byte_first_t, np.int64(count), lanes, rows, sums, packed)
+    launch("sign", "cp_sign_pack_chunks", x.device, count * (STATS_LANES // 8), args)
+    launch("stats", "cp_stats_lanes", x.device, lengths.size * STATS_LANES, (span_t, spans, lanes, sums, _NULL))
+    totals = torch.empty(lengths.size, dtype=torch.float64, device=x.device)
+    launch("stats", "cp_stats_total", x.device, lengths.size, (span_t, spans, lanes, sums, _NULL, totals, _NULL))
+    return packed, totals
+
+
+def sign_decode(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    out: torch.Tensor,
+    residual: torch.Tensor | None,
+    rank: int,
+) -> torch.Tensor:
+    world, m = packed.shape
+    nbytes = (lengths + 7) // 8
+    at = (np.cumsum(nbytes) - nbytes, offsets, lengths)
+    packed_at, offsets_t, lengths_t = (torch.from_numpy(a.astype(np.int64)).to(out.device) for a in at)
+    feedback = residual is not None
+    head = (packed, scales, out, _code(out), residual if feedback else _NULL, np.int32(feedback), np.int32(rank))
+    args = (*head, packed_at, offsets_t, lengths_t, np.int64(lengths.size), np.int64(m), np.int32(world))
+    launch("sign", "cp_sign_decode", out.device, m, args)
+    return out
 
 
 def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

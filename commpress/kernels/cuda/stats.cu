@@ -1,6 +1,8 @@
 // Per-tensor statistics of a bucket: the largest magnitude and the float64 sum of squares in the
 // fixed order of commpress/kernels/stats.py (chunks of rows x lanes), which this mirrors in three
 // passes. A chunk list covers the tensors: chunk g holds elements [first[g], end[g]) of the buffer.
+// The lane and total passes also finish the 1-bit codes' sums of magnitudes (sign.cu), which
+// pass null peaks: sums only.
 #include "common.cuh"
 
 // One thread per (chunk, lane): lane j of chunk g sums element j of the chunk's rows, in row order.
@@ -34,11 +36,10 @@ extern "C" __global__ void cp_stats_lanes(const i64* span_chunks, i64 spans, i64
         u32 top = 0u;
         for (i64 g = span_chunks[t]; g < span_chunks[t + 1]; ++g) {
             s = __dadd_rn(s, sums[g * lanes + j]);
-            const u32 b = peaks[g * lanes + j];
-            top = b > top ? b : top;
+            if (peaks) top = peaks[g * lanes + j] > top ? peaks[g * lanes + j] : top;
         }
         sums[span_chunks[t] * lanes + j] = s;
-        peaks[span_chunks[t] * lanes + j] = top;
+        if (peaks) peaks[span_chunks[t] * lanes + j] = top;
     }
 }
 
@@ -52,10 +53,10 @@ extern "C" __global__ void cp_stats_total(const i64* span_chunks, i64 spans, i64
             const i64 base = span_chunks[t] * lanes;
             for (i64 j = 0; j < lanes; ++j) {
                 s = __dadd_rn(s, sums[base + j]);
-                top = peaks[base + j] > top ? peaks[base + j] : top;
+                if (peaks) top = peaks[base + j] > top ? peaks[base + j] : top;
             }
         }
         sumsq[t] = s;
-        peak[t] = __uint_as_float(top);
+        if (peak) peak[t] = __uint_as_float(top);
     }
 }

@@ -1,0 +1,150 @@
+"""1-bit compression with error feedback (Seide et al., 2014; the compressor of 1-bit Adam).
+
+Per tensor and rank: ``acc = grad + residual``; send ``sign(acc)`` (1 bit per element, 8 per
+byte; a zero counts as +) and one float32 scale, ``mean(|acc|)``; keep
+``residual = acc - scale * sign(acc)``, so what one step does not send is sent later.
+mean(|acc|) is the scale that minimises ``||acc - scale * sign(acc)||^2`` for a sign code (the
+derivative vanishes at ``sum(|acc|) / n``), so the residual is as small as one scale makes it.
+DeepSpeed's 1-bit Adam scales by ``||acc|| / sqrt(n)``, the root mean square, which is at least
+the mean magnitude: equal for a constant magnitude, larger otherwise, leaving a larger residual.
+
+Every rank's scales and packed signs of a bucket travel in ONE all-gather; each rank decodes
+every rank's codes with that rank's scales and averages them (summed in rank order, divided
+by the world). The error feedback is one-sided, on the sending rank only: every rank decodes
+every code exactly, so the only loss is the sender's quantization, and the sender's residual
+holds all of it. DeepSpeed's compressed all-reduce (a reduce-scatter of 1-bit codes, then the
+averaged chunk compressed again for the all-gather) needs a second, server-side error because
+it re-compresses the average; gathering the codes themselves never does.
+
+Tensors of fewer than ``min_numel`` elements (biases, norms) are sent whole in float32, in the
+same all-gather, and averaged exactly.
+
+Wire bytes per rank and bucket: sum over the compressed tensors of ceil(n/8) + 4, plus 4 per
+element of the tensors sent whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from commpress.compressors import host
+from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, on_dense_copy
+from commpress.compressors.collectives import sum_rows
+from commpress.compressors.framing import frame, unframe
+from commpress.compressors.memory import ErrorMemory, Piece
+from commpress.compressors.registry import register_compressor
+from commpress.compressors.seeding import tensor_key
+from commpress.compressors.topk import DEFAULT_MIN_NUMEL
+from commpress.errors import ConfigError
+from commpress.kernels import packed_size, sign_pack_many, sign_unpack_accumulate_many
+
+__all__ = ["OneBitCompressor"]
+
+
+@register_compressor
+class OneBitCompressor(Compressor):
+    """Signs and a mean-magnitude scale per tensor and rank, in one all-gather, with error feedback.
+
+    Args:
+        min_numel: tensors of fewer elements are sent whole (float32) and averaged exactly;
+            0 compresses every tensor.
+        error_feedback: keep each tensor's residual ``acc - scale * sign(acc)`` and add it to
+            the next gradient (off: every step's quantization error is dropped).
+
+    State: the residuals, float32 and shaped like their parameters, kept per parameter name
+    and staged until :meth:`end_step`.
+
+    Non-finite gradients: a tensor holding Inf/NaN on a rank has a non-finite scale there,
+    which every rank decodes, so the tensor is non-finite on every rank and
+    ``torch.amp.GradScaler`` skips the step everywhere; no rank stages state from such a step.
+    """
+
+    name: ClassVar[str] = "onebit"
+    rounds: ClassVar[int] = 1
+    per_rank_state: ClassVar[tuple[str, ...]] = ("residuals",)
+
+    def __init__(self, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True) -> None:
+        where = "method 'onebit'"
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+            raise ConfigError(
+                f"{where}: min_numel = {min_numel!r} is not accepted; expected an integer >= 0 (0: compress every tensor)"
+            )
+        if not isinstance(error_feedback, bool):
+            raise ConfigError(f"{where}: error_feedback = {error_feedback!r} is not accepted; expected true or false")
+        self.min_numel = min_numel
+        self.error_feedback = error_feedback
+        self._memory = ErrorMemory()
+
+    def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
+        """One all-gather: the tensor's float32 scale and its signs, or a tensor under
+        ``min_numel`` whole in float32 (none for an empty tensor)."""
+        if slot.numel < self.min_numel:
+            return (Transfer("all_gather", 4 * slot.numel),)
+        return (Transfer("all_gather", 4 + packed_size(slot.numel, 1) if slot.numel else 0),)
+
+    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
+        self.check_dtype(bucket)
+        if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
+            return (yield from on_dense_copy(self.reduce, bucket, ctx))
+        slots = [s for s in bucket.slots if s.numel]
+        if not slots:
+            return
+        grad = bucket.buffer
+        signed = [s for s in slots if s.numel >= self.min_numel]
+        whole = [s for s in slots if s.numel < self.min_numel]
+        pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in signed]
+        spans = [(s.offset, s.numel) for s in signed]
+        error, acc = self._feedback(grad, pieces)
+        packed, scales = sign_pack_many(grad, spans, error, acc)
+        dense = torch.cat([grad.narrow(0, s.offset, s.numel) for s in whole]).float() if whole else grad.new_empty(0).float()
+        gathered = yield AllGather(frame([scales, packed, dense]))
+        all_scales, all_packed, all_dense = unframe(
+            gathered, [(torch.float32, len(signed)), (torch.uint8, packed.numel()), (torch.float32, dense.numel())]
+        )
+        sign_unpack_accumulate_many(all_packed, all_scales, spans, grad, acc, ctx.rank)  # acc becomes the residual
+        average = sum_rows(all_dense).div_(ctx.world_size)
+        at = 0
+        for s in whole:
+            grad.narrow(0, s.offset, s.numel).copy_(average.narrow(0, at, s.numel))
+            at += s.numel
+        # decoded values are at most the largest scale in magnitude: with every scale and the
+        # dense average within the bucket dtype's range over the world, no sum overflows
+        limit = torch.finfo(grad.dtype).max
+        bounded = host.flags(host.finite(all_scales, bound=limit / ctx.world_size) & host.finite(average, bound=limit))[0]
+        finite = bounded or host.flags(host.finite(all_scales, average))[0]
+        if finite and acc is not None:  # a non-finite step keeps the old residuals
+            self._memory.stage("residual", pieces, acc)
+        return True if bounded else (None if finite else False)
+
+    def _feedback(self, grad: torch.Tensor, pieces: list[Piece]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The committed residuals in the bucket's layout (read only) and a spare buffer for
+        ``acc``; (None, None) without error feedback or compressed tensors."""
+        if not (self.error_feedback and pieces):
+            return None, None
+        n = grad.numel()
+        residual, _ = self._memory.gather("residual", pieces, n, grad.device)
+        return residual.narrow(0, 0, n), self._memory.spare((tuple(pieces), n, grad.device), n, grad.device)
+
+    def end_step(self, commit: bool) -> None:
+        """Apply (``commit``) or drop the residuals the step staged."""
+        self._memory.end_step(commit)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"residuals": {name: float32 tensor}}``, the committed residuals (CPU copies);
+        ``{}`` without error feedback (no state)."""
+        return {"residuals": self._memory.tensors("residual")} if self.error_feedback else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; buckets pick their residuals up by parameter name
+        (moved to the gradients' device at first use)."""
+        expected = {"residuals"} if self.error_feedback else set()
+        if set(state) != expected:
+            raise ValueError(
+                f"compressor 'onebit' with error_feedback = {str(self.error_feedback).lower()} expects state with keys "
+                f"{sorted(expected)}, got keys {sorted(state)}"
+            )
+        self._memory.clear()
+        if state:
+            self._memory.load("residual", state["residuals"])

@@ -1,0 +1,109 @@
+"""1-bit sign codes with one float32 scale per tensor (the ``onebit`` compressor), over a bucket's spans.
+
+Encode, one pass per span ``(offset, numel)`` of a flat buffer: ``a = x`` (``x + error`` in
+float32 with error feedback, also stored in ``acc``), its sign as one bit (1 where ``a < 0``:
++0, -0 and NaN count as +), packed 8 per byte little-endian like
+:func:`commpress.kernels.pack_bits` (``ceil(n/8)`` bytes per span, spans end to end), and the
+scale ``float32(sum|a| / n)``: the float64 sum in :func:`commpress.kernels.span_stats`' order
+(chunks of rows of lanes), divided in float64, rounded once to float32. |a| is exact in
+float64 and no such sum overflows, so a scale is NaN where the span holds a NaN, +Inf where it
+holds an Inf (none NaN), finite otherwise; a span of no elements has scale 0.
+
+Decode, one pass per span: ``out`` = the sum over ranks, in rank order, of ``+-scale_r``
+(float32, starting from rank 0's value), divided by the world if it is > 1, rounded into
+``out``'s dtype; with a ``residual``, that rank's own value is subtracted from it (float32):
+``residual = a - scale * sign(a)``, the error feedback, in the same pass.
+
+Both implementations follow these steps one IEEE operation at a time, so a CPU rank and a
+GPU rank give the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import _checks
+from .cuda import _launch
+
+__all__ = ["sign_pack_many", "sign_unpack_accumulate_many"]
+
+
+def sign_pack_many(
+    x: torch.Tensor, spans: Sequence[tuple[int, int]], error: torch.Tensor | None = None, acc: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed signs of every span of ``x`` (``uint8[sum ceil(n/8)]``) and their scales
+    (float32[T]), on ``x``'s device, as the module describes.
+
+    ``x`` is a flat contiguous float32, float16 or bfloat16 buffer. ``error`` and ``acc``
+    (float32, ``x``'s size, contiguous; ``acc`` may be ``error``) come together: the spans
+    of ``acc`` receive ``x + error``, which is what is encoded.
+    """
+    _checks.check_float("x", x)
+    if x.dim() != 1 or not x.is_contiguous():
+        raise ValueError(f"x must be a flat contiguous buffer, got shape {tuple(x.shape)}")
+    offsets, lengths = _checks.check_spans(spans, x.numel())
+    if (error is None) != (acc is None):
+        raise ValueError("error and acc come together: pass both (error feedback) or neither")
+    if error is not None:
+        for name, t in (("error", error), ("acc", acc)):
+            _checks.check_dtype(name, t, torch.float32)
+            if t.shape != x.shape or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous buffer of x's {x.numel()} elements, got shape {tuple(t.shape)}")
+        _checks.check_same_device(x=x, error=error, acc=acc)
+    numel = np.maximum(lengths, 1).astype(np.float64)
+    if x.is_cuda:  # a device tensor divisor: IEEE quotients (torch multiplies by the reciprocal of a CPU scalar)
+        packed, totals = _launch.sign_pack(x, offsets, lengths, error, acc)
+        return packed, (totals / torch.from_numpy(numel).to(x.device)).to(torch.float32)
+    from .cpu import sign as cpu
+
+    packed, totals = cpu.sign_pack(x, offsets, lengths, error, acc)
+    scales = torch.empty(lengths.size, dtype=torch.float32)  # (from_numpy of an empty quotient may have stride 0)
+    scales.numpy()[:] = totals / numel
+    return packed, scales
+
+
+def sign_unpack_accumulate_many(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    rank: int = 0,
+) -> torch.Tensor:
+    """Decode every rank's codes of every span into ``out`` (written inside the spans only),
+    and with ``residual`` subtract ``rank``'s own decoded values from it; returns ``out``.
+
+    ``packed`` is uint8[world, sum ceil(n/8)] (every rank's :func:`sign_pack_many` payload),
+    ``scales`` float32[world, T]; ``out`` a flat contiguous float32, float16 or bfloat16
+    buffer; ``residual`` float32 of ``out``'s size (usually the ``acc`` the codes came from).
+    """
+    _checks.check_dtype("packed", packed, torch.uint8)
+    _checks.check_dtype("scales", scales, torch.float32)
+    _checks.check_float("out", out)
+    if out.dim() != 1 or not out.is_contiguous():
+        raise ValueError(f"out must be a flat contiguous buffer, got shape {tuple(out.shape)}")
+    offsets, lengths = _checks.check_spans(spans, out.numel())
+    if packed.dim() != 2 or packed.shape[0] < 1:
+        raise ValueError(f"packed must be 2-D [world >= 1, bytes], got shape {tuple(packed.shape)}")
+    world = packed.shape[0]
+    _checks.check_shape("packed", packed, (world, int(((lengths + 7) // 8).sum())))
+    _checks.check_shape("scales", scales, (world, len(offsets)))
+    _checks.check_count("rank", rank)
+    if rank >= world:
+        raise ValueError(f"rank={rank} is not one of the {world} ranks of packed")
+    _checks.check_same_device(packed=packed, scales=scales, out=out)
+    if residual is not None:
+        _checks.check_dtype("residual", residual, torch.float32)
+        if residual.shape != out.shape or not residual.is_contiguous():
+            raise ValueError(f"residual must be a contiguous buffer of out's {out.numel()} elements, got {tuple(residual.shape)}")
+        _checks.check_same_device(out=out, residual=residual)
+    packed, scales = packed.contiguous(), scales.contiguous()
+    if out.is_cuda:
+        return _launch.sign_decode(packed, scales, offsets, lengths, out, residual, rank)
+    from .cpu import sign as cpu
+
+    cpu.sign_unpack_accumulate(packed, scales, offsets, lengths, out, residual, rank)
+    return out
