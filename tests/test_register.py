@@ -27,7 +27,10 @@ PARTS = {
     "local_sgd_h4.toml": ["local_sgd"],
     "co2_h4.toml": ["local_sgd"],
     "float64 local_sgd": ["local_sgd"],
+    "onebit_adam.toml": ["onebit_adam"],
 }
+#: files whose table takes over AdamW's step (the others train with SGD)
+ADAMW = {"onebit_adam.toml"}
 
 
 def test_every_method_and_feature_has_a_ready_file():
@@ -107,8 +110,11 @@ def _explicit(path: Path, rank: int) -> torch.Tensor:
 def _train(path: Path, rank: int, dtype: torch.dtype = torch.float32) -> dict:
     """A few steps with the config at ``path``: the user's loop, unchanged."""
     model = _wrap(path.name, _model(dtype))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    reg = commpress.register(model, path, optimizer=opt)
+    if path.name in ADAMW:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    reg = commpress.register(model, path, optimizer=opt, total_steps=8 if path.name in ADAMW else None)
     loss = _steps(model, opt, opt.step, rank, dtype)
     reg.finish()
     whole = reg.state_dict(full=True)  # a collective: every rank's parts, as a rank-0 checkpoint holds them
