@@ -44,4 +44,3 @@ class OneBitAdamRanks:
                 opt.step()
         for r in self.ranks:
             r.steps += 1
-

@@ -235,7 +235,13 @@ TABLE_TYPES: dict[str, type] = {
 }
 
 #: How errors name each table's keys (``local_sgd: period = 0 ...``).
-_LABELS = {"local_sgd": "local_sgd", "fsdp": "fsdp", "bandwidth": "[bandwidth]", "layerwise": "[layerwise]", "onebit_adam": "[onebit_adam]"}
+_LABELS = {
+    "local_sgd": "local_sgd",
+    "fsdp": "fsdp",
+    "bandwidth": "[bandwidth]",
+    "layerwise": "[layerwise]",
+    "onebit_adam": "[onebit_adam]",
+}
 
 
 def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> Any:

@@ -18,9 +18,10 @@ bias-corrected variance at the freeze; ``t`` keeps counting, as AdamW's bias cor
 the momentum does. The ``max`` keeps every coordinate's step within ``lr``, Adam's own
 bound: a coordinate whose gradient grew after the freeze (an embedding row first seen
 later has ``v_T = 0``) would otherwise take a step of ``lr * m_hat / eps`` and diverge, as
-the quality suite's charlm task does at a freeze after 15% of its steps. ``m`` and ``v`` stay in the optimizer's state (``exp_avg``,
-``exp_avg_sq``, ``step``), so the optimizer's own ``state_dict`` saves them; this object's
-:meth:`state_dict` adds the step counter and the compressor's error feedback.
+the quality suite's charlm task does at a freeze after 15% of its steps.
+
+``m`` and ``v`` stay in the optimizer's state (``exp_avg``, ``exp_avg_sq``, ``step``), so
+the optimizer's own ``state_dict`` saves them; this object's :meth:`state_dict` adds the step counter and the compressor's error feedback.
 
 Why a hand-over rather than a new optimizer class: the user keeps the AdamW they built,
 its param groups, LR scheduler and checkpoint, and the warm-up *is* that AdamW. After the
@@ -102,10 +103,7 @@ def comm_hook(state: "OneBitAdam", bucket: dist.GradBucket) -> torch.futures.Fut
     """DDP comm hook of 1-bit Adam: the exact average during the warm-up, after it the
     local gradient (with the finiteness flag)."""
     buffer = bucket.buffer()
-    if state.frozen:
-        reduction = _spread_non_finite(buffer)
-    else:
-        reduction = _mean(buffer, state.averager.world_size)
+    reduction = _spread_non_finite(buffer) if state.frozen else _mean(buffer, state.averager.world_size)
     return state.averager.backend.run(reduction).then(lambda fut: (fut.value(), buffer)[1])
 
 
@@ -137,7 +135,9 @@ class OneBitAdam:
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         missing = [n for n, p in named if id(p) not in owned]
         if missing:
-            raise ConfigError(f"{_WHERE}: the optimizer does not hold parameters {', '.join(missing[:3])}: give it every parameter")
+            raise ConfigError(
+                f"{_WHERE}: the optimizer does not hold parameters {', '.join(missing[:3])}: give it every parameter"
+            )
         dtypes = {p.dtype for _, p in named}
         if dtypes != {torch.float32}:
             found = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
@@ -255,7 +255,9 @@ class OneBitAdam:
         rank, the world size and the settings; ``full=True``: every rank's (a collective).
         The momentum and the frozen variance are the optimizer's state: save it as usual."""
         backend = self.averager.backend
-        part = checkpoint.tag({"averager": self.averager.state_dict()}, backend.rank, backend.world_size, self.steps, self.settings)
+        part = checkpoint.tag(
+            {"averager": self.averager.state_dict()}, backend.rank, backend.world_size, self.steps, self.settings
+        )
         return checkpoint.gather_job(backend.allgather_object, part) if full else part
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
