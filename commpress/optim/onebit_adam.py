@@ -21,7 +21,8 @@ later has ``v_T = 0``) would otherwise take a step of ``lr * m_hat / eps`` and d
 the quality suite's charlm task does at a freeze after 15% of its steps.
 
 ``m`` and ``v`` stay in the optimizer's state (``exp_avg``, ``exp_avg_sq``, ``step``), so
-the optimizer's own ``state_dict`` saves them; this object's :meth:`state_dict` adds the step counter and the compressor's error feedback.
+the optimizer's own ``state_dict`` saves them; this object's :meth:`state_dict` adds
+the step counter and the compressor's error feedback.
 
 Why a hand-over rather than a new optimizer class: the user keeps the AdamW they built,
 its param groups, LR scheduler and checkpoint, and the warm-up *is* that AdamW. After the
