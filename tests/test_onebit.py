@@ -197,8 +197,28 @@ def test_state_dict_round_trip_and_exact_resume():
         build("onebit").load_state_dict({})
 
 
+def test_chunks_carry_a_scale_each_and_conserve_the_error():
+    """chunk = 16: every 16 elements share a scale (the last run shorter); sent + residual
+    is still the accumulated gradient, and the bytes are a scale and the signs per run."""
+    sim = SimulatedWorld(1)
+    (comp,) = sim.compressors(lambda: build("onebit", {**ALL, "chunk": 16}))
+    grad = torch.cat(_grads(0))
+    bucket = _bucket(_grads(0))
+    _step(sim, [comp], [bucket])
+    residual = _residual(comp)
+    assert torch.allclose(bucket.buffer + residual, grad, rtol=1e-6, atol=1e-6)
+    for at in range(0, 300, 16):  # the first tensor, 300 elements: 18 runs of 16 and one of 12
+        run = grad[at : min(at + 16, 300)]
+        assert torch.allclose(bucket.buffer[at : at + run.numel()], _signed(run), rtol=1e-6, atol=0)
+    runs = [math.ceil(n / 16) for n in SIZES]
+    assert comp.transfers(bucket.slots)[0].nbytes == sum(4 * r for r in runs) + sum(
+        math.ceil(min(16, n - 16 * i) / 8) for n in SIZES for i in range(math.ceil(n / 16))
+    )
+
+
 def test_config_errors():
     for params, match in [
+        ({"chunk": 12}, r"method 'onebit': chunk = 12 is not accepted; expected 0 \(one scale per tensor\) or a multiple of 8"),
         ({"min_numel": -1}, r"method 'onebit': min_numel = -1 is not accepted; expected an integer >= 0"),
         ({"error_feedback": "yes"}, r"error_feedback"),
         ({"ratio": 0.1}, r"ratio"),

@@ -52,6 +52,9 @@ class OneBitCompressor(Compressor):
             0 compresses every tensor.
         error_feedback: keep each tensor's residual ``acc - scale * sign(acc)`` and add it to
             the next gradient (off: every step's quantization error is dropped).
+        chunk: 0, one scale per tensor; a multiple of 8, one scale per run of ``chunk``
+            elements (4 more bytes per run: 1.125 bits per element at 256), so a tensor
+            whose rows differ in magnitude (an embedding) keeps a smaller residual.
 
     State: the residuals, float32 and shaped like their parameters, kept per parameter name
     and staged until :meth:`end_step`.
@@ -65,8 +68,14 @@ class OneBitCompressor(Compressor):
     rounds: ClassVar[int] = 1
     per_rank_state: ClassVar[tuple[str, ...]] = ("residuals",)
 
-    def __init__(self, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True) -> None:
+    def __init__(self, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True, chunk: int = 0) -> None:
         where = "method 'onebit'"
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk % 8:
+            raise ConfigError(
+                f"{where}: chunk = {chunk!r} is not accepted; expected 0 (one scale per tensor) or a multiple of 8 "
+                "(one scale per that many elements)"
+            )
+        self.chunk = chunk
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ConfigError(
                 f"{where}: min_numel = {min_numel!r} is not accepted; expected an integer >= 0 (0: compress every tensor)"
@@ -82,7 +91,13 @@ class OneBitCompressor(Compressor):
         ``min_numel`` whole in float32 (none for an empty tensor)."""
         if slot.numel < self.min_numel:
             return (Transfer("all_gather", 4 * slot.numel),)
-        return (Transfer("all_gather", 4 + packed_size(slot.numel, 1) if slot.numel else 0),)
+        return (Transfer("all_gather", sum(4 + packed_size(n, 1) for _, n in self._spans(0, slot.numel))),)
+
+    def _spans(self, offset: int, numel: int) -> list[tuple[int, int]]:
+        """The (offset, length) of each run of elements that shares one scale."""
+        if not self.chunk:
+            return [(offset, numel)] if numel else []
+        return [(offset + at, min(self.chunk, numel - at)) for at in range(0, numel, self.chunk)]
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.check_dtype(bucket)
@@ -95,13 +110,13 @@ class OneBitCompressor(Compressor):
         signed = [s for s in slots if s.numel >= self.min_numel]
         whole = [s for s in slots if s.numel < self.min_numel]
         pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in signed]
-        spans = [(s.offset, s.numel) for s in signed]
+        spans = [span for s in signed for span in self._spans(s.offset, s.numel)]
         error, acc = self._feedback(grad, pieces)
         packed, scales = sign_pack_many(grad, spans, error, acc)
         dense = torch.cat([grad.narrow(0, s.offset, s.numel) for s in whole]).float() if whole else grad.new_empty(0).float()
         gathered = yield AllGather(frame([scales, packed, dense]))
         all_scales, all_packed, all_dense = unframe(
-            gathered, [(torch.float32, len(signed)), (torch.uint8, packed.numel()), (torch.float32, dense.numel())]
+            gathered, [(torch.float32, len(spans)), (torch.uint8, packed.numel()), (torch.float32, dense.numel())]
         )
         sign_unpack_accumulate_many(all_packed, all_scales, spans, grad, acc, ctx.rank)  # acc becomes the residual
         average = sum_rows(all_dense).div_(ctx.world_size)
