@@ -9,8 +9,9 @@ real :class:`~commpress.local_sgd.ParameterAverager` at the rounds its period po
 CO2 rows run the real :class:`~commpress.local_sgd.CO2`, one per rank, and QSDP rows (an
 ``[fsdp]`` table) compute with the weights commpress's quantized FSDP2 all-gather delivers
 and step on the average its quantized reduce-scatter computes (the step functions are in
-:mod:`commpress.bench.simulated_training`). The result is the held-out loss at the end,
-compared with ``none`` on the same task, optimizer and seed (the table and plot:
+:mod:`commpress.bench.simulated_training`; buffers such as BatchNorm statistics as DDP or
+FSDP2 leaves them). The result is the held-out loss of rank 0's model in eval mode at the
+end, compared with ``none`` on the same task, optimizer and seed (the table and plot:
 :mod:`commpress.bench.quality_report`).
 """
 
