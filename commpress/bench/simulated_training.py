@@ -120,7 +120,8 @@ def data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) ->
 
 
 class LocalSGDRanks:
-    """Local SGD on the simulated ranks: local steps, then the models averaged through a
+    """Local SGD on the simulated ranks: local steps, then the models (with
+    ``average_buffers``, their float buffers too) averaged through a
     :class:`ParameterAverager` per rank at the end of every round (the sync of
     :class:`commpress.local_sgd.LocalSGD`, whose constructor needs a process group)."""
 
