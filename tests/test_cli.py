@@ -111,7 +111,10 @@ BAD = [
     (["linkemu", "--ranks", "3", "--nodes", "2"], "nodes = 2 is not accepted"),
     (["linkemu", "--rate", "fast"], "rate = 'fast' is not accepted"),
     (["quality", "--steps", "0"], "argument --steps: '0' is not accepted; expected an integer >= 1"),
-    (["quality", "--tasks", "charlm;mnist"], "argument --tasks: 'mnist' is not accepted; accepted: charlm, shapes, transformer"),
+    (
+        ["quality", "--tasks", "charlm;mnist"],
+        "argument --tasks: 'mnist' is not accepted; accepted: charlm, shapes, transformer, resnet",
+    ),
     (
         ["quality", "--methods", "bf16,topk:ratio=0.01,bf16"],
         "argument --methods: 'bf16,topk:ratio=0.01,bf16' is not accepted: 'bf16' is named twice",
