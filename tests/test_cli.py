@@ -142,7 +142,7 @@ def test_the_real_entry_point_fails_fast_without_a_traceback():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
         "commpress demo: --methods 'powersdg': method = 'powersdg' is not a known compressor; "
-        "accepted: acpsgd, bf16, fp16, none, powersgd, terngrad, topk"
+        "accepted: acpsgd, bf16, fp16, none, onebit, powersgd, quant, terngrad, topk"
     ]
 
 
