@@ -111,7 +111,10 @@ BAD = [
     (["linkemu", "--ranks", "3", "--nodes", "2"], "nodes = 2 is not accepted"),
     (["linkemu", "--rate", "fast"], "rate = 'fast' is not accepted"),
     (["quality", "--steps", "0"], "argument --steps: '0' is not accepted; expected an integer >= 1"),
-    (["quality", "--tasks", "charlm;mnist"], "argument --tasks: 'mnist' is not accepted; accepted: charlm, shapes, transformer"),
+    (
+        ["quality", "--tasks", "charlm;mnist"],
+        "argument --tasks: 'mnist' is not accepted; accepted: charlm, shapes, transformer, resnet",
+    ),
     (
         ["quality", "--methods", "bf16,topk:ratio=0.01,bf16"],
         "argument --methods: 'bf16,topk:ratio=0.01,bf16' is not accepted: 'bf16' is named twice",
@@ -139,7 +142,7 @@ def test_the_real_entry_point_fails_fast_without_a_traceback():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.splitlines() == [
         "commpress demo: --methods 'powersdg': method = 'powersdg' is not a known compressor; "
-        "accepted: acpsgd, bf16, fp16, none, powersgd, terngrad, topk"
+        "accepted: acpsgd, bf16, fp16, none, onebit, powersgd, quant, terngrad, topk"
     ]
 
 

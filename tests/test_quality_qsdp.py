@@ -1,6 +1,7 @@
 """The quality suite's QSDP rows against the real thing: FSDP2 ``fully_shard`` with
 ``commpress.fsdp.apply`` on 2 gloo ranks, on the same model, data, seed, optimizer and
-schedule, ends with bit-identical parameters and counts the same bytes."""
+schedule, ends with bit-identical parameters and buffers (each rank's BatchNorm statistics
+its own: FSDP2 does not broadcast them) and counts the same bytes."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ CASES = {
     "charlm-sgd": Case("charlm", "sgd", ROW),  # the row itself on the suite's demo task
     "transformer-adamw": Case("transformer", "adamw", ROW),  # units in FSDP2's post-order; the root's unit
     "shapes-sgd": Case("shapes", "sgd", ROW),
+    "resnet-adamw": Case("resnet", "adamw", ROW),  # BatchNorm: parameters and buffers in the units
     "odd-w4g2": Case("charlm", "sgd", W4G2, odd=True),
 }
 
@@ -76,8 +78,12 @@ def _sharded(case: Case, world: int) -> torch.nn.Module:
     return model
 
 
-def _fsdp_run(case: Case, rank: int, world: int) -> tuple[torch.Tensor, int]:
-    """Train ``case`` under FSDP2 + commpress: the full parameters and this rank's bytes."""
+def _buffers(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([b.double().reshape(-1) for b in model.buffers()] or [torch.empty(0, dtype=torch.double)])
+
+
+def _fsdp_run(case: Case, rank: int, world: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Train ``case`` under FSDP2 + commpress: the full parameters, this rank's bytes and buffers."""
     import commpress.fsdp
 
     spec, task = quality.TASKS[case.task], case.make()
@@ -95,7 +101,7 @@ def _fsdp_run(case: Case, rank: int, world: int) -> tuple[torch.Tensor, int]:
         opt.step()
     traffic = state.traffic()
     params = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
-    return params, int(traffic["all_gather"]["bytes_sent"] + traffic["reduce_scatter"]["bytes_sent"])
+    return params, int(traffic["all_gather"]["bytes_sent"] + traffic["reduce_scatter"]["bytes_sent"]), _buffers(model)
 
 
 def _real_ranks(rank: int, world: int) -> dict:
@@ -108,16 +114,18 @@ def _real_ranks(rank: int, world: int) -> dict:
     return {"units": units, **{name: _fsdp_run(case, rank, world) for name, case in CASES.items()}}
 
 
-def _simulated(case: Case) -> tuple[list[torch.Tensor], int]:
-    """The suite's QSDP step function on ``case``: every simulated rank's parameters, rank 0's bytes."""
+def _simulated(case: Case) -> tuple[list[torch.Tensor], int, list[torch.Tensor]]:
+    """The suite's QSDP step function on ``case``, as ``train`` runs it (no buffer broadcast):
+    every simulated rank's parameters, rank 0's bytes, every rank's buffers."""
     spec, task = quality.TASKS[case.task], case.make()
     models = [task.model() for _ in range(simulated_training.WORLD)]
     lr = spec.lr[case.optimizer]
     opts = [quality.make_optimizer(case.optimizer, m.parameters(), lr) for m in models]
     sim = SimulatedWorld(simulated_training.WORLD)
     step_fn = simulated_training.QSDPRanks(load_fsdp_config(case.config), models, opts, sim, spec.units)
-    simulated_training.run_ranks(task, spec.loss, models, opts, step_fn, lr, STEPS)
-    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models], sim.traffic[0].bytes_sent
+    simulated_training.run_ranks(task, spec.loss, models, opts, step_fn, lr, STEPS, broadcast_buffers=False)
+    params = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+    return params, sim.traffic[0].bytes_sent, [_buffers(m) for m in models]
 
 
 @pytest.fixture(scope="module")
@@ -146,29 +154,38 @@ def test_units_are_the_ones_fsdp2_and_apply_make(real, task):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_parameters_and_bytes_match_fsdp2_bit_for_bit(real, same_threads, name):
-    params, nbytes = _simulated(CASES[name])
+def test_parameters_buffers_and_bytes_match_fsdp2_bit_for_bit(real, same_threads, name):
+    params, nbytes, buffers = _simulated(CASES[name])
     assert torch.equal(real[0][name][0], real[1][name][0])
     assert all(torch.equal(p, params[0]) for p in params[1:])
     assert torch.equal(params[0], real[0][name][0])
     assert nbytes == real[0][name][1] == real[1][name][1]
+    assert all(torch.equal(b, real[r][name][2]) for r, b in enumerate(buffers))
+    if name == "resnet-adamw":  # BatchNorm statistics, each rank's own
+        assert buffers[0].numel() > 0 and not torch.equal(buffers[0], buffers[1])
 
 
 def test_the_emulation_quantizes(real, same_threads):
     """Without quantization (32 bits) the same run ends elsewhere: the match above is not
     one of unquantized training."""
-    plain, _ = _simulated(dataclasses.replace(CASES["odd-w4g2"], config=PLAIN))
+    plain, _, _ = _simulated(dataclasses.replace(CASES["odd-w4g2"], config=PLAIN))
     assert not torch.equal(plain[0], real[0]["odd-w4g2"][0])
 
 
-def test_the_row_trains_as_fsdp2(real, same_threads):
-    """``train`` itself (the row's dispatch and loop): the held-out loss of the real run's
-    parameters and its bytes per step."""
-    run = quality.train("charlm", "sgd", "qsdp-w8g8", 0, STEPS)
-    task = quality.TASKS["charlm"].make(0)
+@pytest.mark.parametrize("name", ["charlm-sgd", "resnet-adamw"])
+def test_the_row_trains_as_fsdp2(real, same_threads, name):
+    """``train`` itself (the row's dispatch and loop): the held-out loss of the real run's rank 0
+    (its parameters, and its own BatchNorm statistics in eval mode) and its bytes per step."""
+    case = CASES[name]
+    run = quality.train(case.task, case.optimizer, "qsdp-w8g8", 0, STEPS)
+    params, nbytes, buffers = real[0][name]
+    task = case.make()
     model = task.model()
-    torch.nn.utils.vector_to_parameters(real[0]["charlm-sgd"][0], model.parameters())
+    torch.nn.utils.vector_to_parameters(params, model.parameters())
+    with torch.no_grad():
+        for b, value in zip(model.buffers(), buffers.split([b.numel() for b in model.buffers()])):
+            b.copy_(value.view_as(b))
     x, y = task.eval_batch()
     with torch.no_grad():
-        assert run.eval_loss == quality.TASKS["charlm"].loss(model(x), y).item()
-    assert run.bytes_per_step == real[0]["charlm-sgd"][1] / STEPS and run.error is None
+        assert run.eval_loss == quality.TASKS[case.task].loss(model.eval()(x), y).item()
+    assert run.bytes_per_step == nbytes / STEPS and run.error is None

@@ -144,7 +144,7 @@ def test_command_line(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--tasks", "mnist"], "--tasks: 'mnist' is not accepted; accepted: charlm, shapes, transformer"),
+        (["--tasks", "mnist"], "--tasks: 'mnist' is not accepted; accepted: charlm, shapes, transformer, resnet"),
         (["--optimizers", "lion"], "--optimizers: 'lion' is not accepted; accepted: sgd, adamw"),
         (["--methods", "topk:ratio=2"], "method 'topk:ratio=2' is neither a row"),
         (["--methods", " ; "], "argument --methods: ' ; ' names no method"),

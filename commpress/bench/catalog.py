@@ -15,8 +15,8 @@ __all__ = ["LAYERWISE_OF", "METHODS", "OPTIMIZERS", "TASKS", "WORKLOADS"]
 #: ``commpress bench --workload``: the shaped models and the demo's character model.
 WORKLOADS = (*SHAPE_SETS, "charlm")
 #: ``commpress quality --tasks``: the demo's character MLP, a conv net on generated images,
-#: a tiny transformer.
-TASKS = ("charlm", "shapes", "transformer")
+#: a tiny transformer, a small ResNet (BatchNorm, residual blocks) on larger generated images.
+TASKS = ("charlm", "shapes", "transformer", "resnet")
 #: Optimizers by name: SGD with momentum 0.9 and AdamW (weight decay 0.01), each under a
 #: cosine schedule from the task's base learning rate.
 OPTIMIZERS = ("sgd", "adamw")

@@ -32,7 +32,7 @@ from commpress.local_sgd.flat import FlatModel
 from commpress.local_sgd.rounds import RoundClock
 from commpress.workloads.train import cosine_lr
 
-__all__ = ["WORLD", "CO2Ranks", "LocalSGDRanks", "QSDPRanks", "data_parallel", "run_ranks"]
+__all__ = ["WORLD", "CO2Ranks", "LocalSGDRanks", "QSDPRanks", "copy_buffers_from_rank0", "data_parallel", "run_ranks"]
 
 WORLD = 2
 
@@ -45,15 +45,19 @@ def run_ranks(
     step_fn: Callable[[int, list], None],
     lr: float,
     steps: int,
+    broadcast_buffers: bool = True,
 ) -> None:
     """The training loop of the quality suite: every step, each rank's gradient of its own batch
-    (after ``step_fn.gather(step)``, if it has one, set the weights to compute with), then
+    (after ``step_fn.gather(step)``, if it has one, set the weights to compute with, and, with
+    ``broadcast_buffers``, :func:`copy_buffers_from_rank0` gave every rank rank 0's buffers), then
     ``step_fn(step, grads)``; ``step_fn.finish()`` at the end, if it has one."""
     schedule = cosine_lr(lr, steps)
     gather = getattr(step_fn, "gather", None)
     for step in range(steps):
         if gather is not None:
             gather(step)
+        if broadcast_buffers:
+            copy_buffers_from_rank0(models)
         grads = []
         for r, (model, opt) in enumerate(zip(models, opts)):
             for group in opt.param_groups:
@@ -64,6 +68,16 @@ def run_ranks(
     finish = getattr(step_fn, "finish", None)
     if finish is not None:
         finish()
+
+
+def copy_buffers_from_rank0(models: Sequence[torch.nn.Module]) -> None:
+    """Every rank's buffers (BatchNorm statistics and counts) set to rank 0's, as DDP built
+    with ``broadcast_buffers=True`` (its default) broadcasts them before each forward,
+    outside the comm hook."""
+    with torch.no_grad():
+        for model in models[1:]:
+            for buffer, source in zip(model.buffers(), models[0].buffers()):
+                buffer.copy_(source)
 
 
 def _set_grads(model: torch.nn.Module, grads: Sequence[torch.Tensor]) -> None:
@@ -106,14 +120,15 @@ def data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) ->
 
 
 class LocalSGDRanks:
-    """Local SGD on the simulated ranks: local steps, then the models averaged through a
+    """Local SGD on the simulated ranks: local steps, then the models (with
+    ``average_buffers``, their float buffers too) averaged through a
     :class:`ParameterAverager` per rank at the end of every round (the sync of
     :class:`commpress.local_sgd.LocalSGD`, whose constructor needs a process group)."""
 
     def __init__(self, cfg: Config, models: list, opts: list, sim: SimulatedWorld, steps: int) -> None:
         section = cfg.section("local_sgd")
         self.models, self.opts = models, opts
-        self.flats = [FlatModel(m) for m in models]
+        self.flats = [FlatModel(m, buffers=section.average_buffers) for m in models]
         self.anchors = [f.read() for f in self.flats]
         self.averagers = [ParameterAverager(cfg.method, cfg.params, backend=b) for b in sim.backends]
         self.clocks = [RoundClock(period_policy(section), steps) for _ in models]

@@ -1,7 +1,7 @@
 """Compare the training quality of every method on small tasks, in one process.
 
 Trains each task (the demo's character MLP, a conv net on generated images, a tiny
-transformer) with each optimizer (SGD with momentum 0.9, AdamW) and each method on 2
+transformer, a small ResNet with BatchNorm) with each optimizer (SGD with momentum 0.9, AdamW) and each method on 2
 ranks simulated in this process, for several seeds, and prints the held-out loss at the
 end and its gap to ``none`` on the same seed (mean, and min .. max over seeds). A method
 that cannot run with an optimizer (Top-k with DGC needs SGD) is shown as n/a with the

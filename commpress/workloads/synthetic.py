@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +25,17 @@ def _seed(seed: int, step: int, rank: int) -> int:
     return ((seed * 1_000_003 + step) * 4099 + rank) % (2**63)
 
 
-def shapes_batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` noisy 16x16 images of one of six periodic patterns (random period, phase,
-    contrast, ring centre) and their class labels."""
+def shapes_batch(n: int, generator: torch.Generator, size: int = _SIZE, noise: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` ``size`` x ``size`` images of one of six periodic patterns (random period, phase,
+    contrast, ring centre in the middle half) plus Gaussian noise of deviation ``noise``, and
+    their class labels."""
     g = generator
     label = torch.randint(0, _CLASSES, (n,), generator=g)
     period = 3 + 4 * torch.rand(n, 1, 1, generator=g)
     phase = 2 * math.pi * torch.rand(n, 2, 1, 1, generator=g)
-    centre = 4 + 8 * torch.rand(n, 2, 1, 1, generator=g)
+    centre = size / 4 + size / 2 * torch.rand(n, 2, 1, 1, generator=g)
     amp = 0.3 + 0.7 * torch.rand(n, 1, 1, generator=g)
-    yy, xx = torch.meshgrid(torch.arange(_SIZE, dtype=torch.float32), torch.arange(_SIZE, dtype=torch.float32), indexing="ij")
+    yy, xx = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32), indexing="ij")
     w = 2 * math.pi / period
     radius = torch.sqrt((xx - centre[:, 0]) ** 2 + (yy - centre[:, 1]) ** 2)
     patterns = torch.stack(
@@ -47,7 +49,7 @@ def shapes_batch(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torc
         ],
         dim=1,
     )
-    image = patterns[torch.arange(n), label] * amp + 0.8 * torch.randn(n, _SIZE, _SIZE, generator=g)
+    image = patterns[torch.arange(n), label] * amp + noise * torch.randn(n, size, size, generator=g)
     return image.unsqueeze(1), label
 
 
@@ -73,16 +75,19 @@ class ShapesNet(nn.Module):
 @dataclass(frozen=True)
 class ShapesTask:
     """Classify generated stripe, checkerboard and ring images; batches seeded by
-    (seed, step, rank), the held-out batch by a seed no training step uses."""
+    (seed, step, rank), the held-out batch by a seed no training step uses. ``side`` and
+    ``noise``: the images' side and noise (a subclass with another model may change them)."""
 
+    side: ClassVar[int] = _SIZE
+    noise: ClassVar[float] = 0.8
     batch_size: int = 32
     seed: int = 0
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        return shapes_batch(self.batch_size, torch.Generator().manual_seed(_seed(self.seed, step, rank)))
+        return shapes_batch(self.batch_size, torch.Generator().manual_seed(_seed(self.seed, step, rank)), self.side, self.noise)
 
     def eval_batch(self, size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
-        return shapes_batch(size, torch.Generator().manual_seed(2**62 + self.seed))
+        return shapes_batch(size, torch.Generator().manual_seed(2**62 + self.seed), self.side, self.noise)
 
     def model(self) -> ShapesNet:
         torch.manual_seed(self.seed)
