@@ -99,8 +99,8 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     A ``<row>-layerwise`` row is ``<row>`` with ``[layerwise] enabled = true``: each tensor's
     setting planned from the measured errors, within the bytes the row sends
     (``budget = "uniform"``), re-planned every 50 steps. ``onebit-adam`` is 1-bit Adam
-    (``[onebit_adam]``, AdamW only): 15% exact steps, then the momentum in 1-bit signs with a
-    scale per 64 elements.
+    (``[onebit_adam]``, AdamW only): 15% exact steps, then the momentum of every tensor in 1-bit
+    signs with a scale per 64 elements.
     """
     rows: dict[str, dict[str, Any]] = {
         "none": {"method": "none"},
@@ -115,7 +115,7 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
         "local-sgd+qsr": {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": lr}},
         "co2": {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}},
         "qsdp-w8g8": {"method": "none", "fsdp": {"weight_bits": 8, "grad_bits": 8}},
-        "onebit-adam": {"method": "onebit", "params": {"chunk": 64}, "onebit_adam": {"warmup": 0.15}},
+        "onebit-adam": {"method": "onebit", "params": {"chunk": 64, "min_numel": 0}, "onebit_adam": {"warmup": 0.15}},
     }
     base = label.removesuffix("-layerwise")
     if label != base and base in LAYERWISE_OF:
