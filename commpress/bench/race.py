@@ -1,8 +1,9 @@
 """Race every method to a held-out loss in wall-clock time, on one rank of a process group.
 
 Each method trains a fresh model (same seed, same batches per step and rank, same
-optimizer) wrapped in DDP with the method's gradient exchange (:mod:`commpress.bench.attach`)
-or, for a config with a ``[local_sgd]`` table, Local SGD/CO2. Every ``eval_every`` steps the
+optimizer) wrapped in DDP with the method's gradient exchange: DDP's own, PyTorch's hooks
+(:mod:`commpress.bench.attach`), or a commpress config applied by :func:`commpress.register`
+with the optimizer (the DDP hook, Local SGD/CO2/DiLoCo, 1-bit Adam). Every ``eval_every`` steps the
 clock stops and the ranks evaluate the held-out batch, each its share, with its own model;
 the loss over the whole batch is the curve's point. The clock counts training steps only
 (the slowest rank's). A method stops at the first evaluation at or below the target, at
@@ -28,6 +29,7 @@ from commpress.bench.attach import attach, bucket_cap
 from commpress.bench.methods import BenchMethod
 from commpress.bench.quality import make_optimizer
 from commpress.errors import ConfigError
+from commpress.registration import register
 from commpress.terminal import Progress
 from commpress.workloads.charlm import CharTask
 from commpress.workloads.synthetic import CharTransformerTask
@@ -146,26 +148,30 @@ def _warm_up(spare: _Racer, rank: int, world: int) -> None:
     spare.finish()
 
 
+#: Tables whose method exchanges the whole model or momentum, not DDP's buckets: DDP keeps
+#: its own bucket size for them.
+WHOLE_MODEL = ("local_sgd", "onebit_adam")
+
+
 class _Racer:
     """One method's run: its model, optimizer, gradient exchange and clock."""
 
     def __init__(self, data: Any, method: BenchMethod, plan: RacePlan, grad_bytes: int, stop_at: int) -> None:
         self.data, self.method, self.plan, self.stop_at = data, method, plan, stop_at
         self.model = data.model()
-        local_sgd = method.config is not None and method.config.section("local_sgd") is not None
-        self.cap = plan.bucket_cap_mb if local_sgd else bucket_cap(method, grad_bytes, plan.bucket_cap_mb)
+        whole_model = method.config is not None and any(method.config.section(t) is not None for t in WHOLE_MODEL)
+        self.cap = plan.bucket_cap_mb if whole_model else bucket_cap(method, grad_bytes, plan.bucket_cap_mb)
         self.ddp = DistributedDataParallel(self.model, **({"bucket_cap_mb": self.cap} if self.cap is not None else {}))
         self.opt = make_optimizer(plan.optimizer, self.ddp.parameters(), plan.lr)
+        self.update = self.opt.step
         self.finish: Callable[[], Any] = lambda: None
-        if local_sgd:
-            from commpress.local_sgd import from_config
-
-            trainer = from_config(self.ddp, self.opt, method.config, total_steps=plan.max_steps)
-            self.update, self.traffic, self.counting = trainer.step, trainer.traffic, contextlib.nullcontext
-            self.finish, self.note = trainer.finish, "local models averaged"
+        if method.kind == "commpress":  # every table of the config, as a user's one call applies it
+            reg = register(self.ddp, method.config, optimizer=self.opt, total_steps=plan.max_steps)
+            self.traffic, self.counting, self.finish = reg.traffic, contextlib.nullcontext, reg.finish
+            self.note = "local models averaged" if reg.local_sgd is not None else method.note
         else:
             self.traffic, self.counting = attach(method, self.ddp, grad_bytes, self.opt)
-            self.update, self.note = self.opt.step, method.note
+            self.note = method.note
 
     def run(
         self, rank: int, world: int, held_out: tuple[torch.Tensor, torch.Tensor], target: float | None, bar: Any
