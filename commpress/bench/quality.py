@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from commpress.bench.catalog import LAYERWISE_OF, METHODS, OPTIMIZERS
-from commpress.bench.simulated_training import WORLD, CO2Ranks, LocalSGDRanks, QSDPRanks, data_parallel, run_ranks
+from commpress.bench.simulated_training import WORLD, OuterRanks, QSDPRanks, data_parallel, run_ranks
 from commpress.cmdline import parse_method_spec
 from commpress.comm import SimulatedWorld
 from commpress.config import Config
@@ -157,10 +157,8 @@ def train(
             step_fn = QSDPRanks(load_fsdp_config(cfg), models, opts, sim, spec.units)
         elif local is None:
             step_fn = data_parallel(cfg, models, opts, sim)
-        elif local.algorithm == "co2":
-            step_fn = CO2Ranks(cfg, models, opts, sim, steps)
         else:
-            step_fn = LocalSGDRanks(cfg, models, opts, sim, steps)
+            step_fn = OuterRanks(cfg, models, opts, sim, steps)
     except ConfigError as exc:
         return QualityRun(task_name, optimizer, method, seed, math.nan, math.nan, str(exc))
     run_ranks(task, spec.loss, models, opts, step_fn, base_lr, steps)
