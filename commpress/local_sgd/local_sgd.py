@@ -83,8 +83,9 @@ class LocalSGD:
     With an averager whose backend cannot block (``can_block`` false: ranks of a
     :class:`commpress.comm.SimulatedWorld`, all in one thread) the set-up agreement and
     broadcast are left out: build every rank's
-    trainer from one config and identical models. Such ranks can take their steps one
-    after another only with CO2, whose average is waited for a round after it started.
+    trainer from one config and identical models. Such ranks take their steps one after
+    another through :meth:`local_step` (every rank) and then :meth:`apply_due` (every rank);
+    :meth:`finish` likewise as ``start_due(final=True)``, then ``apply_due(final=True)``.
     """
 
     name = "local SGD"
