@@ -75,6 +75,12 @@ TASKS: dict[str, TaskSpec] = {  # keyed by catalog.TASKS, in its order
 }
 
 
+#: The outer step of the DiLoCo rows.
+DILOCO_OUTER = {"algorithm": "diloco", "outer_lr": 0.5, "outer_momentum": 0.5}
+#: How the ``streaming-diloco`` row sends its pseudo-gradients.
+STREAMING_METHOD: dict[str, Any] = {"method": "terngrad"}
+
+
 def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     """The commpress config of row ``label`` for a run of ``steps`` from base learning
     rate ``lr``; a label that is no row is read as a method spec (``"topk:ratio=0.03"``).
@@ -82,7 +88,11 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     As in the demo, the low-rank rows start after 10% plain steps; QSR's alpha is the
     base learning rate (H = max(4, (lr0 / lr)^2): 4 steps at first, longer as lr decays);
     ``terngrad-last`` sends the last layer in full precision; ``co2`` is the demo's CO2
-    (period 5, outer learning rate 0.7, averaging in bf16); ``qsdp-w8g8`` is FSDP2 with
+    (period 5, outer learning rate 0.7, averaging in bf16); ``diloco`` is DiLoCo at period
+    4 with the outer Nesterov SGD at lr 0.5, momentum 0.5, and ``streaming-diloco`` the
+    same outer step at period 8 over 4 fragments, each landing 1 step late, merged
+    half-and-half, its pseudo-gradients in :data:`STREAMING_METHOD` (docs/local_sgd.md
+    gives the measurements behind these settings); ``qsdp-w8g8`` is FSDP2 with
     commpress's ``[fsdp]`` table: 8-bit weights and gradients, the table's other defaults.
     A ``<row>-layerwise`` row is ``<row>`` with ``[layerwise] enabled = true``: each tensor's
     setting planned from the measured errors, within the bytes the row sends
@@ -100,6 +110,11 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
         "topk-dgc": {"method": "topk", "params": {"ratio": 0.01, "dgc": True}},
         "local-sgd+qsr": {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": lr}},
         "co2": {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}},
+        "diloco": {"method": "none", "local_sgd": {**DILOCO_OUTER, "period": 4}},
+        "streaming-diloco": {
+            **STREAMING_METHOD,
+            "local_sgd": {**DILOCO_OUTER, "period": 8, "fragments": 4, "sync_delay": 1, "merge_alpha": 0.5},
+        },
         "qsdp-w8g8": {"method": "none", "fsdp": {"weight_bits": 8, "grad_bits": 8}},
     }
     base = label.removesuffix("-layerwise")
