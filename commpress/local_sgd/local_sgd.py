@@ -215,25 +215,29 @@ class LocalSGD:
         ``rounds % fragments`` at the end of a round. ``final``: land what is in flight,
         then start every fragment whose local values differ from the anchor (finish)."""
         if final:
-            self.apply_due(final=True)
+            self._land(until=None)
             for fragment in self.fragments:
                 if self.fresh[fragment.index] != self.clock.step:
                     self._start(fragment, self.clock.step, replace=True)
-            if self.clock.in_round:
-                self.clock.round_done()
             return
         if not self.clock.round_ends:
             return
         self._check_ranks()
-        self.apply_due(final=True)  # a round shorter than sync_delay (QSR's last) lands the previous first
+        self._land(until=None)  # a round shorter than sync_delay (QSR's last) lands the previous first
         self._start(self.fragments[self.clock.rounds % len(self.fragments)], self.clock.step + self.sync_delay)
-        self.clock.round_done()
 
     def apply_due(self, final: bool = False) -> None:
-        """Land the averages due by this step (``final``: all in flight), in the order
-        they started."""
-        while self._in_flight and (final or self._in_flight[0].due <= self.clock.step):
-            self._land(self._in_flight.pop(0))
+        """Land the averages due by this step (``final``: all in flight), then end the
+        round if this step ended it (``final``: if steps were taken in it). A failed
+        average (a peer lost, a non-finite value) raises before the round is counted."""
+        self._land(until=None if final else self.clock.step)
+        if self.clock.round_ends or (final and self.clock.in_round):
+            self.clock.round_done()
+
+    def _land(self, until: int | None) -> None:
+        """Land, in the order they started, the averages due by step ``until`` (None: all)."""
+        while self._in_flight and (until is None or self._in_flight[0].due <= until):
+            self._land_one(self._in_flight.pop(0))
 
     def _start(self, fragment: Fragment, due: int, replace: bool = False) -> None:
         buffer = self.flat.read(tensors=fragment.tensors)
@@ -241,7 +245,7 @@ class LocalSGD:
         future = self.averager.start(fragment.bucket(buffer))
         self._in_flight.append(_InFlight(fragment, due, self.clock.rounds, future, buffer, replace))
 
-    def _land(self, flight: _InFlight) -> None:
+    def _land_one(self, flight: _InFlight) -> None:
         """The outer step with the averaged pseudo-gradient, then the merge of the local values."""
         t0 = time.perf_counter()
         flight.future.wait()
