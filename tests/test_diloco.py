@@ -190,3 +190,16 @@ def test_diloco_with_one_fragment_and_no_delay_is_local_sgd_plus_nesterov():
             for model, _, _ in ranks:
                 torch.testing.assert_close(_flat(model), reference.detach(), rtol=0, atol=1e-6)
     assert isinstance(ranks[0][2], DiLoCo) and ranks[0][2].clock.rounds == steps // period
+
+
+def test_quality_rows_run_diloco_on_every_rank_and_streaming_sends_100x_fewer_bytes():
+    from commpress.bench import quality
+
+    # 64 steps: 8 periods of the streaming row, each fragment synced 8 times, plus the full
+    # sync of finish(); at the suite's 200 steps the ratio is higher (docs/local_sgd.md)
+    none = quality.train("shapes", "adamw", "none", 0, 64)
+    rows = {row: quality.train("shapes", "adamw", row, 0, 64) for row in ("diloco", "streaming-diloco")}
+    # the runs end with one model on both ranks (train() checks it), a finite loss
+    assert all(run.error is None and run.eval_loss < 2 * none.eval_loss for run in rows.values())
+    assert rows["diloco"].bytes_per_step == none.bytes_per_step / 4  # one fp32 average every 4 steps
+    assert rows["streaming-diloco"].bytes_per_step * 100 <= none.bytes_per_step
