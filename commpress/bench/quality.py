@@ -76,7 +76,7 @@ TASKS: dict[str, TaskSpec] = {  # keyed by catalog.TASKS, in its order
 
 
 #: The outer step of the DiLoCo rows.
-DILOCO_OUTER = {"algorithm": "diloco", "outer_lr": 0.7, "outer_momentum": 0.3}
+DILOCO_OUTER = {"algorithm": "diloco", "outer_lr": 0.8, "outer_momentum": 0.2}
 #: How the ``streaming-diloco`` row sends its pseudo-gradients.
 STREAMING_METHOD: dict[str, Any] = {"method": "terngrad"}
 
@@ -89,7 +89,7 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     base learning rate (H = max(4, (lr0 / lr)^2): 4 steps at first, longer as lr decays);
     ``terngrad-last`` sends the last layer in full precision; ``co2`` is the demo's CO2
     (period 5, outer learning rate 0.7, averaging in bf16); ``diloco`` is DiLoCo at period
-    4 with the outer Nesterov SGD at lr 0.7, momentum 0.3, and ``streaming-diloco`` the
+    4 with the outer Nesterov SGD at lr 0.8, momentum 0.2, and ``streaming-diloco`` the
     same outer step at period 8 over 4 fragments, each landing 1 step late, merged
     half-and-half, its pseudo-gradients in :data:`STREAMING_METHOD` (docs/local_sgd.md
     gives the measurements behind these settings); ``qsdp-w8g8`` is FSDP2 with
