@@ -269,8 +269,9 @@ class LocalSGD:
         self.apply_due(final=True)
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """Step and round counters, H, the anchor and the averager's state (save the
-        model and the optimizer alongside, as usual), tagged with this rank, the world size
+        """Step and round counters, H, the anchor, the outer momentum, the fragments'
+        state and averages in flight, and the averager's state (save the model and the
+        optimizer alongside, as usual), tagged with this rank, the world size
         and the settings; ``full=True``: every rank's (a collective; see
         :meth:`commpress.CommState.state_dict`)."""
         backend = self.averager.backend
