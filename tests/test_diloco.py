@@ -203,3 +203,12 @@ def test_quality_rows_run_diloco_on_every_rank_and_streaming_sends_100x_fewer_by
     assert all(run.error is None and run.eval_loss < 2 * none.eval_loss for run in rows.values())
     assert rows["diloco"].bytes_per_step == none.bytes_per_step / 4  # one fp32 average every 4 steps
     assert rows["streaming-diloco"].bytes_per_step * 100 <= none.bytes_per_step
+
+
+def test_diloco_rounds_follow_qsr_with_one_fragment():
+    # AdamW at lr 0.01: H = max(2, floor((0.03 / 0.01) ** 2)) = 9, capped by the 24 steps
+    ranks, _ = _ranks({"algorithm": "diloco", "period": 2, "qsr_alpha": 0.03})
+    for step in range(24):
+        _step(ranks, step)
+    assert [t.clock.periods for _, _, t in ranks] == [[9, 9, 6]] * WORLD
+    assert torch.equal(_flat(ranks[0][0]), _flat(ranks[1][0]))  # the last round ended at step 24
