@@ -8,8 +8,8 @@ model                                       what applies
 ``DistributedDataParallel``                 the DDP comm hook: ``method``, ``params``,
                                             ``overrides``, ``start_iter``, ``backend``,
                                             ``[bandwidth]``; or, with ``[local_sgd]``,
-                                            Local SGD / CO2 run by the optimizer's step
-                                            (``method`` then compresses the averaging);
+                                            Local SGD / CO2 / DiLoCo run by the optimizer's
+                                            step (``method`` then compresses the averaging);
                                             or, with ``[onebit_adam]``, 1-bit Adam on the
                                             AdamW (``method`` compresses the momentum)
 sharded by ``fully_shard``, or FSDP1 root   ``[fsdp]``
@@ -48,9 +48,10 @@ __all__ = ["Registration", "register"]
 class Registration:
     """What :func:`register` applied to a model, one attribute per part (None where that
     part does not apply): ``hook``, the DDP hook's :class:`~commpress.hooks.CommState`;
-    ``local_sgd``, the :class:`~commpress.local_sgd.LocalSGD` or
-    :class:`~commpress.local_sgd.CO2` trainer run by the optimizer's step hooks;
-    ``onebit_adam``, the :class:`~commpress.optim.OneBitAdam` on the user's AdamW; ``fsdp``,
+    ``local_sgd``, the :class:`~commpress.local_sgd.LocalSGD`,
+    :class:`~commpress.local_sgd.CO2` or :class:`~commpress.local_sgd.DiLoCo` trainer run
+    by the optimizer's step hooks; ``onebit_adam``, the :class:`~commpress.optim.OneBitAdam`
+    on the user's AdamW; ``fsdp``,
     the FSDP state (:class:`~commpress.fsdp.FSDP2State` or
     :class:`~commpress.fsdp.QuantizedState`). No part applies in a single process.
 
@@ -89,7 +90,7 @@ class Registration:
     @property
     def traffic(self) -> Traffic:
         """What this rank sent through commpress (:class:`~commpress.comm.Traffic`): the
-        DDP hook's, the averaging's, or FSDP's; for FSDP2 both sides summed when read;
+        DDP hook's, the averaging's (every outer sync), or FSDP's; for FSDP2 both sides summed when read;
         zero where nothing applies."""
         if self.hook is not None:
             return self.hook.traffic
@@ -116,8 +117,9 @@ class Registration:
 
     def finish(self) -> None:
         """End of training: Local SGD averages the steps since its last round, CO2 waits
-        for its last average and applies it (every rank ends with the same model). The
-        other parts have nothing left to do."""
+        for its last average and applies it, DiLoCo lands its fragments in flight and syncs
+        every fragment changed since (every rank ends with the same model). The other parts
+        have nothing left to do."""
         if self.local_sgd is not None:
             self.local_sgd.finish()
 
@@ -205,7 +207,7 @@ def _local_sgd(
     process_group: Any,
     total_steps: int | None,
 ) -> LocalSGD:
-    """The Local SGD / CO2 trainer of ``[local_sgd]``, run by ``optimizer``'s step hooks."""
+    """The Local SGD / CO2 / DiLoCo trainer of ``[local_sgd]``, run by ``optimizer``'s step hooks."""
     if cfg.section("bandwidth") is not None:
         raise ConfigError(
             "the config's [bandwidth] table plans the DDP hook's gradient reduction; with [local_sgd] gradients stay "

@@ -17,21 +17,57 @@ def test_defaults_and_period_policy():
     qsr = period_policy(Config.load({"local_sgd": {"period": 4, "qsr_alpha": 0.0175, "warmup_steps": 5}}).section("local_sgd"))
     assert isinstance(qsr, QSR) and qsr.next(step=5, lr=0.0040005) == 19 and qsr.next(step=4, lr=0.0040005) == 4
     assert Config.load(cfg.to_dict()).digest() == cfg.digest()
+    diloco = Config.load({"local_sgd": DILOCO}).section("local_sgd")  # the paper's outer step; unset keys: defaults
+    assert [diloco.value(k) for k in ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay", "merge_alpha")] == [
+        0.7,
+        0.9,
+        True,
+        1,
+        0,
+        0.0,
+    ]
+    co2 = Config.load({"local_sgd": CO2}).section("local_sgd")
+    assert [co2.value(k) for k in ("outer_lr", "outer_momentum", "staleness_penalty", "clip")] == [1.0, 0.0, 1.0, None]
+
+
+CO2 = {"algorithm": "co2"}
+DILOCO = {"algorithm": "diloco"}
 
 
 @pytest.mark.parametrize(
     ("table", "needle"),
     [
         ({"period": 0}, "local_sgd: period = 0 is not accepted; expected an integer >= 1"),
-        ({"algorithm": "diloco"}, "local_sgd: algorithm = 'diloco' is not accepted; expected one of 'local_sgd', 'co2'"),
+        ({"algorithm": "dilco"}, "local_sgd: algorithm = 'dilco' is not accepted; expected one of 'local_sgd', 'co2', 'diloco'"),
         ({"qsr_alpha": -1.0}, "local_sgd: qsr_alpha = -1.0"),
         ({"qsr_alpha": float("inf")}, "local_sgd: qsr_alpha = inf is not accepted; expected a finite number or none"),
         ({"outer_lr": float("inf")}, "local_sgd: outer_lr = inf is not accepted; expected a finite number"),
         ({"period": True}, "local_sgd: period = True is not accepted; expected an integer"),
-        ({"staleness_penalty": 0.5}, "staleness_penalty = 0.5 is not accepted; expected a number >= 1 or 'adaptive'"),
-        ({"outer_momentum": 1.0}, "outer_momentum = 1.0 is not accepted; expected a number in [0, 1)"),
-        ({"outer_lr": 0}, "outer_lr = 0.0 is not accepted"),
-        ({"clip": -1}, "clip = -1.0 is not accepted"),
+        (CO2 | {"staleness_penalty": 0.5}, "staleness_penalty = 0.5 is not accepted; expected a number >= 1 or 'adaptive'"),
+        (CO2 | {"outer_momentum": 1.0}, "outer_momentum = 1.0 is not accepted; expected a number in [0, 1)"),
+        (CO2 | {"outer_lr": 0}, "outer_lr = 0.0 is not accepted"),
+        (CO2 | {"clip": -1}, "clip = -1.0 is not accepted"),
+        (DILOCO | {"outer_lr": -0.7}, "local_sgd: outer_lr = -0.7 is not accepted; expected a number > 0"),
+        (DILOCO | {"outer_momentum": 0.0}, "local_sgd: nesterov = true is not accepted with outer_momentum = 0"),
+        (DILOCO | {"fragments": 0}, "local_sgd: fragments = 0 is not accepted; expected an integer >= 1"),
+        (DILOCO | {"sync_delay": -1}, "local_sgd: sync_delay = -1 is not accepted; expected an integer >= 0"),
+        (DILOCO | {"merge_alpha": 1.0}, "local_sgd: merge_alpha = 1.0 is not accepted; expected a number in [0, 1)"),
+        (DILOCO | {"nesterov": 1}, "local_sgd: nesterov = 1 is not accepted; expected"),
+        (
+            {"outer_lr": 0.7},
+            "outer_lr = 0.7 does not apply to algorithm = 'local_sgd'; it applies to algorithm = 'co2' or",
+        ),
+        (DILOCO | {"clip": 1.0}, "local_sgd: clip = 1.0 does not apply to algorithm = 'diloco'; it applies to algorithm = 'co2'"),
+        (DILOCO | {"fragments": 2, "period": 5}, "local_sgd: period = 5 is not accepted with fragments = 2; expected a multiple"),
+        (
+            DILOCO | {"fragments": 2, "sync_delay": 2},
+            "sync_delay = 2 is not accepted with period = 4 and fragments = 2",
+        ),
+        (DILOCO | {"sync_delay": 1, "qsr_alpha": 0.1}, "local_sgd: fragments = 1 and sync_delay = 1 need a constant period"),
+        (
+            CO2 | {"fragments": 4},
+            "fragments = 4 does not apply to algorithm = 'co2'; it applies to algorithm = 'diloco'",
+        ),
         ({"perod": 4}, "local_sgd: unknown key 'perod'; accepted keys: algorithm, average_buffers, clip"),
     ],
 )

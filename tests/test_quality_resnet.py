@@ -121,7 +121,7 @@ def test_local_sgd_averages_the_batchnorm_statistics_with_average_buffers(averag
     opts = [quality.make_optimizer("sgd", m.parameters(), lr) for m in models]
     cfg = Config.load({"method": "none", "local_sgd": {"period": 2, "average_buffers": average}})
     sim = SimulatedWorld(WORLD)
-    step_fn = simulated_training.LocalSGDRanks(cfg, models, opts, sim, steps)
+    step_fn = simulated_training.OuterRanks(cfg, models, opts, sim, steps)
     simulated_training.run_ranks(task, SPEC.loss, models, opts, step_fn, lr, steps)
     stats = [_flat_buffers(m, floating=True) for m in models]
     assert torch.equal(stats[0], stats[1]) == average

@@ -104,7 +104,7 @@ def test_co2_row_runs_the_real_co2_on_every_rank():
     opts = [quality.make_optimizer("sgd", m.parameters(), spec.lr["sgd"]) for m in models]
     start = [p.detach().clone() for p in models[0].parameters()]
     sim = SimulatedWorld(simulated_training.WORLD)
-    step_fn = simulated_training.CO2Ranks(cfg, models, opts, sim, steps)
+    step_fn = simulated_training.OuterRanks(cfg, models, opts, sim, steps)
     for step in range(steps):
         grads = []
         for r, model in enumerate(models):
@@ -128,7 +128,7 @@ def test_co2_adaptive_penalty_in_one_process_is_refused():
     models = [spec.make(0).model() for _ in range(simulated_training.WORLD)]
     opts = [quality.make_optimizer("sgd", m.parameters(), 0.1) for m in models]
     with pytest.raises(ConfigError, match="staleness_penalty = 'adaptive' is not accepted with ranks simulated in one process"):
-        simulated_training.CO2Ranks(cfg, models, opts, SimulatedWorld(simulated_training.WORLD), 10)
+        simulated_training.OuterRanks(cfg, models, opts, SimulatedWorld(simulated_training.WORLD), 10)
 
 
 def test_command_line(tmp_path, capsys):

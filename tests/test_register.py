@@ -26,18 +26,22 @@ PARTS = {
     "fsdp_qsdp.toml": ["fsdp"],
     "local_sgd_h4.toml": ["local_sgd"],
     "co2_h4.toml": ["local_sgd"],
+    "diloco.toml": ["local_sgd"],
+    "streaming-diloco.toml": ["local_sgd"],
     "float64 local_sgd": ["local_sgd"],
     "onebit_adam.toml": ["onebit_adam"],
 }
 #: files whose table takes over AdamW's step (the others train with SGD)
 ADAMW = {"onebit_adam.toml"}
+#: the configs also run through the explicit trainer API
+EXPLICIT = ("local_sgd_h4.toml", "co2_h4.toml", "diloco.toml", "streaming-diloco.toml")
 
 
 def test_every_method_and_feature_has_a_ready_file():
     configs = [Config.load(CONFIGS / f) for f in FILES]
     assert {m for m in available() if not m.startswith("test-")} <= {c.method for c in configs}
     assert {t for c in configs for t in c.sections} == set(TABLES)  # a ready file for every table
-    assert {c.section("local_sgd").algorithm for c in configs if c.section("local_sgd")} == {"local_sgd", "co2"}
+    assert {c.section("local_sgd").algorithm for c in configs if c.section("local_sgd")} == {"local_sgd", "co2", "diloco"}
     assert any(c.params.get("dgc") for c in configs)
     assert {Path(f).suffix for f in FILES} == {".toml", ".json"}
 
@@ -171,7 +175,7 @@ def _all(rank: int, world: int) -> dict:
     out = {name: _train(CONFIGS / name, rank) for name in FILES}
     out["float64 none"] = _train(CONFIGS / "none.toml", rank, torch.float64)
     out["float64 local_sgd"] = _train(CONFIGS / "local_sgd_h4.toml", rank, torch.float64)
-    out["explicit"] = {name: _explicit(CONFIGS / name, rank) for name in ("local_sgd_h4.toml", "co2_h4.toml")}
+    out["explicit"] = {name: _explicit(CONFIGS / name, rank) for name in EXPLICIT}
     out["refusals"] = _refusals(rank)
     return out
 
@@ -195,7 +199,7 @@ def test_every_ready_config_trains_on_two_ranks(runs, name):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["local_sgd_h4.toml", "co2_h4.toml"])
+@pytest.mark.parametrize("name", EXPLICIT)
 def test_optimizer_step_hooks_train_exactly_as_the_explicit_trainer(runs, name):
     for run in runs:
         assert torch.equal(run[name]["params"], run["explicit"][name])

@@ -33,6 +33,8 @@ METHODS = (
     "topk-dgc",
     "local-sgd+qsr",
     "co2",
+    "diloco",
+    "streaming-diloco",
     "qsdp-w8g8",
     "topk-layerwise",
     "topk-dgc-layerwise",

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from commpress.bench.catalog import LAYERWISE_OF, METHODS, OPTIMIZERS
 from commpress.bench.simulated_adam import OneBitAdamRanks
-from commpress.bench.simulated_training import WORLD, CO2Ranks, LocalSGDRanks, QSDPRanks, data_parallel, run_ranks
+from commpress.bench.simulated_training import WORLD, OuterRanks, QSDPRanks, data_parallel, run_ranks
 from commpress.cmdline import parse_method_spec
 from commpress.comm import SimulatedWorld
 from commpress.config import Config
@@ -87,6 +87,12 @@ TASKS: dict[str, TaskSpec] = {  # keyed by catalog.TASKS, in its order
 }
 
 
+#: The outer step of the DiLoCo rows.
+DILOCO_OUTER = {"algorithm": "diloco", "outer_lr": 0.8, "outer_momentum": 0.2}
+#: How the ``streaming-diloco`` row sends its pseudo-gradients.
+STREAMING_METHOD: dict[str, Any] = {"method": "terngrad"}
+
+
 def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     """The commpress config of row ``label`` for a run of ``steps`` from base learning
     rate ``lr``; a label that is no row is read as a method spec (``"topk:ratio=0.03"``).
@@ -94,7 +100,11 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     As in the demo, the low-rank rows start after 10% plain steps; QSR's alpha is the
     base learning rate (H = max(4, (lr0 / lr)^2): 4 steps at first, longer as lr decays);
     ``terngrad-last`` sends the last layer in full precision; ``co2`` is the demo's CO2
-    (period 5, outer learning rate 0.7, averaging in bf16); ``qsdp-w8g8`` is FSDP2 with
+    (period 5, outer learning rate 0.7, averaging in bf16); ``diloco`` is DiLoCo at period
+    4 with the outer Nesterov SGD at lr 0.8, momentum 0.2, and ``streaming-diloco`` the
+    same outer step at period 8 over 4 fragments, each landing 1 step late, merged
+    half-and-half, its pseudo-gradients in :data:`STREAMING_METHOD` (docs/local_sgd.md
+    gives the measurements behind these settings); ``qsdp-w8g8`` is FSDP2 with
     commpress's ``[fsdp]`` table: 8-bit weights and gradients, the table's other defaults.
     A ``<row>-layerwise`` row is ``<row>`` with ``[layerwise] enabled = true``: each tensor's
     setting planned from the measured errors, within the bytes the row sends
@@ -114,6 +124,11 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
         "topk-dgc": {"method": "topk", "params": {"ratio": 0.01, "dgc": True}},
         "local-sgd+qsr": {"method": "none", "local_sgd": {"period": 4, "qsr_alpha": lr}},
         "co2": {"method": "bf16", "local_sgd": {"algorithm": "co2", "period": 5, "outer_lr": 0.7}},
+        "diloco": {"method": "none", "local_sgd": {**DILOCO_OUTER, "period": 4}},
+        "streaming-diloco": {
+            **STREAMING_METHOD,
+            "local_sgd": {**DILOCO_OUTER, "period": 8, "fragments": 4, "sync_delay": 1, "merge_alpha": 0.5},
+        },
         "qsdp-w8g8": {"method": "none", "fsdp": {"weight_bits": 8, "grad_bits": 8}},
         "onebit-adam": {"method": "onebit", "params": {"chunk": 64, "min_numel": 0}, "onebit_adam": {"warmup": 0.15}},
     }
@@ -174,10 +189,8 @@ def train(
             step_fn = QSDPRanks(load_fsdp_config(cfg), models, opts, sim, spec.units)
         elif local is None:
             step_fn = data_parallel(cfg, models, opts, sim)
-        elif local.algorithm == "co2":
-            step_fn = CO2Ranks(cfg, models, opts, sim, steps)
         else:
-            step_fn = LocalSGDRanks(cfg, models, opts, sim, steps)
+            step_fn = OuterRanks(cfg, models, opts, sim, steps)
     except ConfigError as exc:
         return QualityRun(task_name, optimizer, method, seed, math.nan, math.nan, str(exc))
     # DDP (Local SGD and CO2 too: their models are DDP's) broadcasts rank 0's buffers; FSDP2 does not

@@ -3,10 +3,8 @@
 Every rank holds its own model and optimizer; :func:`run_ranks` computes each rank's
 gradient of its own batch and hands the list to a step function that averages them with
 the library's own parts on a :class:`~commpress.comm.SimulatedWorld`: the method groups a
-``CommState`` would build (:func:`data_parallel`), a
-:class:`~commpress.local_sgd.ParameterAverager` per rank at the rounds the period policy
-sets (:class:`LocalSGDRanks`), :class:`~commpress.local_sgd.CO2` per rank
-(:class:`CO2Ranks`), and commpress's quantized FSDP2 collectives on FSDP2's layout
+``CommState`` would build (:func:`data_parallel`), one Local SGD, CO2 or DiLoCo trainer per
+rank (:class:`OuterRanks`), and commpress's quantized FSDP2 collectives on FSDP2's layout
 (:class:`QSDPRanks`).
 """
 
@@ -27,12 +25,10 @@ from commpress.fsdp.fsdp2 import Unit
 from commpress.fsdp.layout import flat_shards, plan_units, unshard
 from commpress.hooks.optimizer import hand_over_momentum
 from commpress.local_sgd import ParameterAverager
-from commpress.local_sgd.config import period_policy, trainer_for
-from commpress.local_sgd.flat import FlatModel
-from commpress.local_sgd.rounds import RoundClock
+from commpress.local_sgd.config import trainer_for
 from commpress.workloads.train import cosine_lr
 
-__all__ = ["WORLD", "CO2Ranks", "LocalSGDRanks", "QSDPRanks", "copy_buffers_from_rank0", "data_parallel", "run_ranks"]
+__all__ = ["WORLD", "OuterRanks", "QSDPRanks", "copy_buffers_from_rank0", "data_parallel", "run_ranks"]
 
 WORLD = 2
 
@@ -119,46 +115,12 @@ def data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) ->
     return step_fn
 
 
-class LocalSGDRanks:
-    """Local SGD on the simulated ranks: local steps, then the models (with
-    ``average_buffers``, their float buffers too) averaged through a
-    :class:`ParameterAverager` per rank at the end of every round (the sync of
-    :class:`commpress.local_sgd.LocalSGD`, whose constructor needs a process group)."""
-
-    def __init__(self, cfg: Config, models: list, opts: list, sim: SimulatedWorld, steps: int) -> None:
-        section = cfg.section("local_sgd")
-        self.models, self.opts = models, opts
-        self.flats = [FlatModel(m, buffers=section.average_buffers) for m in models]
-        self.anchors = [f.read() for f in self.flats]
-        self.averagers = [ParameterAverager(cfg.method, cfg.params, backend=b) for b in sim.backends]
-        self.clocks = [RoundClock(period_policy(section), steps) for _ in models]
-
-    def __call__(self, step: int, grads: list) -> None:
-        for model, opt, g, clock in zip(self.models, self.opts, grads, self.clocks):
-            clock.begin_step(float(opt.param_groups[0]["lr"]))
-            _apply(model, opt, g)
-        if all([c.end_step() for c in self.clocks]):
-            self.sync()
-
-    def sync(self) -> None:
-        deltas = [f.read().sub_(a) for f, a in zip(self.flats, self.anchors)]
-        futures = [avg.start(f.bucket(d)) for avg, f, d in zip(self.averagers, self.flats, deltas)]
-        for fut, flat, anchor, delta, clock in zip(futures, self.flats, self.anchors, deltas, self.clocks):
-            fut.wait()
-            anchor.add_(delta)
-            flat.write(anchor)
-            clock.round_done()
-
-    def finish(self) -> None:
-        if self.clocks[0].in_round:
-            self.sync()
-
-
-class CO2Ranks:
-    """CO2 on the simulated ranks: one :class:`commpress.local_sgd.CO2` per rank, built as
-    a ``[local_sgd]`` table builds it, averaging through its rank's backend. A sync point
-    starts this round's average and applies the one every rank started a round earlier
-    (already complete), so the ranks take their steps one after another."""
+class OuterRanks:
+    """Local SGD, CO2 and DiLoCo on the simulated ranks: one trainer per rank, built as a
+    ``[local_sgd]`` table builds it, averaging through its rank's backend. Every rank takes
+    its step and starts the averages due (:meth:`~commpress.local_sgd.LocalSGD.local_step`)
+    before any rank lands them (:meth:`~commpress.local_sgd.LocalSGD.apply_due`), so the
+    ranks run one after another in one thread."""
 
     def __init__(self, cfg: Config, models: list, opts: list, sim: SimulatedWorld, steps: int) -> None:
         section = cfg.section("local_sgd")
@@ -171,16 +133,15 @@ class CO2Ranks:
     def __call__(self, step: int, grads: list) -> None:
         for model, trainer, g in zip(self.models, self.trainers, grads):
             _set_grads(model, g)
-            trainer.step()
+            trainer.local_step()
+        for trainer in self.trainers:
+            trainer.apply_due()
 
     def finish(self) -> None:
-        # CO2.finish waits for the average its own last sync point starts: every rank
-        # starts it first
-        if self.trainers[0].clock.in_round:
-            for trainer in self.trainers:
-                trainer.sync()
         for trainer in self.trainers:
-            trainer.finish()
+            trainer.start_due(final=True)
+        for trainer in self.trainers:
+            trainer.apply_due(final=True)
 
 
 def _mean_in_rank_order(xs: Sequence[torch.Tensor]) -> torch.Tensor:

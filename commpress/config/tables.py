@@ -20,6 +20,8 @@ __all__ = [
     "APPLIED_BY",
     "BITS",
     "FULL_PRECISION",
+    "OUTER_DEFAULTS",
+    "STREAMING_DEFAULTS",
     "TABLES",
     "TABLE_TYPES",
     "BandwidthConfig",
@@ -28,24 +30,33 @@ __all__ = [
     "LocalSGDConfig",
     "OneBitAdamConfig",
     "check_co2_settings",
+    "check_diloco_settings",
+    "check_streaming",
     "parse_table",
 ]
 
 
 @dataclass(frozen=True)
 class LocalSGDConfig:
-    """Settings of the ``[local_sgd]`` table (CO2 keys apply to ``algorithm = "co2"``)."""
+    """Settings of the ``[local_sgd]`` table. The outer-step keys apply to ``"co2"`` and
+    ``"diloco"``, ``staleness_penalty`` and ``clip`` to ``"co2"``, ``nesterov``,
+    ``fragments``, ``sync_delay`` and ``merge_alpha`` to ``"diloco"``; a key left unset
+    takes its algorithm's default (:data:`OUTER_DEFAULTS`, :data:`STREAMING_DEFAULTS`)."""
 
-    algorithm: Literal["local_sgd", "co2"] = "local_sgd"
+    algorithm: Literal["local_sgd", "co2", "diloco"] = "local_sgd"
     period: int = 4
     qsr_alpha: float | None = None
     qsr_power: float = 2.0
     warmup_steps: int = 0
     average_buffers: bool = False
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
-    staleness_penalty: float | Literal["adaptive"] = 1.0
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
+    nesterov: bool | None = None
+    staleness_penalty: float | Literal["adaptive"] | None = None
     clip: float | None = None
+    fragments: int | None = None
+    sync_delay: int | None = None
+    merge_alpha: float | None = None
 
     def __post_init__(self) -> None:
         check_fields("local_sgd", self)  # types, and every number finite
@@ -57,22 +68,101 @@ class LocalSGDConfig:
             raise ConfigError(f"local_sgd: qsr_power = {self.qsr_power!r} is not accepted; expected a number > 0")
         if self.warmup_steps < 0:
             raise ConfigError(f"local_sgd: warmup_steps = {self.warmup_steps!r} is not accepted; expected an integer >= 0")
+        for key, algorithms in _KEYS_OF.items():
+            if getattr(self, key) is not None and self.algorithm not in algorithms:
+                raise ConfigError(
+                    f"local_sgd: {key} = {getattr(self, key)!r} does not apply to algorithm = {self.algorithm!r}; "
+                    f"it applies to algorithm = {' or '.join(map(repr, algorithms))}"
+                )
         try:
-            check_co2_settings(self.outer_lr, self.outer_momentum, self.staleness_penalty, self.clip)
+            if self.algorithm == "co2":
+                outer = (self.value("outer_lr"), self.value("outer_momentum"))
+                check_co2_settings(*outer, self.value("staleness_penalty"), self.clip)
+            elif self.algorithm == "diloco":
+                check_diloco_settings(*(self.value(k) for k in ("outer_lr", "outer_momentum", "nesterov", *STREAMING_DEFAULTS)))
+                check_streaming(
+                    None if self.qsr_alpha is not None else self.period, self.value("fragments"), self.value("sync_delay")
+                )
         except ConfigError as exc:
             raise ConfigError(f"local_sgd: {exc}") from None
+
+    def value(self, key: str) -> Any:
+        """``key``'s value, or its algorithm's default when unset."""
+        value = getattr(self, key)
+        if value is not None:
+            return value
+        return {**OUTER_DEFAULTS.get(self.algorithm, {}), **STREAMING_DEFAULTS}.get(key)
+
+
+#: The outer step's defaults by algorithm: CO2's (the plain average, delayed), DiLoCo's
+#: (the paper's Nesterov SGD).
+OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "co2": {"outer_lr": 1.0, "outer_momentum": 0.0, "staleness_penalty": 1.0},
+    "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True},
+}
+#: DiLoCo's streaming keys, defaults: the whole model at once, landing at once.
+STREAMING_DEFAULTS: dict[str, Any] = {"fragments": 1, "sync_delay": 0, "merge_alpha": 0.0}
+#: The algorithms each optional key of ``[local_sgd]`` applies to.
+_KEYS_OF: dict[str, tuple[str, ...]] = {
+    "outer_lr": ("co2", "diloco"),
+    "outer_momentum": ("co2", "diloco"),
+    "nesterov": ("diloco",),
+    "staleness_penalty": ("co2",),
+    "clip": ("co2",),
+    **{key: ("diloco",) for key in STREAMING_DEFAULTS},
+}
 
 
 def check_co2_settings(outer_lr: float, outer_momentum: float, staleness_penalty: float | str, clip: float | None) -> None:
     """Raise ConfigError naming the first CO2 setting out of range (or not finite)."""
-    if not (_real(outer_lr) and outer_lr > 0):
-        raise ConfigError(f"outer_lr = {outer_lr!r} is not accepted; expected a number > 0")
-    if not (_real(outer_momentum) and 0 <= outer_momentum < 1):
-        raise ConfigError(f"outer_momentum = {outer_momentum!r} is not accepted; expected a number in [0, 1)")
+    _check_outer(outer_lr, outer_momentum)
     if staleness_penalty != "adaptive" and not (_real(staleness_penalty) and staleness_penalty >= 1):
         raise ConfigError(f"staleness_penalty = {staleness_penalty!r} is not accepted; expected a number >= 1 or 'adaptive'")
     if clip is not None and not (_real(clip) and clip > 0):
         raise ConfigError(f"clip = {clip!r} is not accepted; expected a number > 0 or none")
+
+
+def check_diloco_settings(
+    outer_lr: float, outer_momentum: float, nesterov: bool, fragments: int, sync_delay: int, merge_alpha: float
+) -> None:
+    """Raise ConfigError naming the first DiLoCo setting out of range."""
+    _check_outer(outer_lr, outer_momentum)
+    if nesterov is not True and nesterov is not False:
+        raise ConfigError(f"nesterov = {nesterov!r} is not accepted; expected true or false")
+    if nesterov and outer_momentum == 0:
+        raise ConfigError(
+            "nesterov = true is not accepted with outer_momentum = 0; expected outer_momentum > 0 or nesterov = false"
+        )
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise ConfigError(f"fragments = {fragments!r} is not accepted; expected an integer >= 1")
+    if isinstance(sync_delay, bool) or not isinstance(sync_delay, int) or sync_delay < 0:
+        raise ConfigError(f"sync_delay = {sync_delay!r} is not accepted; expected an integer >= 0")
+    if not (_real(merge_alpha) and 0 <= merge_alpha < 1):
+        raise ConfigError(f"merge_alpha = {merge_alpha!r} is not accepted; expected a number in [0, 1)")
+
+
+def check_streaming(period: int | None, fragments: int, sync_delay: int) -> None:
+    """Streaming DiLoCo's schedule: ``fragments`` > 1 or ``sync_delay`` > 0 need a constant
+    ``period`` (None: a varying one) that ``fragments`` divides, and ``sync_delay`` shorter
+    than ``period / fragments`` so a fragment's average lands before the next sync starts."""
+    if fragments == 1 and sync_delay == 0:
+        return
+    if period is None:
+        raise ConfigError(f"fragments = {fragments} and sync_delay = {sync_delay} need a constant period; leave qsr_alpha unset")
+    if period % fragments:
+        raise ConfigError(f"period = {period} is not accepted with fragments = {fragments}; expected a multiple of {fragments}")
+    if sync_delay >= period // fragments:
+        raise ConfigError(
+            f"sync_delay = {sync_delay} is not accepted with period = {period} and fragments = {fragments}; expected an "
+            f"integer from 0 to {period // fragments - 1} (a fragment's average lands before the next sync starts)"
+        )
+
+
+def _check_outer(outer_lr: float, outer_momentum: float) -> None:
+    if not (_real(outer_lr) and outer_lr > 0):
+        raise ConfigError(f"outer_lr = {outer_lr!r} is not accepted; expected a number > 0")
+    if not (_real(outer_momentum) and 0 <= outer_momentum < 1):
+        raise ConfigError(f"outer_momentum = {outer_momentum!r} is not accepted; expected a number in [0, 1)")
 
 
 def _real(value: Any) -> bool:
@@ -256,7 +346,7 @@ TABLES: dict[str, Callable[[Mapping[str, Any]], Any]] = {name: functools.partial
 #: Where each table takes effect, so an entry point handed a table it does not apply can
 #: say where it belongs: :func:`commpress.register` applies every table that fits the model.
 APPLIED_BY: dict[str, str] = {
-    "local_sgd": "commpress.register(model, config, optimizer=optimizer) (Local SGD / CO2 at the optimizer's step)",
+    "local_sgd": "commpress.register(model, config, optimizer=optimizer) (Local SGD / CO2 / DiLoCo at the optimizer's step)",
     "fsdp": "commpress.register(model, config) on a model sharded with fully_shard or FSDP1",
     "bandwidth": "commpress.register(ddp_model, config) (the DDP hook)",
     "layerwise": "commpress.register(ddp_model, config) (the DDP hook)",

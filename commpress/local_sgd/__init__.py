@@ -1,20 +1,26 @@
-"""Local SGD and CO2: each rank takes local optimizer steps and the ranks average their
-models from time to time (a constant period or the Quadratic Synchronization Rule); CO2
-overlaps that averaging with the next round's computation."""
+"""Local SGD, CO2 and DiLoCo: each rank takes local optimizer steps and the ranks average
+their models from time to time (a constant period or the Quadratic Synchronization Rule),
+through one outer step on the averaged pseudo-gradient; CO2 overlaps that averaging with
+the next round's computation, Streaming DiLoCo syncs fragments overlapped with a few inner
+steps."""
 
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.co2 import CO2
 from commpress.local_sgd.config import LocalSGDConfig, from_config
 from commpress.local_sgd.ddp import local_gradients_hook, skip_gradient_allreduce
+from commpress.local_sgd.diloco import DiLoCo
 from commpress.local_sgd.local_sgd import LocalSGD
+from commpress.local_sgd.outer import OuterStep
 from commpress.local_sgd.periods import QSR, Constant, Period, qsr_period
 
 __all__ = [
     "CO2",
     "QSR",
     "Constant",
+    "DiLoCo",
     "LocalSGD",
     "LocalSGDConfig",
+    "OuterStep",
     "ParameterAverager",
     "Period",
     "from_config",

@@ -8,6 +8,9 @@ At the end of round t (local model x_t, round anchor a_t), on every rank::
     m    = clamp(beta * m + D / Lambda, -clip, clip)
     a_{t+1} = a_t - outer_lr * m         local models continue from a_{t+1}
 
+the :class:`~commpress.local_sgd.outer.OuterStep` of Local SGD and DiLoCo with its
+momentum, the penalty as the scale of D, and clipping; what differs is the timing: the
+average lands a round late, and the local model restarts from the anchor at once.
 ``docs/local_sgd.md`` gives the equations, the staleness penalty Lambda and the defaults.
 """
 
@@ -26,6 +29,7 @@ from commpress.config.tables import check_co2_settings
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.local_sgd import LocalSGD, check_finite
+from commpress.local_sgd.outer import OuterStep
 from commpress.local_sgd.periods import Period
 
 __all__ = ["CO2"]
@@ -78,9 +82,17 @@ class CO2(LocalSGD):
                 "staleness_penalty = 'adaptive' is not accepted with ranks simulated in one process: its blocking "
                 "all-reduce at every sync point waits for ranks that run later; use a number >= 1"
             )
-        self.momentum = torch.zeros_like(self.anchor)
         self._pending: _Pending | None = None
         self.penalties: list[float] = []
+
+    def _outer_step(self) -> OuterStep:
+        """Momentum beta without Nesterov, clipped."""
+        return OuterStep(self.anchor, self.outer_lr, self.outer_momentum, clip=self.clip)
+
+    @property
+    def momentum(self) -> torch.Tensor | None:
+        """The outer momentum m (None at beta 0 without clipping: no state)."""
+        return self.outer.momentum
 
     def _settings(self) -> dict[str, Any]:
         return {
@@ -90,9 +102,13 @@ class CO2(LocalSGD):
             "clip": self.clip,
         }
 
-    def sync(self) -> None:
-        """End a round: apply the previous round's average, start this round's in the background."""
-        local = self.flat.read(self._delta)
+    def start_due(self, final: bool = False) -> None:
+        """At the end of a round (``final``: of a round in progress): apply the previous
+        round's average, start this round's in the background, restart from the anchor."""
+        if not (self.clock.in_round if final else self.clock.round_ends):
+            return
+        self._check_ranks()
+        local = self.flat.read()
         send = torch.sub(self.anchor, local)
         if self._pending is not None:
             self._apply(self._wait(), local)
@@ -101,13 +117,11 @@ class CO2(LocalSGD):
         self.flat.write(self.anchor)
         self.clock.round_done()
 
-    def finish(self) -> None:
-        """Average the steps since the last sync (if any), wait for the last background
-        average and apply it: every rank ends with the same model."""
-        if self.clock.in_round:
-            self.sync()
-        if self._pending is not None:
-            self._apply(self._wait(), self.flat.read(self._delta))
+    def apply_due(self, final: bool = False) -> None:
+        """Nothing lands during training (a round's average is applied at the next round's
+        end); ``final``: wait for the last average and apply it."""
+        if final and self._pending is not None:
+            self._apply(self._wait(), self.flat.read())
             self.flat.write(self.anchor)
 
     def _wait(self) -> _Pending:
@@ -124,10 +138,7 @@ class CO2(LocalSGD):
         check_finite(stale, self.name, self.clock.rounds - 1)
         penalty = self._penalty(stale, pending.anchor, local)
         self.penalties.append(penalty)
-        self.momentum.mul_(self.outer_momentum).add_(stale, alpha=1.0 / penalty)
-        if self.clip is not None:
-            self.momentum.clamp_(-self.clip, self.clip)  # in place: the clipping takes effect
-        self.anchor.add_(self.momentum, alpha=-self.outer_lr)
+        self.outer.apply(self.anchor, stale, scale=1.0 / penalty)
 
     def _penalty(self, stale: torch.Tensor, stale_anchor: torch.Tensor | None, local: torch.Tensor) -> float:
         """Lambda: the constant, or max(1, rms over ranks of |x_local - x_stale_avg| / |D|)."""
@@ -140,10 +151,9 @@ class CO2(LocalSGD):
         return max(1.0, mean_gap / step) if step > 0 else 1.0
 
     def _part(self) -> dict[str, Any]:
-        """Adds the outer momentum and the average in flight (waited for, so a restored run
-        applies the same values at its next sync)."""
+        """Adds the average in flight (waited for, so a restored run applies the same values
+        at its next sync)."""
         state = super()._part()
-        state["momentum"] = self.momentum.clone()
         pending = None
         if self._pending is not None:
             self._pending.future.wait()
@@ -156,7 +166,6 @@ class CO2(LocalSGD):
 
     def _load_part(self, state: Mapping[str, Any]) -> None:
         super()._load_part(state)
-        self.momentum.copy_(state["momentum"])
         pending = state["pending"]
         self._pending = None
         if pending is not None:

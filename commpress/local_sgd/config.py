@@ -1,9 +1,9 @@
-"""The ``[local_sgd]`` config table: Local SGD (constant period or QSR) or CO2, averaging
-through the config's top-level ``method`` (e.g. ``bf16``)::
+"""The ``[local_sgd]`` config table: Local SGD (constant period or QSR), CO2 or DiLoCo,
+averaging through the config's top-level ``method`` (e.g. ``bf16``)::
 
     method = "none"            # the compressor of the averaging all-reduce
     [local_sgd]
-    algorithm = "local_sgd"    # or "co2"
+    algorithm = "local_sgd"    # or "co2", "diloco"
     period = 4                 # H, or h_base when qsr_alpha is set
     qsr_alpha = 0.2            # QSR: H = max(period, floor((qsr_alpha / lr) ** qsr_power))
 """
@@ -21,6 +21,7 @@ from commpress.config.tables import APPLIED_BY, LocalSGDConfig
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.co2 import CO2
+from commpress.local_sgd.diloco import DiLoCo
 from commpress.local_sgd.local_sgd import LocalSGD
 from commpress.local_sgd.periods import QSR, Constant, Period
 
@@ -41,7 +42,7 @@ def from_config(
     total_steps: int | None = None,
     process_group: Any = None,
 ) -> LocalSGD:
-    """A :class:`LocalSGD` or :class:`CO2` for ``model`` from a config with a ``[local_sgd]``
+    """A :class:`LocalSGD`, :class:`CO2` or :class:`DiLoCo` for ``model`` from a config with a ``[local_sgd]``
     table; its top-level ``method`` and ``params`` choose the averaging compressor."""
     cfg = Config.load(config)
     section = cfg.section("local_sgd")
@@ -66,18 +67,21 @@ def trainer_for(
     averager: ParameterAverager,
     total_steps: int | None = None,
 ) -> LocalSGD:
-    """The :class:`LocalSGD` or :class:`CO2` that the ``[local_sgd]`` table ``section``
-    describes, averaging through ``averager``."""
+    """The :class:`LocalSGD`, :class:`CO2` or :class:`DiLoCo` that the ``[local_sgd]``
+    table ``section`` describes, averaging through ``averager``."""
     common = {"averager": averager, "average_buffers": section.average_buffers, "total_steps": total_steps}
     if section.algorithm == "local_sgd":
         return LocalSGD(model, optimizer, period_policy(section), **common)
+    outer = {"outer_lr": section.value("outer_lr"), "outer_momentum": section.value("outer_momentum")}
+    if section.algorithm == "diloco":
+        keys = ("nesterov", "fragments", "sync_delay", "merge_alpha")
+        return DiLoCo(model, optimizer, period_policy(section), **outer, **{k: section.value(k) for k in keys}, **common)
     return CO2(
         model,
         optimizer,
         period_policy(section),
-        outer_lr=section.outer_lr,
-        outer_momentum=section.outer_momentum,
-        staleness_penalty=section.staleness_penalty,
+        **outer,
+        staleness_penalty=section.value("staleness_penalty"),
         clip=section.clip,
         **common,
     )

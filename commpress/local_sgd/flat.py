@@ -50,16 +50,27 @@ class FlatModel:
         """``buffer`` (a flat vector) as a bucket whose slots name the model's tensors."""
         return Bucket(index, buffer, self.slots)
 
+    def _span(self, tensors: range | None) -> tuple[range, int, int]:
+        which = range(len(self.tensors)) if tensors is None else tensors
+        start, last = self.slots[which[0]].offset, self.slots[which[-1]]
+        return which, start, last.offset + last.numel - start
+
     @torch.no_grad()
-    def read(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The model's current values, flat (into ``out`` if given)."""
-        out = self.empty() if out is None else out
-        for slot, t in zip(self.slots, self.tensors):
-            out[slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
+    def read(self, out: torch.Tensor | None = None, tensors: range | None = None) -> torch.Tensor:
+        """The model's current values, flat (into ``out`` if given); ``tensors``: only
+        those (by position), contiguous from the first one's offset."""
+        which, start, numel = self._span(tensors)
+        if out is None:
+            out = torch.empty(numel, dtype=self.dtype, device=self.device)
+        for i in which:
+            slot = self.slots[i]
+            out[slot.offset - start : slot.offset - start + slot.numel].copy_(self.tensors[i].reshape(-1))
         return out
 
     @torch.no_grad()
-    def write(self, flat: torch.Tensor) -> None:
-        """Set the model's tensors from the flat vector ``flat``."""
-        for slot, t in zip(self.slots, self.tensors):
-            t.copy_(flat[slot.offset : slot.offset + slot.numel].view(t.shape))
+    def write(self, flat: torch.Tensor, tensors: range | None = None) -> None:
+        """Set the model's tensors (``tensors``: only those) from the flat vector ``flat``."""
+        which, start, _ = self._span(tensors)
+        for i in which:
+            slot, t = self.slots[i], self.tensors[i]
+            t.copy_(flat[slot.offset - start : slot.offset - start + slot.numel].view(t.shape))

@@ -48,6 +48,11 @@ class RoundClock:
     def end_step(self) -> bool:
         """Count the step just taken; True when it ends the round (time to average)."""
         self.step += 1
+        return self.round_ends
+
+    @property
+    def round_ends(self) -> bool:
+        """The step just taken ends the current round."""
         return self.period is not None and self.step >= self.round_start + self.period
 
     def round_done(self) -> None:

@@ -1,0 +1,72 @@
+"""Streaming DiLoCo's fragments: the flat model cut into F contiguous pieces, by parameter
+order and never inside a tensor, each as close as the tensor boundaries allow to 1/F of the
+bytes.
+
+Fragment ``f`` ends at the tensor boundary nearest to ``(f + 1) / F`` of the elements (the
+later boundary on a tie), kept strictly after the previous one so no fragment is empty; a
+tensor larger than ``1 / F`` of the model therefore makes its fragment larger and leaves
+the others smaller. Fragments are synced one after another, fragment ``f`` at the end of
+every ``H / F``-th step's round ``r`` with ``r % F == f``, so every rank issues them in the
+same order: the order comes from the step counter alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from commpress.compressors import Bucket, ParamSlot
+from commpress.errors import ConfigError
+
+__all__ = ["Fragment", "split"]
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Elements ``[start, stop)`` of the flat model and the slots of its tensors, their
+    offsets counted from ``start`` (a bucket of the fragment's own values)."""
+
+    index: int
+    start: int
+    stop: int
+    slots: tuple[ParamSlot, ...]
+    tensors: range  # the model's tensors it holds, by position
+
+    @property
+    def where(self) -> slice:
+        return slice(self.start, self.stop)
+
+    def bucket(self, buffer: torch.Tensor) -> Bucket:
+        """``buffer`` (this fragment's values) as bucket ``index``: compressors key their
+        state on the slot names, which no two fragments share."""
+        return Bucket(self.index, buffer, self.slots)
+
+
+def split(slots: tuple[ParamSlot, ...], fragments: int, who: str = "DiLoCo") -> tuple[Fragment, ...]:
+    """``slots`` (a flat model's, in order) cut into ``fragments`` contiguous fragments of
+    nearly equal size (the module docstring); ``who`` names the caller in errors."""
+    if not 1 <= fragments <= len(slots):
+        raise ConfigError(
+            f"{who}: fragments = {fragments!r} is not accepted for a model of {len(slots)} tensors; expected an integer "
+            f"from 1 to {len(slots)} (a fragment holds whole tensors)"
+        )
+    ends = [s.offset + s.numel for s in slots]
+    total = ends[-1]
+    cuts, previous = [], 0
+    for f in range(1, fragments):
+        target = total * f / fragments
+        # the tensor boundary nearest the target, after the previous cut, leaving a tensor
+        # for each later fragment
+        lo, hi = previous + 1, len(slots) - (fragments - f)
+        cut = min(range(lo, hi + 1), key=lambda i: (abs(ends[i - 1] - target), -i))
+        cuts.append(cut)
+        previous = cut
+    bounds = [0, *cuts, len(slots)]
+    out = []
+    for f, (a, b) in enumerate(itertools.pairwise(bounds)):
+        start = slots[a].offset
+        members = tuple(ParamSlot(s.name, s.shape, s.offset - start) for s in slots[a:b])
+        out.append(Fragment(f, start, ends[b - 1], members, range(a, b)))
+    return tuple(out)

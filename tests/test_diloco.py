@@ -1,0 +1,214 @@
+"""DiLoCo in one process (ranks simulated by :class:`commpress.comm.SimulatedWorld`): the
+outer step is torch's Nesterov SGD on the averaged pseudo-gradient, fragments hold whole
+tensors in nearly equal sizes, every fragment is synced once per period at staggered steps
+in the same order on every rank, the merge factor, and error feedback kept per fragment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from commpress.comm import SimulatedWorld
+from commpress.compressors import ParamSlot
+from commpress.config import Config, ConfigError
+from commpress.local_sgd import DiLoCo, OuterStep, ParameterAverager
+from commpress.local_sgd.config import trainer_for
+from commpress.local_sgd.fragments import split
+
+WORLD = 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _ranks(local_sgd: dict, method: str = "none", params: dict | None = None, steps: int = 24):
+    """Every rank's model, optimizer and trainer, built from one ``[local_sgd]`` table."""
+    cfg = Config.load({"method": method, "params": params or {}, "local_sgd": local_sgd})
+    sim = SimulatedWorld(WORLD)
+    ranks = []
+    for backend in sim.backends:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        averager = ParameterAverager(cfg.method, cfg.params, backend=backend)
+        ranks.append((model, opt, trainer_for(model, opt, cfg.section("local_sgd"), averager, steps)))
+    return ranks, sim
+
+
+def _step(ranks, step: int) -> None:
+    """One step on every rank (its own data), averages started on every rank before any lands."""
+    for r, (model, opt, trainer) in enumerate(ranks):
+        g = torch.Generator().manual_seed(1000 * step + r)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        trainer.local_step()
+    for _, _, trainer in ranks:
+        trainer.apply_due()
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_is_torch_sgd_on_the_pseudo_gradient(nesterov):
+    torch.manual_seed(1)
+    anchor, grads = torch.randn(50), [torch.randn(50) for _ in range(4)]
+    reference = nn.Parameter(anchor.clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=nesterov)
+    outer = OuterStep(anchor, lr=0.7, momentum=0.9, nesterov=nesterov)
+    for g in grads:
+        reference.grad = g.clone()
+        sgd.step()
+        outer.apply(anchor, g.clone())
+        assert torch.equal(anchor, reference.detach())
+    assert torch.equal(outer.momentum, sgd.state[reference]["momentum_buffer"])
+
+
+def test_outer_step_slices_and_plain_average():
+    anchor, g = torch.randn(10), torch.randn(4)
+    before = anchor.clone()
+    OuterStep(anchor).apply(anchor, g.clone(), slice(3, 7))  # lr 1, no momentum: anchor - g, elsewhere untouched
+    assert torch.equal(anchor[3:7], before[3:7] - g)
+    assert torch.equal(anchor[:3], before[:3]) and torch.equal(anchor[7:], before[7:])
+    with pytest.raises(ValueError, match="nesterov = true needs outer_momentum > 0"):
+        OuterStep(anchor, nesterov=True)
+
+
+def test_fragments_hold_whole_tensors_in_nearly_equal_sizes():
+    sizes = [10, 10, 40, 10, 10, 10, 10]  # one tensor larger than a third of the model
+    slots, offset = [], 0
+    for i, n in enumerate(sizes):
+        slots.append(ParamSlot(f"p{i}", torch.Size([n]), offset))
+        offset += n
+    parts = split(tuple(slots), 3)
+    # cuts at the tensor boundaries nearest 33.3 and 66.7 elements
+    assert [(p.start, p.stop) for p in parts] == [(0, 20), (20, 70), (70, 100)]
+    assert [list(p.tensors) for p in parts] == [[0, 1], [2, 3], [4, 5, 6]]
+    assert [s.offset for s in parts[2].slots] == [0, 10, 20]  # offsets within the fragment
+    assert [p.stop - p.start for p in split(tuple(slots), 1)] == [100]
+    assert all(p.stop > p.start for p in split(tuple(slots), 7))  # one tensor each
+    with pytest.raises(ConfigError, match="DiLoCo: fragments = 8 is not accepted for a model of 7 tensors"):
+        split(tuple(slots), 8)
+
+
+def test_each_fragment_synced_once_per_period_staggered_same_order_on_every_rank():
+    period, fragments, delay, steps = 6, 3, 1, 24
+    ranks, _ = _ranks({"algorithm": "diloco", "period": period, "fragments": fragments, "sync_delay": delay})
+    started = [[] for _ in ranks]  # per rank: (step, fragment) of every sync started
+    for step in range(steps):
+        _step(ranks, step)
+        for r, (_, _, trainer) in enumerate(ranks):
+            started[r] += [(step + 1, f.fragment.index) for f in trainer._in_flight if f.due == step + 1 + delay]
+    assert started[0] == started[1]
+    assert started[0] == [(2 * (k + 1), k % 3) for k in range(steps // 2)]  # fragment f at (f + 1) * H / F + k * H
+    for f in range(fragments):
+        assert [s for s, g in started[0] if g == f] == list(range(2 * (f + 1), steps + 1, period))
+    assert ranks[0][2].averager.calls == steps // 2
+
+
+def test_merge_factor_mixes_local_and_new_anchor():
+    alpha = 0.25
+    ranks, _ = _ranks({"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": 1, "merge_alpha": alpha})
+    for step in range(2):  # fragment 0 starts after step 2
+        _step(ranks, step)
+    model, _, trainer = ranks[0]
+    fragment = trainer.fragments[0]
+    # the third step, taken by hand to see the local values just before the average lands
+    before = [trainer.anchor.clone()]
+    for r, (m, opt, t) in enumerate(ranks):
+        g = torch.Generator().manual_seed(1000 * 2 + r)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        t.local_step()
+    local = _flat(model)[fragment.where].clone()
+    for _, _, t in ranks:
+        t.apply_due()
+    anchor = trainer.anchor[fragment.where]
+    assert not torch.equal(anchor, before[0][fragment.where])  # the outer step moved it
+    expected = local * alpha + anchor * (1 - alpha)
+    torch.testing.assert_close(_flat(model)[fragment.where], expected, rtol=0, atol=1e-6)
+    assert torch.equal(_flat(model)[fragment.stop :], _flat(model)[fragment.stop :])  # fragment 1 untouched
+    assert trainer.fresh[0] == -1  # a mix: finish syncs it again
+
+
+def test_streaming_finish_leaves_every_rank_with_one_model():
+    ranks, _ = _ranks({"algorithm": "diloco", "period": 6, "fragments": 3, "sync_delay": 1, "merge_alpha": 0.5})
+    for step in range(14):  # fragment 0 started at step 14, in flight at the end
+        _step(ranks, step)
+    assert ranks[0][2]._in_flight
+    for _, _, trainer in ranks:
+        trainer.start_due(final=True)
+    for _, _, trainer in ranks:
+        trainer.apply_due(final=True)
+    assert torch.equal(_flat(ranks[0][0]), _flat(ranks[1][0]))
+    assert torch.equal(_flat(ranks[0][0]), ranks[0][2].anchor)
+
+
+def test_error_feedback_kept_per_fragment():
+    table = {"algorithm": "diloco", "period": 6, "fragments": 3, "sync_delay": 1}
+    ranks, _ = _ranks(table, "topk", {"ratio": 0.1, "min_numel": 0})
+    residuals = []
+    for step in range(12):
+        _step(ranks, step)
+        residuals.append({k: v.clone() for k, v in ranks[0][2].averager.compressor.state_dict()["residuals"].items()})
+    trainer = ranks[0][2]
+    names = [s.name for f in trainer.fragments for s in f.slots]
+    assert names == [s.name for s in trainer.flat.slots]  # every tensor in one fragment, in order
+    assert set(residuals[-1]) == set(names)  # every fragment's residual is kept
+    # fragment 0 (synced at steps 2 and 8) keeps its residual while the others sync
+    first = [s.name for s in trainer.fragments[0].slots]
+    assert all(torch.equal(residuals[2][n], residuals[6][n]) for n in first)
+    assert not all(torch.equal(residuals[2][n], residuals[8][n]) for n in first)
+
+
+def test_diloco_with_one_fragment_and_no_delay_is_local_sgd_plus_nesterov():
+    """Checked by hand on the simulated ranks: each round, anchor - lr * nesterov(mean(anchor - local))."""
+    period, steps = 4, 12
+    ranks, _ = _ranks({"algorithm": "diloco", "period": period}, steps=steps)
+    anchor = _flat(ranks[0][0]).clone()
+    reference = nn.Parameter(anchor.clone())
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(steps):
+        for r, (model, opt, trainer) in enumerate(ranks):
+            g = torch.Generator().manual_seed(1000 * step + r)
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            trainer.local_step()
+        if (step + 1) % period == 0:
+            locals_ = [_flat(m) for m, _, _ in ranks]
+            reference.grad = ((reference.detach() - locals_[0]) + (reference.detach() - locals_[1])) / 2
+            sgd.step()
+        for _, _, trainer in ranks:
+            trainer.apply_due()
+        if (step + 1) % period == 0:
+            for model, _, _ in ranks:
+                torch.testing.assert_close(_flat(model), reference.detach(), rtol=0, atol=1e-6)
+    assert isinstance(ranks[0][2], DiLoCo) and ranks[0][2].clock.rounds == steps // period
+
+
+def test_quality_rows_run_diloco_on_every_rank_and_streaming_sends_100x_fewer_bytes():
+    from commpress.bench import quality
+
+    # 64 steps: 8 periods of the streaming row, each fragment synced 8 times, plus the full
+    # sync of finish(); at the suite's 200 steps the ratio is higher (docs/local_sgd.md)
+    none = quality.train("shapes", "adamw", "none", 0, 64)
+    rows = {row: quality.train("shapes", "adamw", row, 0, 64) for row in ("diloco", "streaming-diloco")}
+    # the runs end with one model on both ranks (train() checks it), a finite loss
+    assert all(run.error is None and run.eval_loss < 2 * none.eval_loss for run in rows.values())
+    assert rows["diloco"].bytes_per_step == none.bytes_per_step / 4  # one fp32 average every 4 steps
+    assert rows["streaming-diloco"].bytes_per_step * 100 <= none.bytes_per_step
+
+
+def test_diloco_rounds_follow_qsr_with_one_fragment():
+    # AdamW at lr 0.01: H = max(2, floor((0.03 / 0.01) ** 2)) = 9, capped by the 24 steps
+    ranks, _ = _ranks({"algorithm": "diloco", "period": 2, "qsr_alpha": 0.03})
+    for step in range(24):
+        _step(ranks, step)
+    assert [t.clock.periods for _, _, t in ranks] == [[9, 9, 6]] * WORLD
+    assert torch.equal(_flat(ranks[0][0]), _flat(ranks[1][0]))  # the last round ended at step 24
