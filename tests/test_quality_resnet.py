@@ -130,8 +130,9 @@ def test_local_sgd_averages_the_batchnorm_statistics_with_average_buffers(averag
 
 
 def test_every_row_runs_on_the_task():
-    runs = {m: train("resnet", "sgd", m, 0, 2) for m in METHODS}
+    runs = {m: train("resnet", "adamw" if m == "onebit-adam" else "sgd", m, 0, 2) for m in METHODS}
     assert all(r.error is None and math.isfinite(r.eval_loss) for r in runs.values())
+    assert "got SGD" in str(train("resnet", "sgd", "onebit-adam", 0, 2).error)  # 1-bit Adam takes AdamW only
     full = runs["none"].bytes_per_step
     assert full == 4 * sum(p.numel() for p in ResNetTask().model().parameters())
     assert runs["topk"].bytes_per_step < full / 5 and runs["terngrad"].bytes_per_step < full / 10

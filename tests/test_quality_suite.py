@@ -64,9 +64,14 @@ def test_runs_are_deterministic_and_seeds_differ():
 
 def test_every_row_runs_and_counts_its_bytes():
     torch.set_num_threads(1)
-    runs = {m: train("shapes", "sgd", m, 0, 2) for m in METHODS}
+    runs = {m: train("shapes", "adamw" if m == "onebit-adam" else "sgd", m, 0, 2) for m in METHODS}
     assert all(isinstance(r, QualityRun) and r.error is None and math.isfinite(r.eval_loss) for r in runs.values())
     full = runs["none"].bytes_per_step
+    # onebit-adam in 2 steps: 15% warm-up rounds to one exact step, then every tensor's momentum
+    # in signs (ceil(n/8) bytes) and a scale per 64 elements, the bucket's finiteness flag aside
+    model = ShapesTask(seed=0).model()
+    frozen = sum((p.numel() + 7) // 8 + 4 * ((p.numel() + 63) // 64) for p in model.parameters())
+    assert runs["onebit-adam"].bytes_per_step == (full + frozen) / 2
     assert runs["fp16"].bytes_per_step == runs["bf16"].bytes_per_step == full / 2
     assert runs["topk"].bytes_per_step == runs["topk-dgc"].bytes_per_step < full / 10
     # the low-rank rows average plainly before start_iter = steps // 10 = 0 here: compressed from the start
