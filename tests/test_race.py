@@ -116,3 +116,12 @@ def test_without_a_target_ddp_runs_first():
     with pytest.raises(ConfigError, match="the first method must be ddp"):
         RacePlan(methods=tuple(parse_methods("topk;ddp")))
     assert RacePlan(methods=tuple(parse_methods("topk;ddp")), target=2.0).target == 2.0
+
+
+def test_the_time_cap_does_not_stop_the_reference_run(one_rank):
+    """The target is ddp's loss after target_steps, whatever --max-seconds says; the cap
+    stops the other rows."""
+    summary = _race(target_steps=3, max_steps=6, max_seconds=1e-9)
+    ddp, topk = summary["rows"]
+    assert ddp["steps"] == 3 and summary["target_source"] == "ddp after 3 steps"
+    assert topk["steps"] == 1  # stopped at its first evaluation, past the cap

@@ -8,7 +8,8 @@ clock stops and the ranks evaluate the held-out batch, each its share, with its 
 the loss over the whole batch is the curve's point. The clock counts training steps only
 (the slowest rank's). A method stops at the first evaluation at or below the target, at
 ``max_steps``, or once its clock passes ``max_seconds``. Without a given target, ``ddp``
-runs first for ``target_steps`` steps and its held-out loss there is the target.
+runs first for ``target_steps`` steps (``max_seconds`` does not stop it) and its held-out
+loss there is the target.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
             _warm_up(_Racer(data, method, plan, grad_bytes, plan.warmup), rank, world_size)
         row = _Racer(data, method, plan, grad_bytes, stop_at).run(rank, world_size, held_out, target, bar)
         if reference:
-            target, target_source = row["curve"][-1][2], f"ddp after {plan.target_steps} steps"
+            target, target_source = row["curve"][-1][2], f"ddp after {row['curve'][-1][0]} steps"
         rows.append(row)
     return {
         "target": target,
@@ -194,9 +195,9 @@ class _Racer:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             curve.append((steps, agreed.item(), self._evaluate(held_out)))
             dist.barrier()  # every rank starts the next step's clock together
-            if (target is not None and curve[-1][2] <= target) or (
-                self.plan.max_seconds is not None and curve[-1][1] >= self.plan.max_seconds
-            ):
+            # the reference run (no target yet) always runs its target_steps
+            capped = self.plan.max_seconds is not None and curve[-1][1] >= self.plan.max_seconds
+            if target is not None and (curve[-1][2] <= target or capped):
                 break
         if bar is not None and steps < self.stop_at:
             bar(self.stop_at, f"stopped after {steps} steps")  # closes the progress line
