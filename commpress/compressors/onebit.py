@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from commpress.compressors import host
@@ -76,6 +77,7 @@ class OneBitCompressor(Compressor):
                 "(one scale per that many elements)"
             )
         self.chunk = chunk
+        self._layouts: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
             raise ConfigError(
                 f"{where}: min_numel = {min_numel!r} is not accepted; expected an integer >= 0 (0: compress every tensor)"
@@ -92,6 +94,15 @@ class OneBitCompressor(Compressor):
         if slot.numel < self.min_numel:
             return (Transfer("all_gather", 4 * slot.numel),)
         return (Transfer("all_gather", sum(4 + packed_size(n, 1) for _, n in self._spans(0, slot.numel))),)
+
+    def _span_array(self, layout: tuple[tuple[int, int], ...]) -> np.ndarray:
+        """Every scale run of the tensors at ``layout`` as an int64 ``[T, 2]`` array, built
+        once per bucket layout (a scale per 64 elements makes hundreds of thousands)."""
+        spans = self._layouts.get(layout)
+        if spans is None:
+            runs = [span for offset, numel in layout for span in self._spans(offset, numel)]
+            spans = self._layouts[layout] = np.array(runs, dtype=np.int64).reshape(-1, 2)
+        return spans
 
     def _spans(self, offset: int, numel: int) -> list[tuple[int, int]]:
         """The (offset, length) of each run of elements that shares one scale."""
@@ -110,7 +121,7 @@ class OneBitCompressor(Compressor):
         signed = [s for s in slots if s.numel >= self.min_numel]
         whole = [s for s in slots if s.numel < self.min_numel]
         pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in signed]
-        spans = [span for s in signed for span in self._spans(s.offset, s.numel)]
+        spans = self._span_array(tuple((s.offset, s.numel) for s in signed))
         error, acc = self._feedback(grad, pieces)
         packed, scales = sign_pack_many(grad, spans, error, acc)
         dense = torch.cat([grad.narrow(0, s.offset, s.numel) for s in whole]).float() if whole else grad.new_empty(0).float()

@@ -55,13 +55,19 @@ def check_count(name: str, value: int, low: int = 0) -> None:
         raise ValueError(f"{name}={value!r} must be an integer >= {low}")
 
 
-def check_spans(spans: Sequence[tuple[int, int]], numel: int) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and lengths (int64) of ``spans`` (``(offset, length)`` pairs of ints), each
+def check_spans(spans: Sequence[tuple[int, int]] | np.ndarray, numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths (int64) of ``spans`` (``(offset, length)`` pairs of ints, or an
+    int64 array of shape ``[T, 2]``, which a caller with many spans builds once), each
     checked to lie in ``range(numel)``: ValueError naming the first that does not."""
-    bad = next((v for pair in spans for v in pair if type(v) is not int), None)  # bools and floats too
-    if bad is not None:
-        raise ValueError(f"spans hold {bad!r}; expected (offset, length) pairs of integers >= 0")
-    array = np.array(spans, dtype=np.int64).reshape(-1, 2)
+    if isinstance(spans, np.ndarray):
+        if spans.dtype != np.int64 or spans.ndim != 2 or spans.shape[1] != 2:
+            raise ValueError(f"spans as an array must be int64 of shape [T, 2], got {spans.dtype} {spans.shape}")
+        array = spans
+    else:
+        bad = next((v for pair in spans for v in pair if type(v) is not int), None)  # bools and floats too
+        if bad is not None:
+            raise ValueError(f"spans hold {bad!r}; expected (offset, length) pairs of integers >= 0")
+        array = np.array(spans, dtype=np.int64).reshape(-1, 2)
     offsets, lengths = array[:, 0].copy(), array[:, 1].copy()
     wrong = (offsets < 0) | (lengths < 0) | (offsets + lengths > numel)
     if wrong.any():
