@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from commpress.comm import Backend, make_backend
+from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction
@@ -99,3 +99,22 @@ class ParameterAverager(OnBackend):
             raise ValueError(f"averager state was saved with method {state['method']!r}, this averager uses {self.method!r}")
         self.calls = int(state["calls"])
         self.compressor.load_state_dict(state["compressor"])
+
+    def own_part(self, state: Mapping[str, Any], what: str) -> Mapping[str, Any]:
+        """This rank's part of ``state``, a part or a whole job of the states of an object
+        that keeps this averager's :meth:`state_dict` under ``"averager"`` (Local SGD,
+        DiLoCo, CO2, 1-bit Adam): everything else in a part is the same on every rank, and
+        the compressor's per-rank entries are combined for another world size (see
+        :mod:`commpress.comm.checkpoint`)."""
+        return checkpoint.own_part(state, self.rank, self.world_size, what, self._holds_per_rank, self._combine)
+
+    def _holds_per_rank(self, part: Mapping[str, Any]) -> bool:
+        return checkpoint.compressors_per_rank(self.groups.compressors, {MAIN: part["averager"]["compressor"]})
+
+    def _combine(self, shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scale: float) -> dict[str, Any]:
+        states = [{MAIN: p["averager"]["compressor"]} for p in parts]
+        compressors = checkpoint.combine_compressors(
+            self.groups.compressors, {MAIN: shared["averager"]["compressor"]}, states, scale
+        )
+        averager = {**shared["averager"], "compressor": compressors[MAIN]}
+        return {**shared, "rank": self.rank, "world_size": self.world_size, "averager": averager}

@@ -25,7 +25,6 @@ from commpress.comm.agreement import agree_on_settings
 from commpress.compressors import host
 from commpress.compressors.registry import methods_taking
 from commpress.config import digest_of
-from commpress.config.groups import MAIN
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.ddp import skip_gradient_allreduce
@@ -307,7 +306,7 @@ class LocalSGD:
         """Restore this rank's part, or its part of a whole-job state (see
         :mod:`commpress.comm.checkpoint`); the settings must be the saved ones."""
         what = f"{self.name}: load_state_dict"
-        part = checkpoint.own_part(state, self.averager.rank, self.averager.world_size, what, self._holds_per_rank, self._combine)
+        part = self.averager.own_part(state, what)
         checkpoint.check_config(part["config"], self.settings, what)
         self._load_part(part)
         self._check_resume = True
@@ -326,16 +325,3 @@ class LocalSGD:
             fragment = self.fragments[saved["fragment"]]
             self._in_flight.append(_InFlight(fragment, int(saved["due"]), int(saved["round"]), done, buffer, saved["replace"]))
         self.averager.load_state_dict(part["averager"])
-
-    def _holds_per_rank(self, part: Mapping[str, Any]) -> bool:
-        return checkpoint.compressors_per_rank(self.averager.groups.compressors, {MAIN: part["averager"]["compressor"]})
-
-    def _combine(self, shared: Mapping[str, Any], parts: list[Mapping[str, Any]], scale: float) -> dict[str, Any]:
-        """The anchor, counters and outer state are the same on every rank; the averager's
-        per-rank entries are combined (see :mod:`commpress.comm.checkpoint`)."""
-        states = [{MAIN: p["averager"]["compressor"]} for p in parts]
-        compressors = checkpoint.combine_compressors(
-            self.averager.groups.compressors, {MAIN: shared["averager"]["compressor"]}, states, scale
-        )
-        averager = {**shared["averager"], "compressor": compressors[MAIN]}
-        return {**shared, "rank": self.averager.rank, "world_size": self.averager.world_size, "averager": averager}

@@ -46,7 +46,6 @@ from commpress.comm import Traffic, checkpoint
 from commpress.comm.agreement import agree_on_settings
 from commpress.compressors import AllReduce, Bucket, ParamSlot, Reduction
 from commpress.config import digest_of
-from commpress.config.groups import MAIN
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.local_sgd import check_finite
@@ -264,19 +263,8 @@ class OneBitAdam:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore this rank's part, or its part of a whole-job state."""
         what = f"{self.name}: load_state_dict"
-        part = checkpoint.own_part(state, self.averager.rank, self.averager.world_size, what, self._per_rank, self._combine)
+        part = self.averager.own_part(state, what)
         checkpoint.check_config(part["config"], self.settings, what)
         self.steps = int(part["step"])
         self.averager.load_state_dict(part["averager"])
         self._check_resume = True
-
-    def _per_rank(self, part: Mapping[str, Any]) -> bool:
-        return checkpoint.compressors_per_rank(self.averager.groups.compressors, {MAIN: part["averager"]["compressor"]})
-
-    def _combine(self, shared: Mapping[str, Any], parts: list[Mapping[str, Any]], scale: float) -> dict[str, Any]:
-        states = [{MAIN: p["averager"]["compressor"]} for p in parts]
-        compressors = checkpoint.combine_compressors(
-            self.averager.groups.compressors, {MAIN: shared["averager"]["compressor"]}, states, scale
-        )
-        averager = {**shared["averager"], "compressor": compressors[MAIN]}
-        return {**shared, "rank": self.averager.rank, "world_size": self.averager.world_size, "averager": averager}
