@@ -56,16 +56,22 @@ def test_knapsack_in_units_never_exceeds_the_budget_in_bytes():
     assert solve(costs, errors, 10) is None  # below every plan
 
 
+POOL = ["onebit", "quant", "terngrad", "none", "fp16"]
+
+
 def test_candidates_start_with_the_configured_setting():
     topk = candidates("topk", {"ratio": 0.01})
-    assert topk[0] == ("topk", {"ratio": 0.01}) and topk[-2:] == [("none", {}), ("fp16", {})]
+    assert topk[0] == ("topk", {"ratio": 0.01}) and [m for m, _ in topk[-5:]] == POOL
     assert max(p["ratio"] for m, p in topk if m == "topk") < 0.5  # at 8 bytes an entry, none is cheaper from there
     dgc = candidates("topk", {"ratio": 0.01, "dgc": True})
-    assert {m for m, _ in dgc} == {"topk"} and dgc[-1][1]["ratio"] == 1.0  # DGC keeps its momentum: no none
-    ranks = [p.get("rank") for _, p in candidates("powersgd", {"rank": 4})]
-    assert ranks == [4, 1, 2, 8, 16, 32, None, None] and all(type(r) in (int, type(None)) for r in ranks)
-    assert [m for m, _ in candidates("terngrad", {})] == ["terngrad", "none", "fp16"]
+    assert {m for m, _ in dgc} == {"topk"} and dgc[-1][1]["ratio"] == 1.0  # DGC keeps its momentum: no other method
+    ranks = [p.get("rank") for m, p in candidates("powersgd", {"rank": 4}) if m == "powersgd"]
+    assert ranks == [4, 1, 2, 8, 16, 32] and all(type(r) is int for r in ranks)
+    assert [m for m, _ in candidates("terngrad", {})] == ["terngrad", "onebit", "quant", "none", "fp16"]
+    small = dict(candidates("topk", {"ratio": 0.01, "min_numel": 64})[-5:-3])
+    assert small["onebit"] == {"min_numel": 64, "chunk": 64} and small["quant"]["min_numel"] == 64
     assert label(("powersgd", {"rank": 8})) == "powersgd rank=8" and label(("none", {})) == "none"
+    assert label(("quant", {"bits": 4, "error_feedback": True})) == "quant bits=4"
 
 
 def test_errors_follow_the_settings():
@@ -79,6 +85,37 @@ def test_errors_follow_the_settings():
     singular = torch.linalg.svdvals(acc.double())
     assert math.isclose(e[4], float(singular[4:].square().sum()), rel_tol=1e-9)
     assert e[5] < 1e-20 and e[8] > 0
+
+
+def _decoded_error(method, params, acc, seeds=1):
+    """The mean squared error of ``method``'s average on one rank over ``seeds`` steps (its
+    decoded value against ``acc``): what the error model predicts."""
+    total = 0.0
+    for step in range(seeds):
+        compressor = build(method, params)
+        bucket = Bucket.from_tensors(0, [acc.clone()], ["t"])
+        SimulatedWorld(1).run([compressor.reduce(bucket, Context(rank=0, world_size=1, step=step))])
+        total += float((bucket.buffer.double() - acc.reshape(-1).double()).square().sum())
+    return total / seeds
+
+
+@pytest.mark.parametrize("chunk", [0, 64, 48])
+def test_onebit_error_is_what_its_average_misses(chunk):
+    torch.manual_seed(0)
+    acc = torch.randn(40, 25) * torch.linspace(0.1, 3, 25)
+    params = {"chunk": chunk, "min_numel": 0}
+    [modelled] = tensor_errors([build("onebit", params)], (40, 25), acc.reshape(-1))
+    assert math.isclose(modelled, _decoded_error("onebit", params, acc), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quant_error_is_its_rounding_variance(bits):
+    """Stochastic rounding's expected squared error, against the mean over 300 seeds (3 sigma)."""
+    torch.manual_seed(0)
+    acc = torch.randn(3000) * torch.linspace(0.1, 3, 3000)
+    params = {"bits": bits, "bucket_size": 1024, "min_numel": 0}
+    [modelled] = tensor_errors([build("quant", params)], (3000,), acc)
+    assert math.isclose(modelled, _decoded_error("quant", params, acc, seeds=300), rel_tol=0.03)
 
 
 def _groups(config, world=2):
@@ -125,14 +162,16 @@ def _owed(group, names):
 def test_a_setting_change_conserves_error_feedback(method, params):
     """Sent + residual is unchanged by a plan: summed over steps, what was averaged plus the
     ranks' mean residual equals the mean gradient, before and after tensors change setting
-    (to another knob, to exact, to fp16 and back)."""
+    (to another knob, to exact, to fp16, to other methods with error feedback and back)."""
     groups, names, model = _groups({"method": method, "params": params, "layerwise": {"enabled": True, "every": 1000}})
     shapes = [p.shape for p in model.parameters()]
     sizes = [math.prod(s) for s in shapes]
     sim, rng = SimulatedWorld(2), torch.Generator().manual_seed(0)
     knob, knob2 = list(groups[0].candidates)[1:3]  # two other settings of the method
-    none, fp16 = "main@none", "main@fp16"
-    rows = [[MAIN] * 4, [knob, none, MAIN, knob2], [none, MAIN, knob2, none], [MAIN, knob, MAIN, knob], [knob2, knob, none, fp16]]
+    none, fp16, onebit, quant = "main@none", "main@fp16", "main@onebit", "main@quant bits=4"
+    rows = [[MAIN] * 4, [knob, none, MAIN, knob2], [none, MAIN, knob2, none], [MAIN, knob, MAIN, knob]]
+    rows += [[onebit, quant, onebit, quant], [quant, onebit, knob, MAIN], [onebit, MAIN, quant, none]]  # error feedback kept
+    rows += [[knob2, knob, none, fp16]]
     plans = [dict(zip(names, row)) for row in [*rows, rows[1], rows[0]]]
     sent = torch.zeros(sum(sizes), dtype=torch.float64)
     owed_total = torch.zeros(sum(sizes), dtype=torch.float64)

@@ -1,10 +1,13 @@
 """The settings a layer-wise plan chooses from, and what each loses on one tensor.
 
-A method's candidate settings are derived from its configured one: Top-k densities from
-1/8 to 64 times the configured ratio, low-rank ranks from 1/4 to 8 times the configured
-rank, TernGrad as configured; each besides sent exactly (``none``) or in ``fp16``. Top-k
-with DGC applies the optimizer's momentum itself, so its tensors keep it: its settings
-are densities only, up to 1 (every entry sent).
+A method's candidate settings are its own knob around the configured one (Top-k densities
+from 1/8 to 64 times the configured ratio, low-rank ranks from 1/4 to 8 times the
+configured rank, TernGrad as configured) and a ladder of other methods by bits per
+element: ``onebit`` (a scale per 64 elements, error feedback), ``terngrad``, 4-bit
+``quant`` (error feedback), ``fp16``, ``none``. Mixing methods lets a plan send a small,
+sensitive tensor in 4 bits where the main method's setting would need many times its
+bytes (measured: docs/choosing.md). Top-k with DGC applies the optimizer's momentum
+itself, so its tensors keep it: its settings are densities only, up to 1 (every entry sent).
 
 The error of a setting on a tensor is the squared L2 distance between what the tensor
 owes (its gradient plus, with error feedback, the residual its method carries) and what
@@ -17,6 +20,10 @@ the setting would send of it, on this rank:
   approaches); 0 where the tensor is sent uncompressed;
 - TernGrad: the clipping error plus the variance of stochastic rounding, ``s|c| - c^2``
   per clipped element c with scale s;
+- onebit: what the mean magnitude times the sign misses, ``sum a^2 - n s^2`` per run of n
+  elements with scale s = mean |a|;
+- quant: the variance of stochastic rounding, ``step^2 f (1 - f)`` per element (f its
+  fraction of a step above its bucket's minimum);
 - fp16 / bf16: the rounding error; ``none``: 0.
 """
 
@@ -32,6 +39,8 @@ import torch
 from commpress.compressors import Compressor, ParamSlot
 from commpress.compressors.lowrank import LowRankCompressor
 from commpress.compressors.lowrank_plan import matrix_shape
+from commpress.compressors.onebit import OneBitCompressor
+from commpress.compressors.quant import QuantCompressor
 from commpress.compressors.terngrad import TernGradCompressor
 from commpress.compressors.topk import TopKCompressor, topk_count
 from commpress.errors import ConfigError
@@ -68,8 +77,20 @@ def candidates(method: str, params: Mapping[str, Any]) -> list[Setting]:
         rank = int(params.get("rank", 4))
         ranks = sorted({max(1, int(rank * 2.0**j)) for j in _RANK_STEPS})
         settings = [(method, {**params, "rank": r}) for r in ranks if r != rank]
-    exact = [] if method == "topk" and params.get("dgc") else [("none", {}), ("fp16", {})]
-    return [configured, *settings, *exact]
+    if method == "topk" and params.get("dgc"):
+        return [configured, *settings]
+    return [configured, *settings, *_pool(method, params)]
+
+
+def _pool(method: str, params: Mapping[str, Any]) -> list[Setting]:
+    """The settings every method's tensors may take besides its own, from about 1.5 to 32
+    bits per element: onebit with a scale per 64 elements and 4-bit codes (both with error
+    feedback), TernGrad, fp16, none; tensors under the method's ``min_numel`` stay whole."""
+    small = {"min_numel": int(params["min_numel"])} if "min_numel" in params else {}
+    pool: list[Setting] = [("onebit", {**small, "chunk": 64}), ("quant", {**small, "bits": 4, "error_feedback": True})]
+    if method != "terngrad":
+        pool.append(("terngrad", {}))
+    return [*pool, ("none", {}), ("fp16", {})]
 
 
 def _topk(params: Mapping[str, Any], ratio: float) -> Setting:
@@ -81,15 +102,15 @@ def _topk(params: Mapping[str, Any], ratio: float) -> Setting:
 
 def owed(compressor: Compressor, entries: Mapping[str, Any]) -> torch.Tensor | None:
     """What one tensor owes beyond its next gradient under ``compressor``, from its entries
-    of the compressor's state (state key -> tensor): Top-k's residual, with DGC the
-    velocity plus the momentum's next contribution (``v + m u``), the low-rank error; None
-    where it owes nothing."""
+    of the compressor's state (state key -> tensor): the residual of Top-k, onebit or quant,
+    with DGC the velocity plus the momentum's next contribution (``v + m u``), the low-rank
+    error; None where it owes nothing."""
     if isinstance(compressor, TopKCompressor) and compressor.dgc:
         v, u = entries.get("velocity"), entries.get("momentum")
         if v is None or u is None:
             return v if u is None else u * (compressor.momentum or 0.0)
         return v + u * (compressor.momentum or 0.0)
-    if isinstance(compressor, TopKCompressor):
+    if "residuals" in compressor.per_rank_state:
         return entries.get("residuals")
     if isinstance(compressor, LowRankCompressor):
         return entries.get("error")
@@ -145,6 +166,15 @@ def _error(c: Compressor, stats: _Stats) -> float:
             return 0.0
         s = stats.singular(*shape)
         return float(s[c.rank :].square().sum())
+    if isinstance(c, OneBitCompressor):
+        if numel < c.min_numel:
+            return 0.0
+        kept = _sign_kept(stats.acc, c.chunk)
+        return max(0.0, stats.energy - kept)
+    if isinstance(c, QuantCompressor):
+        if numel < c.min_numel:
+            return 0.0
+        return _quant_error(stats.acc, c.bits, c.bucket_size)
     if isinstance(c, TernGradCompressor):
         a = stats.acc.abs()
         scale = float(a.max())
@@ -153,3 +183,30 @@ def _error(c: Compressor, stats: _Stats) -> float:
         clipped = a.clamp(max=scale)
         return float((a - clipped).square().sum() + (scale * clipped - clipped.square()).sum())
     raise ConfigError(f"[layerwise]: method {c.name!r} has no error model; accepted methods: {', '.join(PLANNED)}")
+
+
+def _rows(acc: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``acc`` as rows of ``n`` elements, the last, shorter run as a row of its own."""
+    whole = acc.numel() // n * n
+    rows = [acc[:whole].view(-1, n)] if whole else []
+    if whole < acc.numel():
+        rows.append(acc[whole:].view(1, -1))
+    return rows
+
+
+def _sign_kept(acc: torch.Tensor, chunk: int) -> float:
+    """``sum n s^2`` over the runs of ``chunk`` elements (the whole tensor for 0) with s the
+    run's mean magnitude: the energy a scaled sign keeps."""
+    return sum(float(r.abs().mean(1).square().sum() * r.shape[1]) for r in _rows(acc, chunk or acc.numel()))
+
+
+def _quant_error(acc: torch.Tensor, bits: int, bucket_size: int) -> float:
+    """Stochastic rounding's variance, ``s^2 f (1 - f)`` per element, f the fraction of its
+    step above the bucket's minimum."""
+    total = 0.0
+    for rows in _rows(acc, bucket_size):
+        lo = rows.min(1, keepdim=True).values
+        step = (rows.max(1, keepdim=True).values - lo) / (2**bits - 1)
+        f = ((rows - lo) / step.clamp(min=torch.finfo(rows.dtype).tiny)).frac()
+        total += float((f * (1 - f) * step.square()).sum())
+    return total

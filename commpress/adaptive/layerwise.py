@@ -57,7 +57,7 @@ def method_groups(config: Config, model: nn.Module | None = None, last_layer: It
 def label(setting: Setting) -> str:
     """``"topk ratio=0.02"``, ``"powersgd rank=8"``, ``"none"``: a setting by its knob."""
     method, params = setting
-    knob = {"topk": "ratio", "powersgd": "rank", "acpsgd": "rank"}.get(method)
+    knob = {"topk": "ratio", "powersgd": "rank", "acpsgd": "rank", "quant": "bits"}.get(method)
     return f"{method} {knob}={params[knob]:g}" if knob in params else method
 
 
