@@ -1,16 +1,72 @@
-"""What layer-wise planning costs: a ``[layerwise]`` row of ``commpress bench`` (2 gloo
-ranks) counts its measured steps, plans and seconds into the table and the JSON."""
+"""What layer-wise planning costs: the Top-k errors found without a sort equal the sorted
+definition, and a ``[layerwise]`` row of ``commpress bench`` (2 gloo ranks) counts its
+measured steps, plans and seconds into the table and the JSON."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 
+from commpress.adaptive.layer_errors import _sorted_sums, candidates, tensor_errors, top_sums
 from commpress.bench.methods import method_from_config, parse_methods
 from commpress.bench.report import format_report, summarize, write_json
 from commpress.bench.runner import BenchPlan, bench_rank
 from commpress.comm.launch import run_local
+from commpress.compressors import build
+
+
+def _largest(values: torch.Tensor, k: int) -> float:
+    """The definition: the k largest, summed in float64 after a full sort."""
+    return float(values.double().sort(descending=True).values[:k].sum())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_top_sums_equal_the_sorted_sums(seed):
+    """The radix selection (CPU) and the sort (CUDA) give the sums of the k largest: on
+    values spread over many magnitudes, with many ties (the k-th largest has copies on both
+    sides of k), with zeros and subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 5000, (1,), generator=g))
+    values = (torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 8).square()
+    if seed % 4 == 1:
+        values = torch.randint(0, 4, (n,), generator=g).float()
+    if seed % 4 == 2:
+        values[: n // 2] = 0.0
+        values[n // 2 :: 3] = 1e-41  # subnormal
+    counts = sorted({int(k) for k in torch.randint(1, n + 1, (8,), generator=g)} | {1, n})
+    for sums in (top_sums(values, counts), _sorted_sums(values, counts)):
+        assert list(sums) == counts
+        for k in counts:
+            assert math.isclose(sums[k], _largest(values, k), rel_tol=1e-12, abs_tol=1e-300), (k, n)
+
+
+def test_topk_errors_keep_their_definition():
+    """Every Top-k candidate of ratio 0.01 (and DGC's, up to every entry): energy less the
+    k largest squares, as the sorted definition gives it; fp16 and none unchanged."""
+    torch.manual_seed(0)
+    acc = torch.randn(300, 70) * torch.rand(300, 1)  # rows of different scales
+    flat = acc.reshape(-1).double()
+    squares = flat.square()
+    for params in ({"ratio": 0.01, "min_numel": 0}, {"ratio": 0.01, "dgc": True, "min_numel": 0}):
+        settings = candidates("topk", params)
+        methods = [build(m, p) for m, p in settings]
+        errors = tensor_errors(methods, (300, 70), acc.reshape(-1))
+        for (method, p), e in zip(settings, errors):
+            if method == "topk":
+                k = min(flat.numel(), max(1, math.ceil(p["ratio"] * flat.numel())))
+                expected = max(0.0, float(squares.sum()) - _largest(squares, k))
+                # float32 squares summed in float64, against float64 squares
+                assert math.isclose(e, expected, rel_tol=1e-5, abs_tol=1e-12 * float(squares.sum())), p
+            elif method == "none":
+                assert e == 0.0
+            else:
+                assert e > 0  # fp16 rounds
+    nan = acc.reshape(-1).clone()
+    nan[5] = math.nan  # a non-finite step (discarded later) is measured without raising
+    tensor_errors([build("topk", {"ratio": 0.1, "min_numel": 0})], (300, 70), nan)
 
 
 def _raw_row(label, layerwise, steps):
