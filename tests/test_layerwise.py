@@ -56,6 +56,12 @@ def test_knapsack_in_units_never_exceeds_the_budget_in_bytes():
     assert solve(costs, errors, 10) is None  # below every plan
 
 
+def test_knapsack_ties_go_to_the_lower_index():
+    # equal error: the first option, even where a later one is cheaper (every rank picks alike)
+    assert solve([[5, 5], [5, 3]], [[1.0, 1.0], [2.0, 2.0]], 10) == [0, 0]
+    assert solve([[5, 3]], [[1.0, 0.5]], 4) == [1]  # the first one does not fit
+
+
 POOL = ["onebit", "quant", "terngrad", "none", "fp16"]
 
 

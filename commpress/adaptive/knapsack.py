@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 __all__ = ["UNITS", "cheapest", "solve"]
 
@@ -35,23 +35,18 @@ def solve(
         return None
     unit = max(1.0, math.ceil(budget / units))
     width = int(budget // unit)
-    dp = torch.zeros(width + 1, dtype=torch.float64)  # least error with cost <= b, no item yet
+    dp = np.zeros(width + 1)  # least error with cost <= b, no item yet
     choices = []
     for cost, error in zip(costs, errors):
-        best = torch.full_like(dp, math.inf)
-        pick = torch.full((width + 1,), -1, dtype=torch.int64)
+        candidate = np.full((len(cost), width + 1), math.inf)  # row c: the least error with option c last
         for c, (w, e) in enumerate(zip(cost, error)):
             w = math.ceil(w / unit)
-            if w > width:
-                continue
-            candidate = torch.full_like(dp, math.inf)
-            candidate[w:] = dp[: width + 1 - w] + float(e)
-            better = candidate < best
-            best[better] = candidate[better]
-            pick[better] = c
-        dp = best
+            if w <= width:
+                np.add(dp[: width + 1 - w], float(e), out=candidate[c, w:])
+        pick = candidate.argmin(axis=0)  # the first least: ties go to the lower index
+        dp = candidate.min(axis=0)
         choices.append(pick)
-    if not math.isfinite(dp[width].item()):
+    if not math.isfinite(dp[width]):
         return None
     out, b = [], width
     for cost, pick in zip(reversed(costs), reversed(choices)):

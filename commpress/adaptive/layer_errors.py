@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +45,7 @@ from commpress.compressors.terngrad import TernGradCompressor
 from commpress.compressors.topk import TopKCompressor, topk_count
 from commpress.errors import ConfigError
 
-__all__ = ["PLANNED", "Setting", "candidates", "owed", "tensor_errors"]
+__all__ = ["PLANNED", "Setting", "candidates", "owed", "tensor_errors", "top_sums"]
 
 #: The methods a layer-wise plan can set per tensor.
 PLANNED = ("topk", "powersgd", "acpsgd", "terngrad")
@@ -120,31 +120,87 @@ def owed(compressor: Compressor, entries: Mapping[str, Any]) -> torch.Tensor | N
 def tensor_errors(compressors: Sequence[Compressor], shape: tuple[int, ...], acc: torch.Tensor) -> list[float]:
     """The error of each of ``compressors`` (one per candidate setting) on the tensor of
     ``shape`` that owes ``acc`` (flat, float32)."""
-    stats = _Stats(acc.detach().to(torch.float64).reshape(-1), tuple(shape))
+    acc = acc.detach().to(torch.float32).reshape(-1)
+    numel = acc.numel()
+    counts = [topk_count(c.ratio, numel) for c in compressors if isinstance(c, TopKCompressor) and numel >= max(1, c.min_numel)]
+    stats = _Stats(acc, tuple(shape), counts)
     return [_error(c, stats) for c in compressors]
 
 
-class _Stats:
-    """What several settings' errors share, computed once: the total energy, the sorted
-    squares, the singular values."""
+def top_sums(values: torch.Tensor, counts: Iterable[int]) -> dict[int, float]:
+    """For each k of ``counts`` (1 <= k <= numel), the sum in float64 of the k largest of
+    ``values`` (float32, finite, >= 0, flat, contiguous), without sorting them on the CPU
+    (:func:`_radix_sums`). On CUDA a sort is fast, and the histogram's weighted bin counts
+    would add in an order that changes from run to run: the sums are read off a sort."""
+    ks = sorted(set(counts))
+    return _sorted_sums(values, ks) if values.is_cuda else _radix_sums(values, ks)
 
-    def __init__(self, acc: torch.Tensor, shape: tuple[int, ...]) -> None:
-        self.acc, self.shape = acc, shape
+
+def _sorted_sums(values: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
+    """:func:`top_sums` by definition: the cumulative sums of the values sorted, largest first."""
+    kept = values.sort(descending=True).values.cumsum(0, dtype=torch.float64)
+    return dict(zip(ks, kept[torch.tensor(ks, device=values.device) - 1].tolist()))
+
+
+#: :func:`_radix_sums` bins a float32 by its 16 bits after the sign: the exponent and the
+#: top 8 mantissa bits, so a bin's values are within a factor 1 + 2**-8 of each other.
+_RADIX_SHIFT = 15
+
+
+def _radix_sums(values: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
+    """:func:`top_sums` by a radix selection. The bits of a non-negative float32 read as an
+    integer order like the number, so one histogram of their top bits (each bin's count and
+    float64 sum) gives, for every k, the bin holding the k-th largest value and the sum of
+    every bin above it; only the entries of those few bins are sorted."""
+    bins = values.view(torch.int32) >> _RADIX_SHIFT
+    size = 1 << (31 - _RADIX_SHIFT)
+    above = torch.bincount(bins, minlength=size).flip(0).cumsum(0)  # above[i]: entries in the top i + 1 bins
+    sums = torch.bincount(bins, weights=values.double(), minlength=size).flip(0).cumsum(0)
+    tops = torch.searchsorted(above, torch.tensor(ks)).tolist()  # the bin of each k-th largest, from the top
+    boundary = torch.zeros(size, dtype=torch.bool)
+    boundary[[size - 1 - i for i in tops]] = True
+    where = boundary[bins].nonzero().squeeze(1)
+    inside, inside_bins = values[where], bins[where]
+    out = {}
+    for k, i in zip(ks, tops):
+        count, total = (int(above[i - 1]), float(sums[i - 1])) if i else (0, 0.0)
+        rest = inside[inside_bins == size - 1 - i].sort(descending=True).values[: k - count]
+        out[k] = total + float(rest.sum(dtype=torch.float64))
+    return out
+
+
+class _Stats:
+    """What several settings' errors share, computed once: the squares (float32, like the
+    tensor, summed in float64) and their total, the sums of the largest squares for the
+    Top-k ``counts``, the tensor in float64 and its singular values."""
+
+    def __init__(self, acc: torch.Tensor, shape: tuple[int, ...], counts: Sequence[int]) -> None:
+        self.acc, self.shape, self.counts = acc, shape, counts
         self._singular: dict[tuple[int, int], torch.Tensor] = {}
 
     @functools.cached_property
-    def energy(self) -> float:
-        return float(self.acc.square().sum())
+    def double(self) -> torch.Tensor:
+        return self.acc.to(torch.float64)
 
     @functools.cached_property
-    def kept(self) -> torch.Tensor:
-        """Cumulative sums of the squares, largest first: ``kept[k - 1]`` is what k entries send."""
-        return self.acc.square().sort(descending=True).values.cumsum(0)
+    def squares(self) -> torch.Tensor:
+        return self.acc.square()
+
+    @functools.cached_property
+    def energy(self) -> float:
+        return float(self.squares.sum(dtype=torch.float64))
+
+    @functools.cached_property
+    def kept(self) -> dict[int, float]:
+        """What k entries send (the sum of the k largest squares), for each k of ``counts``."""
+        if not math.isfinite(self.energy):  # a non-finite step, discarded: nothing to search
+            return dict.fromkeys(self.counts, self.energy)
+        return top_sums(self.squares, self.counts)
 
     def singular(self, n: int, m: int) -> torch.Tensor:
         """The singular values of the tensor as an n x m matrix, largest first."""
         if (n, m) not in self._singular:
-            self._singular[n, m] = torch.linalg.svdvals(self.acc.view(n, m))
+            self._singular[n, m] = torch.linalg.svdvals(self.double.view(n, m))
         return self._singular[n, m]
 
 
@@ -153,13 +209,13 @@ def _error(c: Compressor, stats: _Stats) -> float:
     if numel == 0 or c.name == "none":
         return 0.0
     if c.name in ("fp16", "bf16"):
-        wire = stats.acc.float().to(torch.float16 if c.name == "fp16" else torch.bfloat16).double()
-        return float((stats.acc - wire).square().sum())
+        wire = stats.acc.to(torch.float16 if c.name == "fp16" else torch.bfloat16).float()
+        return float((stats.acc - wire).square().sum(dtype=torch.float64))  # the difference is exact in float32
     if isinstance(c, TopKCompressor):
         if numel < c.min_numel:
             return 0.0
         k = topk_count(c.ratio, numel)
-        return max(0.0, stats.energy - float(stats.kept[k - 1]))
+        return 0.0 if k == numel else max(0.0, stats.energy - stats.kept[k])  # every entry sent: exact
     if isinstance(c, LowRankCompressor):
         shape = matrix_shape(ParamSlot("t", torch.Size(stats.shape), 0), c.rank, c.min_compression_rate)
         if shape is None:
@@ -169,14 +225,14 @@ def _error(c: Compressor, stats: _Stats) -> float:
     if isinstance(c, OneBitCompressor):
         if numel < c.min_numel:
             return 0.0
-        kept = _sign_kept(stats.acc, c.chunk)
+        kept = _sign_kept(stats.double, c.chunk)
         return max(0.0, stats.energy - kept)
     if isinstance(c, QuantCompressor):
         if numel < c.min_numel:
             return 0.0
-        return _quant_error(stats.acc, c.bits, c.bucket_size)
+        return _quant_error(stats.double, c.bits, c.bucket_size)
     if isinstance(c, TernGradCompressor):
-        a = stats.acc.abs()
+        a = stats.double.abs()
         scale = float(a.max())
         if c.clip_sigma:
             scale = min(scale, c.clip_sigma * math.sqrt(stats.energy / numel))

@@ -21,7 +21,9 @@ low-rank error) is added to its next gradient, so error feedback loses nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +43,7 @@ from commpress.config.tables import LayerwiseConfig
 from commpress.errors import ConfigError
 from commpress.terminal import format_table
 
-__all__ = ["LayerPlan", "LayerwiseGroups", "label", "method_groups"]
+__all__ = ["LayerPlan", "LayerwiseGroups", "PlanningCost", "label", "method_groups"]
 
 log = logging.getLogger("commpress.layerwise")
 
@@ -109,6 +111,22 @@ class LayerPlan:
 
 
 @dataclass
+class PlanningCost:
+    """What layer-wise planning has cost this rank so far, in wall seconds: measuring the
+    candidates' errors on measured steps, and making plans (the two collectives, waiting
+    for the other ranks included, the solve and the switch). A diagnostic for ``commpress
+    bench``, like the traffic counters: not training state, so not in ``state_dict()``."""
+
+    measured_steps: int = 0
+    measure_seconds: float = 0.0
+    plans: int = 0
+    plan_seconds: float = 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class _Measured:
     """One tensor's measured errors (one per candidate) and what prices its settings."""
 
@@ -146,6 +164,8 @@ class LayerwiseGroups(MethodGroups):
         self._measured: dict[str, _Measured] = {}  # committed: the next plan's input
         self._staged: dict[str, _Measured] = {}  # measured in the step in progress
         self._states: dict[str, dict[str, Any]] | None = None  # committed compressor states, while measuring
+        #: what measuring and planning have cost this rank
+        self.cost = PlanningCost()
 
     # ---- which group ---------------------------------------------------------------------
 
@@ -179,8 +199,10 @@ class LayerwiseGroups(MethodGroups):
                 self._consumed.add(slot.name)
         if not self.measuring(ctx.step):
             return
+        t0 = time.perf_counter()
         if self._states is None:
             self._states = {key: self.compressors[key].state_dict() for key in self.candidates}
+            self.cost.measured_steps += 1
         order = [self.compressors[key] for key in self.candidates]
         for slot in bucket.slots:
             if not slot.numel or not self.planned(slot.name):
@@ -192,6 +214,7 @@ class LayerwiseGroups(MethodGroups):
                 acc.add_(extra.to(acc.device).reshape(-1))
             errors = tensor_errors(order, tuple(slot.shape), acc)
             self._staged[slot.name] = _Measured(tuple(slot.shape), bucket.buffer.element_size(), errors)
+        self.cost.measure_seconds += time.perf_counter() - t0
 
     def end_step(self, commit: bool) -> None:
         super().end_step(commit)
@@ -218,7 +241,10 @@ class LayerwiseGroups(MethodGroups):
                 "[layerwise] plans with collectives a hook must wait for: it needs ranks in separate processes "
                 "(a torch.distributed or MPI backend)"
             )
+        t0 = time.perf_counter()
         backend.run(self.planning(step)).wait()
+        self.cost.plans += 1
+        self.cost.plan_seconds += time.perf_counter() - t0
 
     def planning(self, step: int) -> Reduction:
         """The plan as a reduction: sum the ranks' errors, solve, compare digests, switch."""

@@ -11,22 +11,32 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from commpress.adaptive.layerwise import PlanningCost
 from commpress.bench.methods import BenchMethod
 from commpress.comm.counters import Traffic
 from commpress.hooks import register_ddp_hook
 
-__all__ = ["Counting", "attach", "bucket_cap"]
+__all__ = ["Attached", "Counting", "attach", "bucket_cap"]
 
 #: A factory of the context opened around each training step to count what the row sends
 #: where no commpress hook counts it (DDP's own all-reduce, PyTorch's hooks).
 Counting = Callable[[], contextlib.AbstractContextManager]
+
+
+class Attached(NamedTuple):
+    """A row's gradient exchange once attached: what it sent, the per-step counting
+    context, and with ``[layerwise]`` what its planning cost (else None)."""
+
+    traffic: Traffic
+    counting: Counting
+    planning: PlanningCost | None = None
 
 
 def bucket_cap(method: BenchMethod, grad_bytes: int, cap: float | None) -> float | None:
@@ -37,14 +47,16 @@ def bucket_cap(method: BenchMethod, grad_bytes: int, cap: float | None) -> float
 
 def attach(
     method: BenchMethod, ddp: DistributedDataParallel, grad_bytes: int, optimizer: torch.optim.Optimizer | None = None
-) -> tuple[Traffic, Counting]:
+) -> Attached:
     """Register the method's hook on ``ddp`` (``optimizer``: for commpress methods that take
-    over its momentum); return its traffic counters and the per-step counting context."""
+    over its momentum); return its counters and the per-step counting context."""
     if method.kind == "commpress":
-        return register_ddp_hook(ddp, method.config, optimizer=optimizer).traffic, contextlib.nullcontext
+        state = register_ddp_hook(ddp, method.config, optimizer=optimizer)
+        planning = state.layerwise.cost if state.layerwise is not None else None
+        return Attached(state.traffic, contextlib.nullcontext, planning)
     traffic = Traffic()
     if method.kind == "ddp":
-        return traffic, functools.partial(_count_plain, traffic, grad_bytes)
+        return Attached(traffic, functools.partial(_count_plain, traffic, grad_bytes))
     if method.kind == "torch-fp16":
         ddp.register_comm_hook(None, _timed_hook(default_hooks.fp16_compress_hook, traffic))
     elif method.kind == "torch-powersgd":
@@ -56,7 +68,7 @@ def attach(
             random_seed=0,
         )
         ddp.register_comm_hook(state, _timed_hook(powerSGD_hook.powerSGD_hook, traffic))
-    return traffic, functools.partial(_count_all_reduce, traffic)
+    return Attached(traffic, functools.partial(_count_all_reduce, traffic))
 
 
 @contextlib.contextmanager

@@ -11,7 +11,9 @@ is three methods). Baselines run in the same process, on the same model and data
   a single bucket (``bucket_cap_mb`` above the model size); its row says so.
 
 Any other name is a commpress method (``commpress.compressors.available()``), run through
-:func:`commpress.register` with DDP's default buckets.
+:func:`commpress.register` with DDP's default buckets. A config file (``--config``) is one
+more row; one with ``[layerwise] enabled = true`` plans each tensor's setting as in
+training, and its row reports what the planning cost (:mod:`commpress.bench.report`).
 """
 
 from __future__ import annotations
@@ -61,7 +63,12 @@ class BenchMethod:
 
     @property
     def note(self) -> str:
-        return "1 bucket" if self.kind == "torch-powersgd" else ""
+        """What the table says beside the label: PyTorch's PowerSGD runs in one bucket, a
+        ``[layerwise]`` config plans per tensor."""
+        if self.kind == "torch-powersgd":
+            return "1 bucket"
+        layerwise = self.config.section("layerwise") if self.config is not None else None
+        return f"layer-wise, planned every {layerwise.every} steps" if layerwise is not None and layerwise.enabled else ""
 
 
 def parse_methods(methods: str | Sequence[str]) -> list[BenchMethod]:

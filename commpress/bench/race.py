@@ -171,7 +171,7 @@ class _Racer:
             self.traffic, self.counting, self.finish = reg.traffic, contextlib.nullcontext, reg.finish
             self.note = "local models averaged" if reg.local_sgd is not None else method.note
         else:
-            self.traffic, self.counting = attach(method, self.ddp, grad_bytes, self.opt)
+            self.traffic, self.counting, _ = attach(method, self.ddp, grad_bytes, self.opt)
             self.note = method.note
 
     def run(

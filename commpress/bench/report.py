@@ -6,6 +6,13 @@ means over ranks per step. "network" is what is left of the step once the comput
 alone (same steps without DDP) and the compression time are taken out: time spent waiting
 for collectives that compression and computation did not hide. A run whose ranks share one
 host over links without a limit gets a note: there the network is never the bottleneck.
+
+A ``[layerwise]`` row also says what its planning cost (means over ranks, wall time):
+measuring the candidates' errors on a measured step plus making the plan at the next step,
+per plan over the whole run (warm-up included); that cost as a share of ``every`` median
+steps (the *amortised* share: one plan per ``every`` steps); and the planning time inside
+the timed steps as a share of their summed time (the *timed* share, which depends on
+whether a plan falls among them).
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
                 "compression": grad_bytes / sent if sent else None,
                 "compress_seconds": compress,
                 "network_seconds": max(0.0, median - compute_median - compress),
+                "layerwise": _planning(per_rank, step, median),
             }
         )
     reference = next((r for r in rows if r["kind"] == "ddp"), rows[0] if rows else None)
@@ -83,6 +91,45 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
         "reference": reference["label"] if reference else None,
         "methods": rows,
     }
+
+
+def _planning(per_rank: list[dict[str, Any]], step: list[float], median: float) -> dict[str, Any] | None:
+    """A ``[layerwise]`` row's planning cost (module docstring); None for other rows."""
+    if per_rank[0].get("layerwise") is None:
+        return None
+    every = per_rank[0]["layerwise"]["every"]
+    run = [m["layerwise"]["run"] for m in per_rank]
+    timed = [m["layerwise"]["timed"] for m in per_rank]
+    measured, plans = run[0]["measured_steps"], run[0]["plans"]
+    measure = statistics.fmean(r["measure_seconds"] for r in run) / measured if measured else None
+    plan = statistics.fmean(r["plan_seconds"] for r in run) / plans if plans else None
+    per_plan = measure + plan if measure is not None and plan is not None else None
+    timed_seconds = statistics.fmean(t["measure_seconds"] + t["plan_seconds"] for t in timed)
+    return {
+        "every": every,
+        "measured_steps": measured,
+        "plans": plans,
+        "measure_seconds_per_plan": measure,
+        "plan_seconds_per_plan": plan,
+        "amortised_share": per_plan / (every * median) if per_plan is not None else None,
+        "timed_measured_steps": timed[0]["measured_steps"],
+        "timed_plans": timed[0]["plans"],
+        "timed_seconds": timed_seconds,
+        "timed_share": timed_seconds / sum(step),
+    }
+
+
+def _planning_line(label: str, p: dict[str, Any]) -> str:
+    """One line under the table: what a ``[layerwise]`` row's planning cost."""
+    if p["amortised_share"] is None:
+        return f"layer-wise planning of {label}: no plan made in this run ({p['measured_steps']} measured steps)"
+    return (
+        f"layer-wise planning of {label}: {1000 * p['measure_seconds_per_plan']:.1f} ms measuring + "
+        f"{1000 * p['plan_seconds_per_plan']:.1f} ms planning per plan ({p['plans']} plans), "
+        f"{100 * p['amortised_share']:.2f}% of {p['every']} median steps (amortised); "
+        f"{100 * p['timed_share']:.2f}% of the timed steps' time ({p['timed_measured_steps']} measured, "
+        f"{p['timed_plans']} planned among them)"
+    )
 
 
 def format_report(summary: dict[str, Any]) -> str:
@@ -112,6 +159,9 @@ def format_report(summary: dict[str, Any]) -> str:
         )
     headers = ["method", "step ms", "IQR ms", "bytes/step/rank", "compression", "compress ms", "network ms", "speed-up"]
     text = head + "\n" + format_table(headers, table) + f"\n(speed-up over {summary['reference']})"
+    for r in summary["methods"]:
+        if r.get("layerwise") is not None:
+            text += "\n" + _planning_line(r["label"], r["layerwise"])
     return text + "\n" + LOOPBACK_NOTE if summary.get("loopback") else text
 
 

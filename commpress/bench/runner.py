@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from commpress.adaptive.layerwise import PlanningCost
 from commpress.bench.attach import Counting, attach, bucket_cap
 from commpress.bench.methods import BenchMethod
 from commpress.bench.workloads import make_workload
@@ -117,11 +118,13 @@ class _Run:
         self.cap = plan.bucket_cap_mb
         self.traffic: Traffic | None = None
         self.counting: Counting = contextlib.nullcontext
+        self.planning: PlanningCost | None = None  # a [layerwise] row's planning cost
+        self.planning_before: dict[str, float] = {}  # ... when the timed steps began
         model = task.model()
         if method is not None:
             self.cap = bucket_cap(method, grad_bytes, plan.bucket_cap_mb)
             model = DistributedDataParallel(model, **({"bucket_cap_mb": self.cap} if self.cap is not None else {}))
-            self.traffic, self.counting = attach(method, model, grad_bytes)
+            self.traffic, self.counting, self.planning = attach(method, model, grad_bytes)
         self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
@@ -131,6 +134,8 @@ class _Run:
             dist.barrier()
             if self.traffic is not None:
                 self.traffic.reset()
+            if self.planning is not None:
+                self.planning_before = self.planning.snapshot()
         t0 = time.perf_counter()
         with self.counting():
             loss = self.task.loss(self.model, step, self.rank, self.world_size)
@@ -144,7 +149,13 @@ class _Run:
         if self.method is None:
             return {"step_seconds": self.times}
         assert self.traffic is not None
-        return _method_row(self.method, self.method.note, self.cap, self.times, self.traffic)
+        row = _method_row(self.method, self.method.note, self.cap, self.times, self.traffic)
+        if self.planning is not None:
+            layerwise = self.method.config.section("layerwise")
+            run = self.planning.snapshot()
+            timed = {k: v - self.planning_before[k] for k, v in run.items()}
+            row["layerwise"] = {"every": layerwise.every, "run": run, "timed": timed}
+        return row
 
 
 class _LocalSGDRun:
@@ -200,4 +211,5 @@ def _method_row(method: BenchMethod, note: str, cap: float | None, times: list[f
         "bytes_sent": snap["bytes_sent"],
         "collectives": snap["collectives"],
         "compute_seconds": snap["compute_seconds"],
+        "layerwise": None,  # a [layerwise] row's planning cost: the whole run's and the timed steps'
     }
