@@ -239,8 +239,7 @@ def test_a_new_setting_is_a_new_budget_and_keeps_error_feedback(runs):
         assert log["main"][10][0] == "none" and log["plans"][10] is None
     # mass conservation through every change: what came back plus what the ranks still
     # owe (the mean over domains) equals the sum of every step's global mean
-    names = _buckets(_small())
-    for index, members in enumerate(names):
+    for index, members in enumerate(_buckets(_small())):
         n = sum(p.numel() for p in members)
         sent = sum(step[index] for step in logs[0]["results"])
         truth = sum(torch.stack([_grad(r, s, index, n) for r in range(WORLD)]).mean(0) for s in range(11))
