@@ -7,9 +7,10 @@ model                                       what applies
 ==========================================  =============================================
 ``DistributedDataParallel``                 the DDP comm hook: ``method``, ``params``,
                                             ``overrides``, ``start_iter``, ``backend``,
-                                            ``[bandwidth]``; or, with ``[local_sgd]``,
-                                            Local SGD / CO2 / DiLoCo run by the optimizer's
-                                            step (``method`` then compresses the averaging);
+                                            ``[bandwidth]``, ``[layerwise]``; or, with
+                                            ``[local_sgd]``, Local SGD / CO2 / DiLoCo run
+                                            by the optimizer's step (``method`` then
+                                            compresses the averaging);
                                             or, with ``[onebit_adam]``, 1-bit Adam on the
                                             AdamW (``method`` compresses the momentum)
 sharded by ``fully_shard``, or FSDP1 root   ``[fsdp]``
@@ -111,8 +112,9 @@ class Registration:
 
     @property
     def plan(self) -> LayerPlan | None:
-        """The DDP hook's ``[layerwise]`` plan in force (each tensor's setting and bytes), or
-        None (no plan yet, no ``[layerwise]`` table, no hook)."""
+        """The DDP hook's ``[layerwise]`` plan in force (each tensor's setting and bytes; under
+        the bandwidth layer, this rank's cross group's), or None (no plan yet, no
+        ``[layerwise]`` table, no hook)."""
         return self.hook.plan if self.hook is not None else None
 
     def finish(self) -> None:

@@ -18,6 +18,11 @@ and restarts its warm start when the rank changes). A plan that switches a group
 (its links are fast enough) parks the compressor with its state; a later plan that
 brings the method back resumes it. Parked compressors are part of ``state_dict``.
 
+With ``[layerwise]`` the groups are a :class:`~commpress.adaptive.layerwise.LayerwiseGroups`:
+the setting this layer gives the main method is the link's budget, which a layer-wise plan
+per cross group shares out per tensor (see that module); the plan is made over this
+layer's backend, and a new setting ends the plan made for the old one.
+
 Everything it asks of the ranks goes through the hook state's backend
 (:class:`~commpress.comm.links.MeasurableBackend`): a communicator of its own for the
 measurements and the plan check, and a backend with the plan's domain and cross scopes.
@@ -39,7 +44,7 @@ from commpress.adaptive.topology import Topology
 from commpress.adaptive.traffic import ModelLayout, ddp_buckets
 from commpress.comm import Backend
 from commpress.comm.links import MeasurableBackend
-from commpress.compressors import Bucket, Compressor, ParamSlot, build, compressor_class
+from commpress.compressors import Bucket, Compressor, ParamSlot, build
 from commpress.config import digest_of
 from commpress.config.groups import MethodGroups
 from commpress.config.tables import BandwidthConfig
@@ -80,8 +85,9 @@ class AdaptiveLayer:
         self.log = timing.active()
         if self.log is not None:
             self.log.layer = self
-        # a group switches between its configured method and none (1 round): the method's rounds suffice
-        self.rounds = sum(compressor_class(m).rounds for m, _ in self.configured.values())
+        # a group switches between its configured method and none (1 round): the groups' rounds suffice
+        # (with [layerwise] every candidate setting is a group of its own, its plan's two collectives among them)
+        self.rounds = groups.rounds
         self.active: dict[str, tuple[str, dict[str, Any]]] = {key: (m, dict(p)) for key, (m, p) in self.configured.items()}
         self.parked: dict[tuple[str, str], Compressor] = {}
         self.parked_params: dict[tuple[str, str], dict[str, Any]] = {}
@@ -158,7 +164,7 @@ class AdaptiveLayer:
         previous_params = self.parked_params.pop((key, method), None)
         if previous is not None:
             new.load_state_dict(adapt_state(method, previous.state_dict(), previous_params, params))
-        self._groups.replace(key, new)
+        self._groups.replace(key, new, (method, params))
         self.active[key] = (method, params)
 
     def _spec(self) -> dict[str, list[Any]]:

@@ -17,6 +17,16 @@ When a tensor changes group its state goes with it: to a compressor of the same 
 entries move by name (converted by :meth:`~commpress.compressors.base.Compressor.adapt_state`,
 as the bandwidth layer does); to another method, what it owes (Top-k's residual, the
 low-rank error) is added to its next gradient, so error feedback loses nothing.
+
+Under the bandwidth layer (``[bandwidth] adaptive = true``) a plan is made per link: the
+errors are measured on what crosses it (this rank's shard of each bucket, after the
+reduction inside its domain), summed and compared over the ranks of its cross group only
+(the ``"cross"`` scope of the hierarchical backend), and the budget is counted on those
+tensors. ``"uniform"`` is then the bytes of the setting the bandwidth plan gives the
+group (``main``): a new setting after a re-measurement ends the plan made for the old
+one (every tensor back to ``main``, its state carried) until the next measured step. A
+link the bandwidth plan leaves uncompressed (``none``) sends exactly: nothing is
+measured or planned there.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from commpress.adaptive.layer_errors import Setting, candidates, owed, tensor_er
 from commpress.comm import Backend
 from commpress.comm.checkpoint import sum_entries
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, build
+from commpress.compressors.collectives import in_scope
 from commpress.compressors.composite import Composite
 from commpress.config import Config, digest_of
 from commpress.config.groups import MAIN, MethodGroups
@@ -66,7 +77,8 @@ def label(setting: Setting) -> str:
 @dataclass(frozen=True)
 class LayerPlan:
     """Each planned tensor's setting (its group key and label) and bytes per step, the
-    budget, the summed measured error, and the step the plan took effect."""
+    budget, the summed measured error, the step the plan took effect, and the ranks that
+    hold it (a cross group of the bandwidth layer; empty: every rank)."""
 
     step: int
     keys: dict[str, str]
@@ -74,6 +86,7 @@ class LayerPlan:
     nbytes: dict[str, float]
     budget: float
     error: float
+    ranks: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> float:
@@ -88,6 +101,7 @@ class LayerPlan:
             "nbytes": dict(self.nbytes),
             "budget": self.budget,
             "error": self.error,
+            "ranks": list(self.ranks),
         }
 
     @classmethod
@@ -99,6 +113,7 @@ class LayerPlan:
             {k: float(v) for k, v in data["nbytes"].items()},
             float(data["budget"]),
             float(data["error"]),
+            tuple(int(r) for r in data.get("ranks", ())),
         )
 
     def digest(self) -> str:
@@ -106,7 +121,8 @@ class LayerPlan:
 
     def __str__(self) -> str:
         rows = [[name, self.labels[name], f"{self.nbytes[name]:,.0f}"] for name in self.keys]
-        head = f"layer-wise plan from step {self.step}: {self.total_bytes:,.0f} of {self.budget:,.0f} bytes per step"
+        where = f" of ranks {' '.join(map(str, self.ranks))}" if self.ranks else ""
+        head = f"layer-wise plan{where} from step {self.step}: {self.total_bytes:,.0f} of {self.budget:,.0f} bytes per step"
         return head + "\n" + format_table(["tensor", "setting", "bytes/step"], rows)
 
 
@@ -144,18 +160,14 @@ class LayerwiseGroups(MethodGroups):
         super().__init__(config, model, last_layer)
         self.settings: LayerwiseConfig = config.section("layerwise")
         bandwidth = config.section("bandwidth")
-        if bandwidth is not None and bandwidth.adaptive:
-            raise ConfigError(
-                "[layerwise] enabled = true is not accepted with [bandwidth] adaptive = true: the two plans are not "
-                "combined yet; turn one of them off"
-            )
+        #: one plan per link of the bandwidth layer (module docstring), not one for every rank
+        self.per_link = bandwidth is not None and bandwidth.adaptive
         settings = candidates(*self.specs[MAIN])
-        #: group key -> setting, every candidate (the configured one is ``main``)
+        #: group key -> setting, every candidate (``main`` the one in force: configured, or the bandwidth plan's)
         self.candidates: dict[str, Setting] = {MAIN: settings[0]}
         for setting in settings[1:]:
             key = f"{MAIN}@{label(setting)}"
             self.candidates[key] = setting
-            self.specs[key] = setting
             self.compressors[key] = build(*setting)
         self.composite = _Planned(self)
         self.plan: LayerPlan | None = None
@@ -178,9 +190,25 @@ class LayerwiseGroups(MethodGroups):
         return self.assigned.get(name, MAIN) if key == MAIN else key
 
     def measuring(self, step: int) -> bool:
-        """Whether ``step``'s gradients are measured for the next plan."""
+        """Whether ``step``'s gradients are measured for the next plan (never while the
+        bandwidth layer sends this link exactly)."""
         start = self.config.start_iter
-        return step >= start and (step - start) % self.settings.every == 0
+        exact = self.compressors[MAIN].name == "none"
+        return step >= start and (step - start) % self.settings.every == 0 and not exact
+
+    def replace(self, key: str, compressor: Compressor, spec: Setting) -> None:
+        """The bandwidth layer's new setting for ``key``; for ``main`` (this link's budget)
+        the plan made for the old one ends: every tensor back to ``main``, its state
+        carried, and a measurement waiting for a plan is dropped."""
+        super().replace(key, compressor, spec)
+        if key != MAIN:
+            return
+        self.candidates[MAIN] = spec
+        if self.plan is not None:
+            log.info("main is now %s: the layer-wise plan from step %d ends with its budget", label(spec), self.plan.step)
+        self._move({n: (k, MAIN) for n, k in sorted(self.assigned.items()) if k != MAIN})
+        self.assigned, self.plan, self._measured = {}, None, {}
+        self.composite = _Planned(self)
 
     # ---- reducing ------------------------------------------------------------------------
 
@@ -233,7 +261,8 @@ class LayerwiseGroups(MethodGroups):
 
     def replan(self, backend: Backend, step: int) -> None:
         """At the first bucket of ``step``: plan from the last measured step, if one is
-        waiting (two small collectives; nothing may be in flight)."""
+        waiting (two small collectives; nothing may be in flight). Per link, ``backend``
+        is the bandwidth layer's: the plan is made over this rank's cross group."""
         if not self.waiting:
             return
         if not backend.can_block:
@@ -242,16 +271,20 @@ class LayerwiseGroups(MethodGroups):
                 "(a torch.distributed or MPI backend)"
             )
         t0 = time.perf_counter()
-        backend.run(self.planning(step)).wait()
+        if self.per_link:
+            backend.run(in_scope(self.planning(step, tuple(backend.members("cross"))), "cross")).wait()
+        else:
+            backend.run(self.planning(step)).wait()
         self.cost.plans += 1
         self.cost.plan_seconds += time.perf_counter() - t0
 
-    def planning(self, step: int) -> Reduction:
-        """The plan as a reduction: sum the ranks' errors, solve, compare digests, switch."""
+    def planning(self, step: int, ranks: tuple[int, ...] = ()) -> Reduction:
+        """The plan as a reduction: sum the ranks' errors, solve, compare digests, switch.
+        ``ranks``: those that take part when they are not every rank (for the plan's record)."""
         names = sorted(self._measured)
         errors = torch.tensor([self._measured[n].errors for n in names], dtype=torch.float64)
         summed = yield AllReduce(errors)
-        plan = self.solve(names, summed.tolist(), step)
+        plan = dataclasses.replace(self.solve(names, summed.tolist(), step), ranks=ranks)
         mine = float(int(plan.digest()[:12], 16))  # 48 bits: exact in float64
         seen = yield AllReduce(torch.tensor([mine, -mine], dtype=torch.float64), op="max")
         if seen[0].item() != mine or -seen[1].item() != mine:
@@ -325,7 +358,8 @@ class LayerwiseGroups(MethodGroups):
         }
 
     def holds_per_rank(self, state: Mapping[str, Any]) -> bool:
-        return bool(state.get("carry")) or bool(state.get("measured"))
+        per_link = self.per_link and state.get("plan") is not None  # one plan per cross group
+        return per_link or bool(state.get("carry")) or bool(state.get("measured"))
 
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`plan_state` (before the compressors' own states are loaded)."""

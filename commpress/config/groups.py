@@ -42,6 +42,7 @@ class MethodGroups:
 
     def __init__(self, config: Config, model: nn.Module | None = None, last_layer: Iterable[str] | None = None) -> None:
         self.config = config
+        #: each group's (method, params) in force: the configured ones until the bandwidth layer sets its own
         self.specs: dict[str, tuple[str, dict[str, Any]]] = {MAIN: (config.method, dict(config.params))}
         for i, ov in enumerate(config.overrides):
             self.specs[f"override{i}"] = (ov.method, dict(ov.method_params))
@@ -73,10 +74,11 @@ class MethodGroups:
         key = next((f"override{i}" for i, ov in enumerate(self.config.overrides) if ov.matches(name)), MAIN)
         return LAST_LAYER if key in self.skipping and name in self.last_layer else key
 
-    def replace(self, key: str, compressor: Compressor) -> None:
-        """Run group ``key`` with ``compressor`` from now on (the bandwidth layer changes a
-        method's parameter this way)."""
+    def replace(self, key: str, compressor: Compressor, spec: tuple[str, dict[str, Any]]) -> None:
+        """Run group ``key`` with ``compressor``, built from ``spec`` = (method, params), from
+        now on (the bandwidth layer changes a method's parameter this way)."""
         self.compressors[key] = compressor
+        self.specs[key] = spec
 
     def end_step(self, commit: bool) -> None:
         """Commit (or, for a non-finite step, discard) every group's staged state."""

@@ -155,8 +155,11 @@ class CommState(OnBackend):
         if first_bucket and self._check_resume and self._backend.can_block:
             checkpoint.check_resume(self._backend, self.step, self.config.digest(), "the DDP hook state (CommState)")
             self._check_resume = False
-        if first_bucket and self.layerwise is not None:
-            self.layerwise.replan(self._backend, self.step)
+        if first_bucket and self.adaptive is not None and self.step >= self.config.start_iter:
+            # nothing in flight: safe to re-measure; before a layer-wise plan, whose budget a new setting sets
+            self.adaptive.begin_step(self.step)
+        if first_bucket and self.layerwise is not None:  # per link under the bandwidth layer: over its cross groups
+            self.layerwise.replan(self.adaptive.backend if self.adaptive is not None else self._backend, self.step)
         # DDP rebuilds its buckets after the first step: re-derive when the members change.
         members = tuple(id(p) for p in params) if params is not None else (buffer.numel(),)
         cached = self._layouts.get(index)
@@ -172,8 +175,6 @@ class CommState(OnBackend):
         if step < self.config.start_iter:
             fut = self._backend.run(self._warmup.reduce(bucket, ctx))
         elif self.adaptive is not None:
-            if first_bucket:  # no reduction of this state is in flight: safe to re-measure
-                self.adaptive.begin_step(step)
             fut = self.adaptive.run(bucket, step)
         else:
             fut = self._backend.run(self.groups.composite.reduce(bucket, ctx))
