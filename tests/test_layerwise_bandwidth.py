@@ -247,10 +247,14 @@ def test_a_new_setting_is_a_new_budget_and_keeps_error_feedback(runs):
         for log in logs:
             a, b, owed = log["held"][index]
             held[a:b] += owed / 2
-        assert torch.equal(sent + held, truth)
-        assert held.abs().sum() > 0
+        # the plans move tensors to onebit and 4-bit quant too (error feedback: float rounding only)
+        torch.testing.assert_close(sent + held, truth, rtol=0, atol=1e-5)
         for log in logs[1:]:
             assert all(torch.equal(x[index], y[index]) for x, y in zip(log["results"], logs[0]["results"]))
+    # not an empty check: tensors moved between methods on the way (the exact link at the end
+    # then sends what they owed, so nothing need be held after it)
+    moved = {label for log in logs for plan in log["plans"].values() if plan for label in plan["labels"].values()}
+    assert any(not label.startswith("topk") for label in moved), moved
 
 
 def test_a_resumed_state_continues_bit_for_bit(runs):
