@@ -93,7 +93,10 @@ class OneBitCompressor(Compressor):
         ``min_numel`` whole in float32 (none for an empty tensor)."""
         if slot.numel < self.min_numel:
             return (Transfer("all_gather", 4 * slot.numel),)
-        return (Transfer("all_gather", sum(4 + packed_size(n, 1) for _, n in self._spans(0, slot.numel))),)
+        n, run = slot.numel, self.chunk or max(slot.numel, 1)
+        full, rest = divmod(n, run)  # runs of `run` elements, then a shorter one
+        nbytes = full * (4 + packed_size(run, 1)) + (4 + packed_size(rest, 1) if rest else 0)
+        return (Transfer("all_gather", nbytes),)
 
     def _span_array(self, layout: tuple[tuple[int, int], ...]) -> np.ndarray:
         """Every scale run of the tensors at ``layout`` as an int64 ``[T, 2]`` array, built
