@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 from typing import TYPE_CHECKING
 
 from commpress.bench.catalog import WORKLOADS
-from commpress.cli.ranks import add_rank_arguments
-from commpress.cmdline import LIST_HELP, integer, method_list, number
+from commpress.cli.ranks import add_method_arguments, add_rank_arguments, check_outputs, methods_from_args
+from commpress.cmdline import integer, number
 from commpress.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -31,19 +30,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--local", type=integer(1), metavar="N", help="start N ranks on this machine (gloo) instead of a launcher"
-    )
-    parser.add_argument(
-        "--methods",
-        type=method_list(),
-        help=f"{LIST_HELP}: the baselines ddp, torch-fp16, torch-powersgd or commpress methods, "
-        "e.g. 'ddp;torch-powersgd:rank=4;powersgd:rank=4' (default: the baselines and every commpress method with "
-        "default parameters)",
-    )
-    parser.add_argument(
-        "--config", action="append", default=[], metavar="FILE", help="a commpress config file as one more row (repeatable)"
-    )
+    add_method_arguments(parser, "(default: the baselines and every commpress method with default parameters)")
     parser.add_argument("--workload", default="gpt2", choices=WORKLOADS, help="gradient shapes to send (default gpt2)")
     parser.add_argument(
         "--scale",
@@ -54,7 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=integer(1), default=8, help="rank of the shaped gradients / demo batch size (default 8)")
     parser.add_argument("--steps", type=integer(1), default=20, help="timed steps per method (default 20)")
     parser.add_argument("--warmup", type=integer(2), default=5, help="untimed steps first (default 5, at least 2)")
-    parser.add_argument("--bucket-cap-mb", type=number(0), help="DDP bucket size (default DDP's 25)")
     add_rank_arguments(parser, plot="a bar chart of step time per method")
     parser.add_argument(
         "--interleave",
@@ -67,31 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Validate the command line into a plan (ConfigError on bad values)."""
-    from commpress.bench.methods import default_methods, method_from_config, parse_methods
+    from commpress.bench.methods import default_methods
     from commpress.bench.runner import BenchPlan
     from commpress.bench.workloads import make_workload
 
-    methods = [] if args.methods is None and args.config else None
-    if args.methods is not None:
-        methods = parse_methods(args.methods)
-    if methods is None:
-        methods = default_methods()
-    for path in args.config:
-        try:
-            methods.append(method_from_config(path))
-        except ConfigError as exc:
-            raise ConfigError(f"--config: {exc}") from None
+    methods = methods_from_args(args, default_methods)
     late = [(m.label, _start_iter(m)) for m in methods if _start_iter(m) > args.warmup]
     if late:
         raise ConfigError(
             f"--warmup = {args.warmup} is not accepted: {late[0][0]} starts compressing at step {late[0][1]}; "
             "warm up at least that long"
         )
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None and path != "-":
-            check_output_path(option, path)
-    if args.plot is not None:
-        check_can_plot()
+    check_outputs(args)
     make_workload(args.workload, args.scale, args.batch)
     return BenchPlan(
         methods=tuple(methods),
@@ -104,21 +77,6 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         progress=not args.quiet,
         interleave=args.interleave,
     )
-
-
-def check_output_path(option: str, path: str) -> None:
-    """ConfigError unless ``path`` can be written: found now, not after the whole run."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ConfigError(f"{option} = {path!r} is not accepted; expected a file path in an existing, writable folder")
-
-
-def check_can_plot() -> None:
-    """ConfigError unless matplotlib (the bench extra) is installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("--plot needs matplotlib: pip install matplotlib (commpress's bench extra)")
 
 
 def _start_iter(method: BenchMethod) -> int:

@@ -17,8 +17,8 @@ import functools
 import sys
 from typing import Any
 
-from commpress.cli.ranks import add_rank_arguments
-from commpress.cmdline import LIST_HELP, integer, method_list, number
+from commpress.cli.ranks import add_method_arguments, add_rank_arguments, check_outputs, methods_from_args
+from commpress.cmdline import integer, number
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "run"]
 
@@ -28,19 +28,7 @@ _DEFAULT_TARGET_STEPS = 200
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--local", type=integer(1), metavar="N", help="start N ranks on this machine (gloo) instead of a launcher"
-    )
-    parser.add_argument(
-        "--methods",
-        type=method_list(),
-        help=f"{LIST_HELP}: the baselines ddp, torch-fp16, torch-powersgd or commpress methods, e.g. "
-        f"'ddp;torch-powersgd:rank=4;powersgd:rank=4' (default '{DEFAULT_METHODS}'); ddp is added first when the "
-        "target comes from it",
-    )
-    parser.add_argument(
-        "--config", action="append", default=[], metavar="FILE", help="a commpress config file as one more row (repeatable)"
-    )
+    add_method_arguments(parser, f"(default '{DEFAULT_METHODS}'); ddp is added first when the target comes from it")
     parser.add_argument("--task", default="transformer", help="transformer (default) or charlm (the demo's MLP)")
     parser.add_argument("--width", type=integer(1), default=256, help="transformer width (default 256)")
     parser.add_argument("--layers", type=integer(1), default=4, help="transformer layers (default 4)")
@@ -71,17 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "off the clock (default 2)",
     )
     parser.add_argument("--eval-size", type=integer(1), default=128, help="held-out windows per evaluation (default 128)")
-    parser.add_argument("--bucket-cap-mb", type=number(0), help="DDP bucket size (default DDP's 25; torch-powersgd: 1 bucket)")
-    add_rank_arguments(parser, plot="held-out loss against wall-clock seconds per method")
+    add_rank_arguments(parser, plot="held-out loss against wall-clock seconds per method", bucket="; torch-powersgd: 1 bucket")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
 
 def plan_from_args(args: argparse.Namespace) -> Any:
     """Validate the command line into a :class:`~commpress.bench.race.RacePlan`
     (ConfigError on bad values)."""
-    from commpress.bench.methods import method_from_config, parse_methods
+    from commpress.bench.methods import parse_methods
     from commpress.bench.race import LEARNING_RATES, RacePlan, RaceTask
-    from commpress.cli.bench import check_can_plot, check_output_path
     from commpress.errors import ConfigError
 
     if args.target is not None and args.target_steps is not None:
@@ -90,20 +76,11 @@ def plan_from_args(args: argparse.Namespace) -> Any:
     max_steps = args.max_steps or 2 * target_steps
     if args.target is None and max_steps < target_steps:
         raise ConfigError(f"--max-steps = {max_steps} is not accepted; expected at least --target-steps = {target_steps}")
-    methods = parse_methods(args.methods or DEFAULT_METHODS) if args.methods or not args.config else []
-    for path in args.config:
-        try:
-            methods.append(method_from_config(path))
-        except ConfigError as exc:
-            raise ConfigError(f"--config: {exc}") from None
+    methods = methods_from_args(args, functools.partial(parse_methods, DEFAULT_METHODS))
     if args.target is None:  # the reference runs first: it sets the target
         ddp = [m for m in methods if m.kind == "ddp"] or parse_methods("ddp")
         methods = [ddp[0], *(m for m in methods if m is not ddp[0])]
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None and path != "-":
-            check_output_path(option, path)
-    if args.plot is not None:
-        check_can_plot()
+    check_outputs(args)
     task = RaceTask(args.task, args.batch, args.context, args.width, args.layers, args.heads, args.eval_size)
     return RacePlan(
         methods=tuple(methods),
