@@ -74,3 +74,26 @@ def check_spans(spans: Sequence[tuple[int, int]] | np.ndarray, numel: int) -> tu
         i = int(np.argmax(wrong))
         raise ValueError(f"span ({offsets[i]}, {lengths[i]}) is not inside the {numel} elements of the buffer")
     return offsets, lengths
+
+
+def check_bucket(name: str, t: torch.Tensor, spans: Sequence[tuple[int, int]] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and lengths of ``spans`` (:func:`check_spans`) once ``t`` is found to be a flat
+    contiguous float buffer: the bucket every front end over spans reads or writes."""
+    check_float(name, t)
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a flat contiguous buffer, got shape {tuple(t.shape)}")
+    return check_spans(spans, t.numel())
+
+
+def check_gathered(
+    packed: torch.Tensor, scales: torch.Tensor, spans: Sequence[tuple[int, int]] | np.ndarray, out: torch.Tensor
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Offsets, lengths and world size for decoding every rank's codes of a bucket into ``out``:
+    ``packed`` uint8 of shape [world >= 1, bytes], ``scales`` float32, ``out`` a bucket
+    (:func:`check_bucket`). The exact shapes depend on the code: the caller checks them."""
+    check_dtype("packed", packed, torch.uint8)
+    check_dtype("scales", scales, torch.float32)
+    offsets, lengths = check_bucket("out", out, spans)
+    if packed.dim() != 2 or packed.shape[0] < 1:
+        raise ValueError(f"packed must be 2-D [world >= 1, bytes], got shape {tuple(packed.shape)}")
+    return offsets, lengths, packed.shape[0]

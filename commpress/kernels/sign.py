@@ -41,10 +41,7 @@ def sign_pack_many(
     (float32, ``x``'s size, contiguous; ``acc`` may be ``error``) come together: the spans
     of ``acc`` receive ``x + error``, which is what is encoded.
     """
-    _checks.check_float("x", x)
-    if x.dim() != 1 or not x.is_contiguous():
-        raise ValueError(f"x must be a flat contiguous buffer, got shape {tuple(x.shape)}")
-    offsets, lengths = _checks.check_spans(spans, x.numel())
+    offsets, lengths = _checks.check_bucket("x", x, spans)
     if (error is None) != (acc is None):
         raise ValueError("error and acc come together: pass both (error feedback) or neither")
     if error is not None:
@@ -80,15 +77,7 @@ def sign_unpack_accumulate_many(
     ``scales`` float32[world, T]; ``out`` a flat contiguous float32, float16 or bfloat16
     buffer; ``residual`` float32 of ``out``'s size (usually the ``acc`` the codes came from).
     """
-    _checks.check_dtype("packed", packed, torch.uint8)
-    _checks.check_dtype("scales", scales, torch.float32)
-    _checks.check_float("out", out)
-    if out.dim() != 1 or not out.is_contiguous():
-        raise ValueError(f"out must be a flat contiguous buffer, got shape {tuple(out.shape)}")
-    offsets, lengths = _checks.check_spans(spans, out.numel())
-    if packed.dim() != 2 or packed.shape[0] < 1:
-        raise ValueError(f"packed must be 2-D [world >= 1, bytes], got shape {tuple(packed.shape)}")
-    world = packed.shape[0]
+    offsets, lengths, world = _checks.check_gathered(packed, scales, spans, out)
     _checks.check_shape("packed", packed, (world, int(((lengths + 7) // 8).sum())))
     _checks.check_shape("scales", scales, (world, len(offsets)))
     _checks.check_count("rank", rank)

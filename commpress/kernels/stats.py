@@ -34,10 +34,7 @@ def span_stats(x: torch.Tensor, spans: Sequence[tuple[int, int]]) -> tuple[torch
 
     ``x`` may be float32, float16 or bfloat16 (whose values float32 holds exactly).
     """
-    _checks.check_float("x", x)
-    if x.dim() != 1 or not x.is_contiguous():
-        raise ValueError(f"x must be a flat contiguous buffer, got shape {tuple(x.shape)}")
-    offsets, lengths = _checks.check_spans(spans, x.numel())
+    offsets, lengths = _checks.check_bucket("x", x, spans)
     if x.is_cuda:
         return _launch.span_stats(x, offsets, lengths)
     from .cpu import stats

@@ -34,10 +34,7 @@ def ternary_quantize_pack_many(
     ``x`` is a flat contiguous buffer, ``spans`` the tensors' ``(offset, numel)`` in it,
     ``scales`` float32[T], ``bounds`` float32[T] (>= 0; +inf: no clipping) or None.
     """
-    _checks.check_float("x", x)
-    if x.dim() != 1 or not x.is_contiguous():
-        raise ValueError(f"x must be a flat contiguous buffer, got shape {tuple(x.shape)}")
-    offsets, lengths = _checks.check_spans(spans, x.numel())
+    offsets, lengths = _checks.check_bucket("x", x, spans)
     count = len(offsets)
     _checks.check_dtype("scales", scales, torch.float32)
     _checks.check_shape("scales", scales, (count,))
@@ -74,15 +71,7 @@ def ternary_unpack_accumulate_many(
     ``packed`` is uint8[world, total bytes] (every rank's payloads of all spans, end to end),
     ``scales`` float32[world, T]; ``out`` a flat contiguous buffer, written inside the spans only.
     """
-    _checks.check_dtype("packed", packed, torch.uint8)
-    _checks.check_dtype("scales", scales, torch.float32)
-    _checks.check_float("out", out)
-    if out.dim() != 1 or not out.is_contiguous():
-        raise ValueError(f"out must be a flat contiguous buffer, got shape {tuple(out.shape)}")
-    offsets, lengths = _checks.check_spans(spans, out.numel())
-    if packed.dim() != 2 or packed.shape[0] < 1:
-        raise ValueError(f"packed must be 2-D [world >= 1, bytes], got shape {tuple(packed.shape)}")
-    world = packed.shape[0]
+    offsets, lengths, world = _checks.check_gathered(packed, scales, spans, out)
     nbytes = [packed_size(int(n), 2) for n in lengths]
     _checks.check_shape("packed", packed, (world, sum(nbytes)))
     _checks.check_shape("scales", scales, (world, len(offsets)))
