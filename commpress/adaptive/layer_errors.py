@@ -2,12 +2,14 @@
 
 A method's candidate settings are its own knob around the configured one (Top-k densities
 from 1/8 to 64 times the configured ratio, low-rank ranks from 1/4 to 8 times the
-configured rank, TernGrad as configured) and a ladder of other methods by bits per
-element: ``onebit`` (a scale per 64 elements, error feedback), ``terngrad``, 4-bit
-``quant`` (error feedback), ``fp16``, ``none``. Mixing methods lets a plan send a small,
-sensitive tensor in 4 bits where the main method's setting would need many times its
-bytes (measured: docs/choosing.md). Top-k with DGC applies the optimizer's momentum
-itself, so its tensors keep it: its settings are densities only, up to 1 (every entry sent).
+configured rank, TernGrad as configured), for Top-k and TernGrad also PowerSGD at ranks 1
+to 8 (a large layer's gradient is close to low rank), and a ladder of other methods by
+bits per element: ``onebit`` (a scale per 64 elements, error feedback), ``terngrad``,
+4-bit ``quant`` (error feedback), ``fp16``, ``none``. Mixing methods lets a plan send a
+small, sensitive tensor in 4 bits where the main method's setting would need many times
+its bytes, and a large matrix at low rank where Top-k would keep too few entries
+(measured: docs/choosing.md). Top-k with DGC applies the optimizer's momentum itself, so
+its tensors keep it: its settings are densities only, up to 1 (every entry sent).
 
 The error of a setting on a tensor is the squared L2 distance between what the tensor
 owes (its gradient plus, with error feedback, the residual its method carries) and what
@@ -53,6 +55,8 @@ PLANNED = ("topk", "powersgd", "acpsgd", "terngrad")
 Setting = tuple[str, dict[str, Any]]
 _DENSITY_STEPS = range(-3, 7)  # density = configured ratio * 2**j
 _RANK_STEPS = range(-2, 4)  # rank = configured rank * 2**j
+#: The PowerSGD ranks Top-k's and TernGrad's tensors may take.
+POOL_RANKS = (1, 2, 4, 8)
 
 
 def candidates(method: str, params: Mapping[str, Any]) -> list[Setting]:
@@ -83,11 +87,17 @@ def candidates(method: str, params: Mapping[str, Any]) -> list[Setting]:
 
 
 def _pool(method: str, params: Mapping[str, Any]) -> list[Setting]:
-    """The settings every method's tensors may take besides its own, from about 1.5 to 32
-    bits per element: onebit with a scale per 64 elements and 4-bit codes (both with error
+    """The settings every method's tensors may take besides its own: for Top-k and
+    TernGrad, PowerSGD at ranks :data:`POOL_RANKS` (on matrices; a large layer's gradient
+    is close to low rank, and rank r costs ``r (n + m)`` floats, below Top-k 1% of a
+    512 x 768 matrix up to r = 6); for every method, from about 1.5 to 32 bits per
+    element: onebit with a scale per 64 elements and 4-bit codes (both with error
     feedback), TernGrad, fp16, none; tensors under the method's ``min_numel`` stay whole."""
     small = {"min_numel": int(params["min_numel"])} if "min_numel" in params else {}
-    pool: list[Setting] = [("onebit", {**small, "chunk": 64}), ("quant", {**small, "bits": 4, "error_feedback": True})]
+    pool: list[Setting] = []
+    if method in ("topk", "terngrad"):
+        pool += [("powersgd", {"rank": r}) for r in POOL_RANKS]
+    pool += [("onebit", {**small, "chunk": 64}), ("quant", {**small, "bits": 4, "error_feedback": True})]
     if method != "terngrad":
         pool.append(("terngrad", {}))
     return [*pool, ("none", {}), ("fp16", {})]
