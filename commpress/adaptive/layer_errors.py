@@ -2,8 +2,8 @@
 
 A method's candidate settings are its own knob around the configured one (Top-k densities
 from 1/8 to 64 times the configured ratio, low-rank ranks from 1/4 to 8 times the
-configured rank, TernGrad as configured), for Top-k and TernGrad also PowerSGD at ranks 1
-to 8 (a large layer's gradient is close to low rank), and a ladder of other methods by
+configured rank, TernGrad as configured), for Top-k and TernGrad also PowerSGD at a few
+ranks (a large layer's gradient is close to low rank), and a ladder of other methods by
 bits per element: ``onebit`` (a scale per 64 elements, error feedback), ``terngrad``,
 4-bit ``quant`` (error feedback), ``fp16``, ``none``. Mixing methods lets a plan send a
 small, sensitive tensor in 4 bits where the main method's setting would need many times
@@ -55,8 +55,10 @@ PLANNED = ("topk", "powersgd", "acpsgd", "terngrad")
 Setting = tuple[str, dict[str, Any]]
 _DENSITY_STEPS = range(-3, 7)  # density = configured ratio * 2**j
 _RANK_STEPS = range(-2, 4)  # rank = configured rank * 2**j
-#: The PowerSGD ranks Top-k's and TernGrad's tensors may take.
-POOL_RANKS = (1, 2, 4, 8)
+#: The PowerSGD ranks Top-k's and TernGrad's tensors may take. TernGrad's start at 4: ranks 1
+#: and 2 took its place on matrices it sends well and cost it 2 to 8 points under AdamW
+#: (docs/choosing.md, measured).
+POOL_RANKS = {"topk": (1, 2, 4, 8), "terngrad": (4, 8)}
 
 
 def candidates(method: str, params: Mapping[str, Any]) -> list[Setting]:
@@ -88,15 +90,13 @@ def candidates(method: str, params: Mapping[str, Any]) -> list[Setting]:
 
 def _pool(method: str, params: Mapping[str, Any]) -> list[Setting]:
     """The settings every method's tensors may take besides its own: for Top-k and
-    TernGrad, PowerSGD at ranks :data:`POOL_RANKS` (on matrices; a large layer's gradient
-    is close to low rank, and rank r costs ``r (n + m)`` floats, below Top-k 1% of a
+    TernGrad, PowerSGD at :data:`POOL_RANKS` (on matrices; a large layer's gradient is
+    close to low rank, and rank r costs ``r (n + m)`` floats, below Top-k 1% of a
     512 x 768 matrix up to r = 6); for every method, from about 1.5 to 32 bits per
     element: onebit with a scale per 64 elements and 4-bit codes (both with error
     feedback), TernGrad, fp16, none; tensors under the method's ``min_numel`` stay whole."""
     small = {"min_numel": int(params["min_numel"])} if "min_numel" in params else {}
-    pool: list[Setting] = []
-    if method in ("topk", "terngrad"):
-        pool += [("powersgd", {"rank": r}) for r in POOL_RANKS]
+    pool: list[Setting] = [("powersgd", {"rank": r}) for r in POOL_RANKS.get(method, ())]
     pool += [("onebit", {**small, "chunk": 64}), ("quant", {**small, "bits": 4, "error_feedback": True})]
     if method != "terngrad":
         pool.append(("terngrad", {}))
