@@ -19,7 +19,8 @@ the setting would send of it, on this rank:
   tensor under ``min_numel``, sent whole);
 - PowerSGD / ACP-SGD at rank r: the squared singular values beyond r of the tensor as a
   matrix (the best rank-r approximation, which the warm-started power iteration
-  approaches); 0 where the tensor is sent uncompressed;
+  approaches), its energy less that of the top r (:func:`top_singular`); 0 where the
+  tensor is sent uncompressed;
 - TernGrad: the clipping error plus the variance of stochastic rounding, ``s|c| - c^2``
   per clipped element c with scale s;
 - onebit: what the mean magnitude times the sign misses, ``sum a^2 - n s^2`` per run of n
@@ -47,7 +48,7 @@ from commpress.compressors.terngrad import TernGradCompressor
 from commpress.compressors.topk import TopKCompressor, topk_count
 from commpress.errors import ConfigError
 
-__all__ = ["PLANNED", "Setting", "candidates", "owed", "tensor_errors", "top_sums"]
+__all__ = ["PLANNED", "SAMPLE", "Setting", "candidates", "owed", "sample_rows", "tensor_errors", "top_singular", "top_sums"]
 
 #: The methods a layer-wise plan can set per tensor.
 PLANNED = ("topk", "powersgd", "acpsgd", "terngrad")
@@ -129,12 +130,68 @@ def owed(compressor: Compressor, entries: Mapping[str, Any]) -> torch.Tensor | N
 
 def tensor_errors(compressors: Sequence[Compressor], shape: tuple[int, ...], acc: torch.Tensor) -> list[float]:
     """The error of each of ``compressors`` (one per candidate setting) on the tensor of
-    ``shape`` that owes ``acc`` (flat, float32)."""
+    ``shape`` that owes ``acc`` (flat, float32); a tensor of more than :data:`SAMPLE`
+    elements is measured on a strided sample of its rows (:func:`sample_rows`), but for
+    the low-rank settings."""
     acc = acc.detach().to(torch.float32).reshape(-1)
-    numel = acc.numel()
-    counts = [topk_count(c.ratio, numel) for c in compressors if isinstance(c, TopKCompressor) and numel >= max(1, c.min_numel)]
-    stats = _Stats(acc, tuple(shape), counts)
+    rank = max((c.rank for c in compressors if isinstance(c, LowRankCompressor)), default=0)
+    rows, factor = sample_rows(acc, tuple(shape))
+    counts = [topk_count(c.ratio, rows.numel()) for c in compressors if isinstance(c, TopKCompressor)]
+    stats = _Stats(acc, tuple(shape), rows, factor, counts, rank)
     return [_error(c, stats) for c in compressors]
+
+
+#: Elements a tensor's errors are measured on, at most (about: whole rows).
+SAMPLE = 1 << 16
+_MIN_ROWS = 16  # a sample keeps at least this many rows, else the whole tensor is measured
+
+
+def sample_rows(acc: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, float]:
+    """What a tensor's errors are measured on: every t-th row of ``acc`` as a matrix of
+    ``shape[0]`` rows, t the smallest stride that keeps about :data:`SAMPLE` elements, and
+    the factor from the sample's errors to the tensor's: the tensor's energy over the
+    sample's (a ratio estimate: rows of unequal scale do not bias every candidate of the
+    tensor alike); the whole tensor (factor 1) when it is small, 1-D, or would keep fewer
+    than 16 rows. The same rows on every rank. Low-rank errors are not sampled (the top
+    singular values of fewer rows take a larger share of the tail): :func:`top_singular`
+    reads them off the whole matrix. Measuring stays a few hundred ms per plan on a
+    6M-parameter model (docs/benchmarks.md)."""
+    numel = acc.numel()
+    stride = -(-numel // SAMPLE)
+    if len(shape) < 2 or stride <= 1 or shape[0] // stride < _MIN_ROWS:
+        return acc, 1.0
+    rows = acc.view(shape[0], -1)[::stride].reshape(-1)
+    sampled = float(rows.square().sum(dtype=torch.float64))
+    whole = float(acc.square().sum(dtype=torch.float64))
+    if not (math.isfinite(whole) and sampled > 0):  # a non-finite step, or zero rows: by count
+        return rows, numel / rows.numel()
+    return rows, whole / sampled
+
+
+#: :func:`top_singular` works exactly (``svdvals``) on matrices whose smaller side is at
+#: most this many times the rank asked for; beyond, by a block power iteration.
+_EXACT_SIDE = 4
+_POWER_STEPS = 2  # power iterations: Ritz values within a few % of the top singular values
+_OVERSAMPLE = 8  # extra columns beyond the rank asked for
+
+
+def top_singular(a: torch.Tensor, k: int) -> torch.Tensor:
+    """The largest singular values of the matrix ``a`` (float32 or float64), at least ``k``
+    of them (fewer only if ``a`` has fewer), in float64, largest first: all of them by
+    ``svdvals`` where the smaller side is small, else the Ritz values of a block power
+    iteration (``k + 8`` columns, 2 steps, a fixed start: every rank and run computes the
+    same), each at most the true value, so an error read off them is an upper bound; the
+    full SVD of a 11,238 x 172 embedding took most of a plan's measuring."""
+    n, m = a.shape
+    if min(n, m) <= _EXACT_SIDE * max(k, 1):
+        return torch.linalg.svdvals(a.to(torch.float64))
+    a = a if n >= m else a.T  # tall: n >= m
+    start = torch.Generator(device="cpu").manual_seed(0)
+    basis = torch.randn(a.shape[1], k + _OVERSAMPLE, generator=start).to(a.device, a.dtype)
+    y = torch.linalg.qr(a @ basis).Q
+    for _ in range(_POWER_STEPS):
+        y = torch.linalg.qr(a @ torch.linalg.qr(a.T @ y).Q).Q
+    return torch.linalg.svdvals((y.T @ a).to(torch.float64))
 
 
 def top_sums(values: torch.Tensor, counts: Iterable[int]) -> dict[int, float]:
@@ -154,7 +211,7 @@ def _sorted_sums(values: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
 
 #: :func:`_radix_sums` bins a float32 by its 16 bits after the sign: the exponent and the
 #: top 8 mantissa bits, so a bin's values are within a factor 1 + 2**-8 of each other.
-_RADIX_SHIFT = 15
+_RADIX_SHIFT = 19
 
 
 def _radix_sums(values: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
@@ -180,13 +237,28 @@ def _radix_sums(values: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
 
 
 class _Stats:
-    """What several settings' errors share, computed once: the squares (float32, like the
-    tensor, summed in float64) and their total, the sums of the largest squares for the
-    Top-k ``counts``, the tensor in float64 and its singular values."""
+    """What several settings' errors share, computed once on the measured rows ``acc``
+    (:func:`sample_rows`; ``whole`` is the tensor): the squares (float32, like the tensor,
+    summed in float64) and their total, the sums of the largest squares for the Top-k
+    ``counts``, the rows in float64 and their singular values."""
 
-    def __init__(self, acc: torch.Tensor, shape: tuple[int, ...], counts: Sequence[int]) -> None:
-        self.acc, self.shape, self.counts = acc, shape, counts
+    def __init__(
+        self,
+        whole: torch.Tensor,
+        shape: tuple[int, ...],
+        acc: torch.Tensor,
+        factor: float,
+        counts: Sequence[int],
+        rank: int,
+    ) -> None:
+        self.whole, self.shape, self.acc, self.factor = whole, shape, acc, factor
+        self.counts, self.rank = counts, rank
         self._singular: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def numel(self) -> int:
+        """The tensor's elements (the measured rows may be fewer)."""
+        return self.whole.numel()
 
     @functools.cached_property
     def double(self) -> torch.Tensor:
@@ -207,45 +279,52 @@ class _Stats:
             return dict.fromkeys(self.counts, self.energy)
         return top_sums(self.squares, self.counts)
 
+    @functools.cached_property
+    def whole_energy(self) -> float:
+        return self.energy if self.acc is self.whole else float(self.whole.square().sum(dtype=torch.float64))
+
     def singular(self, n: int, m: int) -> torch.Tensor:
-        """The singular values of the tensor as an n x m matrix, largest first."""
+        """The largest singular values of the tensor as an n x m matrix, at least the
+        largest rank asked for (:func:`top_singular`), largest first."""
         if (n, m) not in self._singular:
-            self._singular[n, m] = torch.linalg.svdvals(self.double.view(n, m))
+            self._singular[n, m] = top_singular(self.whole.view(n, m), self.rank)
         return self._singular[n, m]
 
 
 def _error(c: Compressor, stats: _Stats) -> float:
-    numel = stats.acc.numel()
-    if numel == 0 or c.name == "none":
-        return 0.0
-    if c.name in ("fp16", "bf16"):
-        wire = stats.acc.to(torch.float16 if c.name == "fp16" else torch.bfloat16).float()
-        return float((stats.acc - wire).square().sum(dtype=torch.float64))  # the difference is exact in float32
-    if isinstance(c, TopKCompressor):
-        if numel < c.min_numel:
-            return 0.0
-        k = topk_count(c.ratio, numel)
-        return 0.0 if k == numel else max(0.0, stats.energy - stats.kept[k])  # every entry sent: exact
+    """The error of ``c`` on the tensor: the low-rank error on the whole matrix, the others
+    on its measured rows times their factor."""
+    if stats.numel == 0 or c.name == "none" or stats.numel < getattr(c, "min_numel", 0):
+        return 0.0  # exact, or a tensor under the method's min_numel: sent whole
+    if isinstance(c, TopKCompressor) and topk_count(c.ratio, stats.numel) == stats.numel:
+        return 0.0  # every entry sent: exact
     if isinstance(c, LowRankCompressor):
         shape = matrix_shape(ParamSlot("t", torch.Size(stats.shape), 0), c.rank, c.min_compression_rate)
         if shape is None:
             return 0.0
         s = stats.singular(*shape)
-        return float(s[c.rank :].square().sum())
+        if len(s) == min(shape):  # every singular value: the tail itself
+            return float(s[c.rank :].square().sum())
+        return max(0.0, stats.whole_energy - float(s[: c.rank].square().sum()))
+    return stats.factor * _rows_error(c, stats)
+
+
+def _rows_error(c: Compressor, stats: _Stats) -> float:
+    """The error of ``c`` (not low-rank) on the measured rows."""
+    if c.name in ("fp16", "bf16"):
+        wire = stats.acc.to(torch.float16 if c.name == "fp16" else torch.bfloat16).float()
+        return float((stats.acc - wire).square().sum(dtype=torch.float64))  # the difference is exact in float32
+    if isinstance(c, TopKCompressor):
+        return max(0.0, stats.energy - stats.kept[topk_count(c.ratio, stats.acc.numel())])
     if isinstance(c, OneBitCompressor):
-        if numel < c.min_numel:
-            return 0.0
-        kept = _sign_kept(stats.double, c.chunk)
-        return max(0.0, stats.energy - kept)
+        return max(0.0, stats.energy - _sign_kept(stats.double, c.chunk))
     if isinstance(c, QuantCompressor):
-        if numel < c.min_numel:
-            return 0.0
         return _quant_error(stats.double, c.bits, c.bucket_size)
     if isinstance(c, TernGradCompressor):
         a = stats.double.abs()
-        scale = float(a.max())
+        scale = float(stats.whole.abs().max())  # the tensor's scale, not the rows'
         if c.clip_sigma:
-            scale = min(scale, c.clip_sigma * math.sqrt(stats.energy / numel))
+            scale = min(scale, c.clip_sigma * math.sqrt(stats.factor * stats.energy / stats.numel))
         clipped = a.clamp(max=scale)
         return float((a - clipped).square().sum() + (scale * clipped - clipped.square()).sum())
     raise ConfigError(f"[layerwise]: method {c.name!r} has no error model; accepted methods: {', '.join(PLANNED)}")
