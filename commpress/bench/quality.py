@@ -108,7 +108,8 @@ def method_config(label: str, lr: float, steps: int) -> dict[str, Any]:
     commpress's ``[fsdp]`` table: 8-bit weights and gradients, the table's other defaults.
     A ``<row>-layerwise`` row is ``<row>`` with ``[layerwise] enabled = true``: each tensor's
     setting planned from the measured errors, within the bytes the row sends
-    (``budget = "uniform"``), re-planned every 50 steps. ``onebit-adam`` is 1-bit Adam
+    (``budget = "uniform"``), re-planned every 200 steps (the default: in a 200-step run,
+    one plan, at step 1). ``onebit-adam`` is 1-bit Adam
     (``[onebit_adam]``, AdamW only): 15% exact steps, then the momentum of every tensor in 1-bit
     signs with a scale per 64 elements.
     """
