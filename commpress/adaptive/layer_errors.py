@@ -209,8 +209,9 @@ def _sorted_sums(values: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
     return dict(zip(ks, kept[torch.tensor(ks, device=values.device) - 1].tolist()))
 
 
-#: :func:`_radix_sums` bins a float32 by its 16 bits after the sign: the exponent and the
-#: top 8 mantissa bits, so a bin's values are within a factor 1 + 2**-8 of each other.
+#: :func:`_radix_sums` bins a float32 by its 12 bits after the sign: the exponent and the
+#: top 4 mantissa bits (4,096 bins: few to clear for a sample of 65,536 elements), so a
+#: bin's values are within a factor 1 + 2**-4 of each other.
 _RADIX_SHIFT = 19
 
 
@@ -240,7 +241,7 @@ class _Stats:
     """What several settings' errors share, computed once on the measured rows ``acc``
     (:func:`sample_rows`; ``whole`` is the tensor): the squares (float32, like the tensor,
     summed in float64) and their total, the sums of the largest squares for the Top-k
-    ``counts``, the rows in float64 and their singular values."""
+    ``counts``, the rows in float64; the whole tensor's singular values and energy."""
 
     def __init__(
         self,
