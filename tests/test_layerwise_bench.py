@@ -107,9 +107,10 @@ def test_a_large_tensor_is_measured_on_a_sample_of_its_rows(monkeypatch):
     quant, TernGrad, fp16; low ranks are read off the whole matrix) is within 12% of the
     error measured on the whole tensor; a small, 1-D or few-row tensor is measured whole."""
     acc = _gradient_like(1024, 256, 6, seed=2).reshape(-1)
-    rows, factor = sample_rows(acc, (1024, 256))
+    rows, factor, energy = sample_rows(acc, (1024, 256))
     assert torch.equal(rows, acc.view(1024, 256)[::4].reshape(-1)) and rows.numel() <= layer_errors.SAMPLE
     assert math.isclose(factor, float(acc.double().square().sum() / rows.double().square().sum()), rel_tol=1e-9)
+    assert math.isclose(energy, float(acc.double().square().sum()), rel_tol=1e-9)  # found once, reused
     for shape in ((acc.numel(),), (8, acc.numel() // 8), (64, 256)):  # 1-D, 8 rows, small
         whole = acc[: math.prod(shape)]
         assert sample_rows(whole, shape)[0] is whole

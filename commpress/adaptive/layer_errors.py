@@ -135,9 +135,9 @@ def tensor_errors(compressors: Sequence[Compressor], shape: tuple[int, ...], acc
     the low-rank settings."""
     acc = acc.detach().to(torch.float32).reshape(-1)
     rank = max((c.rank for c in compressors if isinstance(c, LowRankCompressor)), default=0)
-    rows, factor = sample_rows(acc, tuple(shape))
+    rows, factor, energy = sample_rows(acc, tuple(shape))
     counts = [topk_count(c.ratio, rows.numel()) for c in compressors if isinstance(c, TopKCompressor)]
-    stats = _Stats(acc, tuple(shape), rows, factor, counts, rank)
+    stats = _Stats(acc, tuple(shape), rows, factor, energy, counts, rank)
     return [_error(c, stats) for c in compressors]
 
 
@@ -146,12 +146,13 @@ SAMPLE = 1 << 16
 _MIN_ROWS = 16  # a sample keeps at least this many rows, else the whole tensor is measured
 
 
-def sample_rows(acc: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, float]:
+def sample_rows(acc: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, float, float | None]:
     """What a tensor's errors are measured on: every t-th row of ``acc`` as a matrix of
-    ``shape[0]`` rows, t the smallest stride that keeps about :data:`SAMPLE` elements, and
-    the factor from the sample's errors to the tensor's: the tensor's energy over the
-    sample's (a ratio estimate: rows of unequal scale do not bias every candidate of the
-    tensor alike); the whole tensor (factor 1) when it is small, 1-D, or would keep fewer
+    ``shape[0]`` rows, t the smallest stride that keeps about :data:`SAMPLE` elements; the
+    factor from the sample's errors to the tensor's: the tensor's energy over the sample's
+    (a ratio estimate: rows of unequal scale do not bias every candidate of the tensor
+    alike); and that energy of the whole tensor, found on the way. The whole tensor
+    (factor 1, energy None: its errors find it) when it is small, 1-D, or would keep fewer
     than 16 rows. The same rows on every rank. Low-rank errors are not sampled (the top
     singular values of fewer rows take a larger share of the tail): :func:`top_singular`
     reads them off the whole matrix. Measuring stays a few hundred ms per plan on a
@@ -159,13 +160,13 @@ def sample_rows(acc: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor
     numel = acc.numel()
     stride = -(-numel // SAMPLE)
     if len(shape) < 2 or stride <= 1 or shape[0] // stride < _MIN_ROWS:
-        return acc, 1.0
+        return acc, 1.0, None
     rows = acc.view(shape[0], -1)[::stride].reshape(-1)
     sampled = float(rows.square().sum(dtype=torch.float64))
     whole = float(acc.square().sum(dtype=torch.float64))
     if not (math.isfinite(whole) and sampled > 0):  # a non-finite step, or zero rows: by count
-        return rows, numel / rows.numel()
-    return rows, whole / sampled
+        return rows, numel / rows.numel(), whole
+    return rows, whole / sampled, whole
 
 
 #: :func:`top_singular` works exactly (``svdvals``) on matrices whose smaller side is at
@@ -239,9 +240,10 @@ def _radix_sums(values: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
 
 class _Stats:
     """What several settings' errors share, computed once on the measured rows ``acc``
-    (:func:`sample_rows`; ``whole`` is the tensor): the squares (float32, like the tensor,
-    summed in float64) and their total, the sums of the largest squares for the Top-k
-    ``counts``, the rows in float64; the whole tensor's singular values and energy."""
+    (:func:`sample_rows`; ``whole`` is the tensor, ``whole_energy`` its energy where the
+    sample found it): the squares (float32, like the tensor, summed in float64) and their
+    total, the sums of the largest squares for the Top-k ``counts``, the rows in float64;
+    the whole tensor's singular values and energy."""
 
     def __init__(
         self,
@@ -249,11 +251,12 @@ class _Stats:
         shape: tuple[int, ...],
         acc: torch.Tensor,
         factor: float,
+        whole_energy: float | None,
         counts: Sequence[int],
         rank: int,
     ) -> None:
         self.whole, self.shape, self.acc, self.factor = whole, shape, acc, factor
-        self.counts, self.rank = counts, rank
+        self._whole_energy, self.counts, self.rank = whole_energy, counts, rank
         self._singular: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
@@ -280,9 +283,10 @@ class _Stats:
             return dict.fromkeys(self.counts, self.energy)
         return top_sums(self.squares, self.counts)
 
-    @functools.cached_property
+    @property
     def whole_energy(self) -> float:
-        return self.energy if self.acc is self.whole else float(self.whole.square().sum(dtype=torch.float64))
+        """The tensor's energy: the sample's finding, or the measured rows' when they are the tensor."""
+        return self.energy if self._whole_energy is None else self._whole_energy
 
     def singular(self, n: int, m: int) -> torch.Tensor:
         """The largest singular values of the tensor as an n x m matrix, at least the
@@ -325,7 +329,7 @@ def _rows_error(c: Compressor, stats: _Stats) -> float:
         a = stats.double.abs()
         scale = float(stats.whole.abs().max())  # the tensor's scale, not the rows'
         if c.clip_sigma:
-            scale = min(scale, c.clip_sigma * math.sqrt(stats.factor * stats.energy / stats.numel))
+            scale = min(scale, c.clip_sigma * math.sqrt(stats.whole_energy / stats.numel))
         clipped = a.clamp(max=scale)
         return float((a - clipped).square().sum() + (scale * clipped - clipped.square()).sum())
     raise ConfigError(f"[layerwise]: method {c.name!r} has no error model; accepted methods: {', '.join(PLANNED)}")
