@@ -320,14 +320,15 @@ class CommState(OnBackend):
         return {
             "config": self.config,
             "state": self.state_dict() if connected else self._saved,
-            "order": list(self._order.items()) or self._bind or [],
+            "order": list(self._order.items()) or self._bind,  # None: no bucket seen yet, bind on first use
             "last_layer": sorted(self.groups.last_layer),
         }
 
     def __setstate__(self, data: Mapping[str, Any]) -> None:
         self.config = data["config"]
         groups = method_groups(self.config, last_layer=data["last_layer"])
-        self._setup(groups, None, None, None, [(n, tuple(s)) for n, s in data["order"]])
+        order = data["order"]
+        self._setup(groups, None, None, None, [(n, tuple(s)) for n, s in order] if order else None)
         self._saved = data["state"]  # loaded, with its rank checked, when this state connects
 
 
