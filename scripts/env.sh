@@ -1,15 +1,15 @@
-# Sourced by scripts/demo and scripts/test: create or reuse .venv and install commpress.
-# torch is pinned to 2.13.0 when missing (that pin installs the CPU build on this machine
-# class; any other spec would download the multi-gigabyte CUDA build).
+# Sourced by scripts/demo and scripts/test: create or reuse .venv and install exactly the lock
+# file's packages (locks/demo.txt or locks/test.txt, refreshed by scripts/lock), then commpress
+# itself from this tree without touching its dependencies. torch is locked to 2.13.0, which on
+# this machine class is the CPU build on disk.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${COMMPRESS_VENV:-$ROOT/.venv}"
 EXTRAS="${1:-}"
+LOCK="$ROOT/locks/${EXTRAS:-demo}.txt"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import torch" 2>/dev/null; then
-    "$PY" -m pip install -q "torch==2.13.0"
-fi
-"$PY" -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+"$PY" -m pip install -q --disable-pip-version-check -r "$LOCK"
+"$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"

@@ -66,11 +66,17 @@ def test_kernels_and_oracle_give_the_same_bits(both, threads, dtype):
 
 
 def test_the_documented_order(both):
-    """The kernels sum exactly as the module says: rows, then chunks, then lanes, in order (on
-    data where another order of the chunks gives other bits, so the order is what is tested)."""
+    """The kernels sum exactly as the module says: rows, then chunks, then lanes, in order.
+
+    Lane 0 is built so that the order of its chunks shows in the bits: chunk 0 holds a square of
+    2**60 (where a float64's spacing is 256), chunks 1-3 a square of 100 each. In order, each 100
+    is under half a spacing and is lost; in reverse, the three add up to 300 first and round to
+    2**60 + 256. Every other lane holds noise of small squares, which shifts both totals alike."""
     n = 3 * CHUNK + 1000
     g = torch.Generator().manual_seed(1)
-    x = (torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n, generator=g))).numpy()  # heavy-tailed
+    x = torch.randn(n, generator=g).numpy()
+    x[np.arange(0, n, STATS_LANES)] = 0.0  # lane 0: only the built values below
+    x[0], x[CHUNK], x[2 * CHUNK], x[3 * CHUNK] = 2.0**30, 10.0, 10.0, 10.0
     squares = np.zeros(4 * CHUNK)
     squares[:n] = x.astype(np.float64) ** 2
 
