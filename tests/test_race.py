@@ -1,5 +1,6 @@
-"""``commpress race``: a short real race on 2 ranks, the JSON it writes, methods that never
-reach the target (reported, not dropped), and the command line's checks."""
+"""``commpress race``: a short real race on 2 ranks, the JSON it writes, each row's two
+factors and the ceiling computed from the measured figures, methods that never reach the
+target (reported with their best loss, not dropped), and the command line's checks."""
 
 from __future__ import annotations
 
@@ -18,15 +19,30 @@ from commpress.errors import ConfigError
 
 #: a transformer small enough for a few steps on 2 cores
 TINY = ["--width", "16", "--layers", "1", "--heads", "2", "--context", "16", "--batch", "4", "--eval-size", "16"]
-ROW_FIELDS = {"method", "time_to_target_s", "steps_to_target", "final_loss", "bytes_per_step", "curve"}
+ROW_FIELDS = {
+    "method",
+    "time_to_target_s",
+    "steps_to_target",
+    "final_loss",
+    "best_loss",
+    "bytes_per_step",
+    "steps_vs_ddp",
+    "step_time_vs_ddp",
+    "curve",
+}
 
 
-def test_two_ranks_race_end_to_end(tmp_path):
+def test_two_ranks_race_end_to_end(tmp_path, capsys):
     out, plot = tmp_path / "race.json", tmp_path / "race.png"
     methods = "torch-powersgd:rank=2;powersgd:rank=2;ddp"  # ddp moves first: it sets the target
-    argv = ["race", "--local", "2", *TINY, "--target-steps", "4", "--eval-every", "2", "--warmup", "1"]
+    argv = ["race", "--local", "2", *TINY, "--target-steps", "4", "--eval-every", "2", "--warmup", "1", "--compute-steps", "3"]
     assert main([*argv, "--methods", methods, "--json", str(out), "--plot", str(plot), "--quiet"]) == 0
     report = json.loads(out.read_text())
+    _check_factors(report)
+    table = capsys.readouterr().out
+    assert all(
+        h in table for h in ("steps / ddp's", "step time / ddp's", "computation alone", f"ceiling {report['ceiling']:.2f}x")
+    )
     assert {"target", "link", "rows"} <= set(report) and report["world_size"] == 2
     assert [r["method"] for r in report["rows"]] == ["ddp", "torch-powersgd:rank=2", "powersgd:rank=2"]
     assert all(set(r) >= ROW_FIELDS for r in report["rows"])
@@ -36,6 +52,20 @@ def test_two_ranks_race_end_to_end(tmp_path):
     assert report["rows"][1]["note"] == "1 bucket"
     assert all(r["curve"][0]["step"] == 0 and r["steps"] <= 8 for r in report["rows"])  # cap: twice the target steps
     assert plot.stat().st_size > 0
+
+
+def _check_factors(report: dict) -> None:
+    """Every factor and the ceiling are the ratios of the report's own measured figures."""
+    compute = report["compute_only"]
+    assert compute["seconds"] > 0 and report["compute_seconds_per_step"] == compute["seconds"] / compute["steps"]
+    ddp = next(r for r in report["rows"] if r["kind"] == "ddp")
+    assert report["ceiling"] == ddp["seconds_per_step"] / report["compute_seconds_per_step"]
+    for r in report["rows"]:
+        assert r["seconds_per_step"] == r["seconds"] / r["steps"]
+        assert r["step_time_vs_ddp"] == r["seconds_per_step"] / ddp["seconds_per_step"]
+        reached = r["steps_to_target"] is not None and ddp["steps_to_target"]
+        assert r["steps_vs_ddp"] == (r["steps_to_target"] / ddp["steps_to_target"] if reached else None)
+        assert r["best_loss"] == min(p["loss"] for p in r["curve"])
 
 
 @pytest.fixture
@@ -55,21 +85,30 @@ def _race(**kwargs) -> dict:
 
 
 def test_a_target_below_any_reachable_loss_is_not_reached(one_rank):
-    summary = _race(target=0.01, max_steps=2)
+    summary = _race(target=0.01, max_steps=2, compute_steps=2)
     assert [r["method"] for r in summary["rows"]] == ["ddp", "topk:ratio=0.1"]
     for r in summary["rows"]:
         assert r["time_to_target_s"] is None and r["steps_to_target"] is None and r["steps"] == 2
-        assert r["speedup_over_ddp"] is None and r["speedup_over_torch_powersgd"] is None
+        assert r["speedup_over_ddp"] is None and r["speedup_over_torch_powersgd"] is None and r["steps_vs_ddp"] is None
+    _check_factors(summary)  # the step-time factor and the ceiling stand without a target reached
     table = format_report(summary)
-    assert table.count("not reached") == 4  # time and steps of both rows
+    assert table.count("not reached") == 2  # the time cell of each row, with its best loss and steps
+    for r in summary["rows"]:
+        assert f"not reached (best {r['best_loss']:.3f} in 2 steps)" in table
     assert json.loads(json.dumps(summary))["rows"][1]["time_to_target_s"] is None
+
+
+def _raw_row(method: str, kind: str, curve: list) -> dict:
+    """A row as a race returns it, with ``curve``'s (step, seconds, loss) points."""
+    return {"method": method, "kind": kind, "note": "", "bucket_cap_mb": None, "bytes_per_step": 1.0, "curve": curve}
 
 
 def test_speed_ups_compare_times_to_target():
     raw = {
         "target": 2.0,
+        "compute_only": {"steps": 10, "seconds": 1.0},
         "rows": [
-            {"method": m, "kind": k, "note": "", "bucket_cap_mb": None, "bytes_per_step": 1.0, "curve": c}
+            _raw_row(m, k, c)
             for m, k, c in (
                 ("ddp", "ddp", [(0, 0.0, 3.0), (10, 4.0, 2.0)]),
                 ("torch-powersgd", "torch-powersgd", [(0, 0.0, 3.0), (10, 2.0, 2.5), (20, 3.0, 1.9)]),
@@ -83,6 +122,22 @@ def test_speed_ups_compare_times_to_target():
     assert [r["speedup_over_ddp"] for r in rows] == [1.0, 4 / 3, 4.0]
     assert [r["speedup_over_torch_powersgd"] for r in rows] == [0.75, 1.0, 3.0]
     assert rows[2]["final_loss"] == 1.0
+    assert [r["steps_vs_ddp"] for r in rows] == [1.0, 2.0, 1.0]
+    assert [r["step_time_vs_ddp"] for r in rows] == pytest.approx([1.0, 0.15 / 0.4, 0.1 / 0.4])
+    assert summarize(raw)["ceiling"] == pytest.approx(0.4 / 0.1)
+    # torch-powersgd stopped at the target: its speed-up is the product of its two factors
+    assert rows[1]["speedup_over_ddp"] == pytest.approx(1 / (rows[1]["steps_vs_ddp"] * rows[1]["step_time_vs_ddp"]))
+
+
+def test_without_a_ddp_row_there_are_no_factors_and_no_ceiling():
+    raw = {
+        "target": 2.0,
+        "compute_only": {"steps": 10, "seconds": 1.0},
+        "rows": [_raw_row("topk", "commpress", [(0, 0.0, 3.0), (10, 2.0, 1.9)])],
+    }
+    summary = summarize(raw)
+    assert summary["ceiling"] is None and summary["compute_seconds_per_step"] == 0.1
+    assert summary["rows"][0]["steps_vs_ddp"] is None and summary["rows"][0]["step_time_vs_ddp"] is None
 
 
 @pytest.mark.parametrize(
@@ -93,6 +148,7 @@ def test_speed_ups_compare_times_to_target():
         (["--task", "nosuch"], "task = 'nosuch' is not accepted"),
         (["--width", "10", "--heads", "4"], "width = 10 is not accepted"),
         (["--methods", "nosuch"], "'nosuch' is neither a baseline nor a commpress method"),
+        (["--compute-steps", "0"], "'0' is not accepted; expected an integer >= 1"),
     ],
 )
 def test_bad_command_lines_end_before_any_rank(argv, message, capsys):
@@ -116,6 +172,8 @@ def test_without_a_target_ddp_runs_first():
     with pytest.raises(ConfigError, match="the first method must be ddp"):
         RacePlan(methods=tuple(parse_methods("topk;ddp")))
     assert RacePlan(methods=tuple(parse_methods("topk;ddp")), target=2.0).target == 2.0
+    with pytest.raises(ConfigError, match="compute_steps = 0 is not accepted"):
+        RacePlan(methods=tuple(parse_methods("ddp")), compute_steps=0)
 
 
 def test_the_time_cap_does_not_stop_the_reference_run(one_rank):

@@ -9,7 +9,11 @@ the loss over the whole batch is the curve's point. The clock counts training st
 (the slowest rank's). A method stops at the first evaluation at or below the target, at
 ``max_steps``, or once its clock passes ``max_seconds``. Without a given target, ``ddp``
 runs first for ``target_steps`` steps (``max_seconds`` does not stop it) and its held-out
-loss there is the target.
+loss there, at the end of a real run, is the target.
+
+Before the methods, the computation alone is timed: the same model and optimizer stepping
+on the same batches with no DDP and no communication, every rank at once. DDP's step time
+over it is the most any exchange can win per step (the race's ceiling at DDP's steps).
 """
 
 from __future__ import annotations
@@ -88,19 +92,23 @@ class RacePlan:
     lr: float = 1e-3
     #: the loss to reach; None: ``ddp``'s held-out loss after ``target_steps``
     target: float | None = None
-    target_steps: int = 200
-    max_steps: int = 400
+    target_steps: int = 400
+    max_steps: int = 800
     max_seconds: float | None = None
     eval_every: int = 10
     #: untimed steps of each method on a throwaway model first: one-off costs (compiling
     #: the CPU kernels, the allocator's first buffers) stay off the clock
     warmup: int = 2
+    #: timed steps of the computation alone (after ``warmup`` untimed ones)
+    compute_steps: int = 20
     bucket_cap_mb: float | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
         if self.target is None and (not self.methods or self.methods[0].kind != "ddp"):
             raise ConfigError("without a target, the first method must be ddp: its loss after target_steps is the target")
+        if self.compute_steps < 1:
+            raise ConfigError(f"compute_steps = {self.compute_steps} is not accepted; expected at least 1")
 
 
 def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
@@ -114,6 +122,7 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     target, target_source = plan.target, "given"
+    compute_only = _compute_only(data, plan, rank, world_size)
     rows = []
     for i, method in enumerate(plan.methods, start=1):
         reference = target is None and method.kind == "ddp"
@@ -138,8 +147,36 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
         "warmup": plan.warmup,
         "max_steps": plan.max_steps,
         "max_seconds": plan.max_seconds,
+        "compute_only": compute_only,
         "rows": rows,
     }
+
+
+def _compute_only(data: Any, plan: RacePlan, rank: int, world: int) -> dict[str, Any]:
+    """The computation alone: a fresh model and the race's optimizer stepping on this
+    rank's batches with no DDP, hook or collective, all ranks at once (so they share the
+    cores as the race's rows do); ``warmup`` untimed steps, then ``compute_steps`` timed.
+    The clock is the slowest rank's, as in the race."""
+    model = data.model()
+    opt = make_optimizer(plan.optimizer, model.parameters(), plan.lr)
+    bar = Progress(plan.compute_steps, f"{'[0] computation alone':<40.40}").update if plan.progress and rank == 0 else None
+    clock = 0.0
+    for step in range(plan.warmup + plan.compute_steps):
+        if step == plan.warmup:
+            dist.barrier()
+        x, y = data.batch(step, rank, world)
+        t0 = time.perf_counter()
+        loss = plan.task.loss(model(x), y)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        if step >= plan.warmup:
+            clock += time.perf_counter() - t0
+            if bar is not None:
+                bar(step + 1 - plan.warmup)
+    agreed = torch.tensor([clock], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return {"steps": plan.compute_steps, "seconds": agreed.item()}
 
 
 def _warm_up(spare: _Racer, rank: int, world: int) -> None:

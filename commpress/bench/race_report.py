@@ -1,9 +1,15 @@
-"""Turn a race's curves into rows: time and steps to the target, speed-ups, table, JSON, plot.
+"""Turn a race's curves into rows: time and steps to the target, speed-ups, the two
+factors of each speed-up and the ceiling, table, JSON, plot.
 
 A method reaches the target at its first evaluation at or below it; the time is its clock
 there (training steps only, evaluation excluded), so it is known to ``eval_every`` steps.
-A method that never gets there stays in the table, marked "not reached", with ``None``
-for its time and steps in the JSON.
+A method that never gets there stays in the table, marked "not reached" with its best
+loss and the steps it ran, with ``None`` for its time and steps in the JSON.
+
+Time to target = steps to target x step time, so each row's speed-up over ``ddp`` has two
+factors, both reported: its steps to target / ddp's, and its step time / ddp's. The
+ceiling, ddp's step time / the computation alone's (measured in the same run), is the
+most a row that needs ddp's steps can win.
 """
 
 from __future__ import annotations
@@ -20,16 +26,30 @@ _UNLIMITED = ("local", "unlimited")
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
-    """The race as plain data: its settings and one row per method, in run order."""
+    """The race as plain data: its settings, the computation alone's step time, the
+    ceiling, and one row per method, in run order."""
     target = raw["target"]
     rows = [_row(r, target) for r in raw["rows"]]
     for key, kind in (("speedup_over_ddp", "ddp"), ("speedup_over_torch_powersgd", "torch-powersgd")):
         reference = next((r for r in rows if r["kind"] == kind), None)
-        for r in rows:
-            theirs = None if reference is None else reference["time_to_target_s"]
-            known = theirs is not None and r["time_to_target_s"]  # 0 s: the target was met at the start
-            r[key] = theirs / r["time_to_target_s"] if known else None
-    return {**{k: v for k, v in raw.items() if k != "rows"}, "rows": rows}
+        for r in rows:  # a time of 0 s (the target met at the start) gives no speed-up
+            r[key] = _ratio(None if reference is None else reference["time_to_target_s"], r["time_to_target_s"])
+    ddp = next((r for r in rows if r["kind"] == "ddp"), {"steps_to_target": None, "seconds_per_step": None})
+    for r in rows:
+        r["steps_vs_ddp"] = _ratio(r["steps_to_target"], ddp["steps_to_target"])
+        r["step_time_vs_ddp"] = _ratio(r["seconds_per_step"], ddp["seconds_per_step"])
+    compute = raw["compute_only"]["seconds"] / raw["compute_only"]["steps"]
+    return {
+        **{k: v for k, v in raw.items() if k != "rows"},
+        "compute_seconds_per_step": compute,
+        "ceiling": _ratio(ddp["seconds_per_step"], compute),
+        "rows": rows,
+    }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """``numerator / denominator``; None where either is unknown or the denominator is 0."""
+    return numerator / denominator if numerator is not None and denominator else None
 
 
 def _row(raw: dict[str, Any], target: float) -> dict[str, Any]:
@@ -44,6 +64,7 @@ def _row(raw: dict[str, Any], target: float) -> dict[str, Any]:
         "time_to_target_s": hit["seconds"] if hit else None,
         "steps_to_target": hit["step"] if hit else None,
         "final_loss": last["loss"],
+        "best_loss": min(p["loss"] for p in curve),
         "steps": last["step"],
         "seconds": last["seconds"],
         "seconds_per_step": last["seconds"] / last["step"] if last["step"] else None,
@@ -56,45 +77,66 @@ def _label(row: dict[str, Any]) -> str:
     return f"{row['method']} ({row['note']})" if row["note"] else row["method"]
 
 
-def _speedup(value: float | None) -> str:
+def _times(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{1000 * seconds:.0f}" if seconds else "-"
 
 
 def format_report(summary: dict[str, Any]) -> str:
     """A header line, the table and how to read it, for the terminal."""
     task = summary["task"]
+    compute = summary["compute_seconds_per_step"]
+    ceiling = summary["ceiling"]
     head = (
         f"task {task['name']} ({task['numel']:,} parameters, {task['grad_bytes'] / 2**20:.1f} MiB of gradient), "
         f"{summary['world_size']} ranks, link {summary['link']}, {summary['optimizer']} lr {summary['lr']:g}; "
         f"target held-out loss {summary['target']:.4f} ({summary['target_source']}), evaluated every "
         f"{summary['eval_every']} steps; time counts training steps only"
     )
+    if ceiling is not None:
+        head += (
+            f"\nceiling {ceiling:.2f}x: ddp's step time / the computation alone's ({_ms(compute)} ms/step, no "
+            "communication); a row that needs ddp's steps can be at most this much sooner than ddp"
+        )
     table = [
         [
             _label(r),
-            "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}",
-            _speedup(r["speedup_over_ddp"]),
-            _speedup(r["speedup_over_torch_powersgd"]),
-            "not reached" if r["steps_to_target"] is None else str(r["steps_to_target"]),
-            str(r["steps"]),
-            f"{1000 * r['seconds_per_step']:.0f}" if r["seconds_per_step"] else "-",
+            f"{r['time_to_target_s']:.1f}"
+            if r["time_to_target_s"] is not None
+            else f"not reached (best {r['best_loss']:.3f} in {r['steps']} steps)",
+            _times(r["speedup_over_ddp"]),
+            _times(r["speedup_over_torch_powersgd"]),
+            "-" if r["steps_to_target"] is None else str(r["steps_to_target"]),
+            _times(r["steps_vs_ddp"]),
+            _ms(r["seconds_per_step"]),
+            _times(r["step_time_vs_ddp"]),
             f"{r['bytes_per_step']:,.0f}",
             f"{r['final_loss']:.4f}",
         ]
         for r in summary["rows"]
     ]
+    alone = _times(1 / ceiling) if ceiling is not None else "-"
+    table.append(["computation alone (no communication)", "-", "-", "-", "-", "-", _ms(compute), alone, "0", "-"])
     headers = [
         "method",
         "time to target s",
         "vs ddp",
         "vs torch-powersgd",
         "steps to target",
-        "steps run",
+        "steps / ddp's",
         "ms/step",
+        "step time / ddp's",
         "bytes/step/rank",
         "final loss",
     ]
     text = head + "\n" + format_table(headers, table)
+    text += (
+        "\ntime to target = steps to target x ms/step, so where both rows stopped at the target, "
+        "vs ddp = 1 / (steps / ddp's x step time / ddp's)"
+    )
     if summary["link"] in _UNLIMITED:
         text += (
             "\nnote: no link limit here, so sending bytes costs almost nothing; measure on throttled links with "
@@ -104,17 +146,23 @@ def format_report(summary: dict[str, Any]) -> str:
 
 
 def write_plot(summary: dict[str, Any], path: str) -> None:
-    """A PNG of held-out loss against wall-clock seconds, one line per method, the target
-    dashed (needs matplotlib, commpress's ``bench`` extra)."""
+    """A PNG of held-out loss against wall-clock seconds, one line per method labelled
+    with its two factors, the target dashed, the ceiling in the title (needs matplotlib,
+    commpress's ``bench`` extra)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in summary["rows"]:
-        (line,) = ax.plot([p["seconds"] for p in r["curve"]], [p["loss"] for p in r["curve"]], label=_label(r))
+        label = f"{_label(r)}: steps {_times(r['steps_vs_ddp'])}, step time {_times(r['step_time_vs_ddp'])} ddp's"
+        (line,) = ax.plot([p["seconds"] for p in r["curve"]], [p["loss"] for p in r["curve"]], label=label)
         if r["time_to_target_s"] is not None:
             ax.plot([r["time_to_target_s"]], [summary["target"]], "o", color=line.get_color())
     ax.axhline(summary["target"], color="black", linestyle="--", linewidth=1, label=f"target {summary['target']:.3f}")
     task = summary["task"]
-    ax.set_title(f"{task['name']} ({task['numel']:,} parameters), {summary['world_size']} ranks, link {summary['link']}")
+    ax.set_title(
+        f"{task['name']} ({task['numel']:,} parameters), {summary['world_size']} ranks, link {summary['link']}; "
+        f"ceiling {_times(summary['ceiling'])}",
+        fontsize="medium",
+    )
     ax.set_xlabel("wall-clock seconds (training steps only)")
     ax.set_ylabel("held-out loss")
     ax.legend(loc="upper right", fontsize="small")
