@@ -40,6 +40,12 @@ class Traffic:
                 "compute_seconds": self.compute_seconds,
             }
 
+    def __getstate__(self) -> dict[str, float]:
+        return self.snapshot()  # the counts travel, the lock is this process's
+
+    def __setstate__(self, counts: dict[str, float]) -> None:
+        self.__init__(**counts)
+
     def reset(self) -> None:
         with self._lock:
             self.bytes_sent = 0

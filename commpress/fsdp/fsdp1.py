@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from commpress.comm import checkpoint
 from commpress.comm.counters import Traffic
+from commpress.comm.pickling import check_default_group
 from commpress.comm.torch_backend import allgather_object, require_initialized
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
 from commpress.fsdp.collectives import quantized_all_reduce, quantized_reduce_scatter
@@ -38,7 +39,8 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 class _LazyState(default_hooks.DefaultState):
     """PyTorch's FSDP hook state, built before or after ``init_process_group``: it takes
-    its process group (default: the world) when the first hook runs."""
+    its process group (default: the world) when the first hook runs. It pickles without
+    its group (:mod:`commpress.comm.pickling`): the copy connects at its first hook."""
 
     __slots__ = ["_connected", "_group"]
 
@@ -52,6 +54,10 @@ class _LazyState(default_hooks.DefaultState):
             require_initialized(f"the FSDP1 hook state ({type(self).__name__})")
             default_hooks.DefaultState.__init__(self, self._group if self._group is not None else dist.group.WORLD)
             self._connected = True
+
+    def _pickled(self, **fields: Any) -> dict[str, Any]:
+        check_default_group(self._group, f"the FSDP1 hook state ({type(self).__name__})")
+        return fields
 
 
 class QuantizedState(_LazyState):
@@ -67,6 +73,13 @@ class QuantizedState(_LazyState):
         self.traffic = Traffic()
         self.steps = 0
         self._wires: dict[tuple[int, torch.dtype], Wire] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._pickled(config=self.config, steps=self.steps, traffic=self.traffic)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        QuantizedState.__init__(self, state["config"])
+        self.steps, self.traffic = state["steps"], state["traffic"]
 
     def wire(self, n: int, dtype: torch.dtype) -> Wire | None:
         """The payload format for flat gradients of ``n`` elements; None: full precision."""
@@ -130,6 +143,13 @@ class LowPrecisionState(_LazyState):
         super().__init__(process_group)
         self.dtype = dtype
         self.traffic = Traffic()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._pickled(dtype=self.dtype, traffic=self.traffic)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        LowPrecisionState.__init__(self, state["dtype"])
+        self.traffic = state["traffic"]
 
 
 def low_precision_hook(state: LowPrecisionState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:

@@ -34,6 +34,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMi
 
 from commpress.comm import checkpoint
 from commpress.comm.counters import Traffic
+from commpress.comm.pickling import BoundToProcess
 from commpress.comm.torch_backend import allgather_object
 from commpress.config.tables import FULL_PRECISION, FSDPConfig
 from commpress.fsdp.collectives import quantized_all_gather, quantized_reduce_scatter
@@ -179,7 +180,7 @@ class QuantizedReduceScatter(_UnitCollective, ReduceScatter):
         return None
 
 
-class FSDP2State:
+class FSDP2State(BoundToProcess):
     """What :func:`apply_fsdp2` installed: one :class:`Unit` per sharded module, the bytes
     each side sent, and the stochastic-rounding step counters (save them with a checkpoint
     so a resumed run draws the same random numbers)."""

@@ -14,6 +14,7 @@ from commpress.adaptive.layerwise import LayerPlan, LayerwiseGroups, method_grou
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
+from commpress.comm.pickling import check_default_group
 from commpress.compressors import Bucket, Context, ParamSlot, build, compressor_class, host
 from commpress.compressors.registry import methods_taking
 from commpress.config import Config
@@ -316,6 +317,13 @@ class CommState(OnBackend):
     # ---- pickling (PyTorch's hook states pickle without their process group) -------------
 
     def __getstate__(self) -> dict[str, Any]:
+        check_default_group(self._process_group, "the DDP hook state (CommState)")
+        if self._names and not self._order and self._bind is None:
+            raise TypeError(
+                "a CommState built with model= pickles only after its first reduction: until then its copy could not "
+                "tell which parameter bears which name (overrides and per-tensor settings follow names); build it "
+                "without model= (a config without overrides), or build it in each process after the model"
+            )
         connected = self._backend is not None
         return {
             "config": self.config,

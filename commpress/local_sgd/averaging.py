@@ -11,6 +11,7 @@ import torch
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
+from commpress.comm.pickling import BoundToProcess
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction
 from commpress.config import Config
 from commpress.config.groups import MAIN, MethodGroups
@@ -25,7 +26,7 @@ def _exact_sum(tensor: torch.Tensor) -> Reduction:
         tensor.copy_(summed)
 
 
-class ParameterAverager(OnBackend):
+class ParameterAverager(OnBackend, BoundToProcess):
     """Runs a method group's reduction over a flat bucket of model values.
 
     ``method`` and ``params`` name the compressor as in a commpress config; built with a

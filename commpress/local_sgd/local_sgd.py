@@ -22,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic, checkpoint
 from commpress.comm.agreement import agree_on_settings
+from commpress.comm.pickling import BoundToProcess
 from commpress.compressors import host
 from commpress.compressors.registry import methods_taking
 from commpress.config import digest_of
@@ -61,7 +62,7 @@ class _InFlight:
     replace: bool = False
 
 
-class LocalSGD:
+class LocalSGD(BoundToProcess):
     """Call :meth:`step` in place of ``optimizer.step()``; it averages the model across
     ranks at the end of every round. Or call :meth:`register_optimizer_hooks` once and keep
     calling ``optimizer.step()`` (what :func:`commpress.register` does).

@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic, checkpoint
 from commpress.comm.agreement import agree_on_settings
+from commpress.comm.pickling import BoundToProcess
 from commpress.compressors import AllReduce, Bucket, ParamSlot, Reduction
 from commpress.config import digest_of
 from commpress.errors import ConfigError
@@ -107,7 +108,7 @@ def comm_hook(state: "OneBitAdam", bucket: dist.GradBucket) -> torch.futures.Fut
     return state.averager.backend.run(reduction).then(lambda fut: (fut.value(), buffer)[1])
 
 
-class OneBitAdam:
+class OneBitAdam(BoundToProcess):
     """1-bit Adam attached to ``optimizer`` (``torch.optim.AdamW``) for the parameters
     ``named_parameters``; the momentum is averaged by ``averager`` (any commpress method)
     after ``warmup_steps`` exact steps. :meth:`attach` registers the DDP comm hook and the
