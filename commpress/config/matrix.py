@@ -195,7 +195,7 @@ def _verdict(items: tuple[str, ...], kind: str) -> tuple[Part | None, tuple[str,
     refused and why, with what to do instead (``why`` empty: accepted)."""
     chosen = [p for p in PARTS.values() if p.table in items]
     if len(chosen) > 1:
-        tables = tuple(p.table for p in chosen)
+        tables = tuple(i for i in ITEMS if any(i == p.table for p in chosen))
         why = "; ".join(f"{label(p.table)}: {p.does}" for p in chosen)
         return None, tables, f"each runs the training step its own way ({why}): keep one of them"
     if kind == "single":  # nothing applies; refuse a config that applies to no model
@@ -236,7 +236,11 @@ def part_for(config: Config, kind: str, entry: str = "commpress.register()") -> 
     """The part that applies ``config`` to a model of ``kind`` (None in a single process:
     nothing applies); raises :class:`ConfigError` naming the items refused, the kind and
     what to do instead."""
-    part, refused, why = _verdict(items_of(config), kind)
+    return _decide(items_of(config), kind, entry)
+
+
+def _decide(items: tuple[str, ...], kind: str, entry: str) -> Part | None:
+    part, refused, why = _verdict(items, kind)
     if why:
         what = f"the config's {_names(refused)} cannot apply" if refused else "the config cannot apply"
         raise ConfigError(f"{entry} on {KINDS[kind]}: {what}: {why}")
@@ -244,17 +248,18 @@ def part_for(config: Config, kind: str, entry: str = "commpress.register()") -> 
 
 
 def check_part(config: Config, name: str, entry: str, kind: str | None = None) -> None:
-    """Refuse what the lower-level ``entry`` that applies part ``name`` alone does not:
-    another part's items (saying where they apply) and anything :func:`part_for` refuses
-    on ``kind`` (default: the part's first kind)."""
+    """Refuse what the lower-level ``entry``, which applies part ``name`` alone, does not
+    apply: another part's items (saying where they apply), and what :func:`part_for`
+    refuses on ``kind`` (default: the part's first kind) once the part's table is added."""
     part = PARTS[name]
-    foreign = [i for i in items_of(config) if i != part.table and i not in part.takes]
+    items = items_of(config)
+    foreign = [i for i in items if i != part.table and i not in part.takes]
     if foreign:
         where = "; ".join(_apply_with(i) for i in foreign)
         what = f"the config's {_names(foreign)} cannot apply"
         raise ConfigError(f"{entry} applies {part.title} only ({part.does}); {what}: {where}")
     if kind != "single":
-        part_for(config, kind or part.kinds[0], entry)
+        _decide(tuple(i for i in ITEMS if i in items or i == part.table), kind or part.kinds[0], entry)
 
 
 def _applies(kind: str) -> list[str]:
