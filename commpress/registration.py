@@ -2,24 +2,28 @@
 dict, a ``.toml`` or ``.json`` file, a :class:`~commpress.config.Config`) that applies to
 the model it is handed, and refuses, saying why, each one that cannot:
 
-==========================================  =============================================
-model                                       what applies
-==========================================  =============================================
-``DistributedDataParallel``                 the DDP comm hook: ``method``, ``params``,
-                                            ``overrides``, ``start_iter``, ``backend``,
-                                            ``[bandwidth]``, ``[layerwise]``; or, with
-                                            ``[local_sgd]``, Local SGD / CO2 / DiLoCo run
-                                            by the optimizer's step (``method`` then
-                                            compresses the averaging);
-                                            or, with ``[onebit_adam]``, 1-bit Adam on the
-                                            AdamW (``method`` compresses the momentum)
-sharded by ``fully_shard``, or FSDP1 root   ``[fsdp]``
-a plain module                              ``[local_sgd]``; nothing in a single process
-                                            (torch.distributed not initialized)
-==========================================  =============================================
+============================================  ============================================
+model                                         what applies
+============================================  ============================================
+DistributedDataParallel model                 the DDP hook, with method, overrides,
+                                              start_iter, backend = 'mpi', [bandwidth],
+                                              [layerwise]; [local_sgd] instead, with
+                                              method, backend = 'mpi'; [onebit_adam]
+                                              instead, with method, backend = 'mpi';
+                                              [layerwise] needs method; backend = 'mpi'
+                                              and [bandwidth] do not combine
+model sharded with fully_shard (FSDP2)        [fsdp] (required) alone
+FSDP1 root (FullyShardedDataParallel)         [fsdp] (required) alone
+plain module (neither                         [local_sgd] (required), with method, backend
+DistributedDataParallel nor sharded) in a     = 'mpi'
+job of several processes
+single process (torch.distributed not         nothing; a config that applies to no model
+initialized)                                  is refused
+============================================  ============================================
 
-Tables stay the contract of one subsystem each (:mod:`commpress.config.tables`); this
-module only picks, per model, which subsystems a config reaches.
+The table is :mod:`commpress.config.matrix`'s, which decides it (a test keeps the two
+equal). Tables stay the contract of one subsystem each (:mod:`commpress.config.tables`); this
+module only applies the part the matrix picks for the model.
 """
 
 from __future__ import annotations
@@ -29,16 +33,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.adaptive.layerwise import LayerPlan
 from commpress.comm import Traffic
 from commpress.config import Config
+from commpress.config.matrix import model_kind, part_for
 from commpress.errors import ConfigError
 from commpress.fsdp import FSDP2State, QuantizedState, apply
-from commpress.fsdp.config import check_sharded_config
 from commpress.hooks import CommState, register_ddp_hook
 from commpress.local_sgd import LocalSGD, ParameterAverager, from_config
 from commpress.optim import OneBitAdam, check_adam
@@ -133,9 +135,10 @@ class Registration:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's parts or the whole job's), part by part."""
         parts = self.parts()
-        if set(state) != set(parts):
+        if not isinstance(state, Mapping) or set(state) != set(parts):
+            held = f"holds {', '.join(sorted(map(str, state))) or 'nothing'}" if isinstance(state, Mapping) else "is not a dict"
             raise ConfigError(
-                f"the state holds {', '.join(sorted(map(str, state))) or 'nothing'}; this registration applies "
+                f"the state {held}; this registration applies "
                 f"{', '.join(parts) or 'nothing'}: load a state saved by a registration of the same config and kind "
                 "of model (DDP, sharded, plain)"
             )
@@ -167,39 +170,16 @@ def register(
     ``total_steps``: lets QSR cap the last round.
     """
     cfg = Config.load(config)
-    if isinstance(model, FullyShardedDataParallel) or any(isinstance(m, FSDPModule) for m in model.modules()):
-        return _sharded(model, cfg)
-    is_ddp = isinstance(model, DistributedDataParallel)
-    if not is_ddp and not dist.is_initialized() and cfg.backend == "torch":
+    part = part_for(cfg, model_kind(model, cfg.backend))
+    if part is None:
         return Registration(cfg)  # a single process: nobody to send to, nothing to apply
-    if cfg.section("fsdp") is not None:
-        raise ConfigError(
-            f"the config's [fsdp] table sets a sharded model's collectives; this {type(model).__name__} is not sharded "
-            "(fully_shard or FullyShardedDataParallel): remove [fsdp], or shard the model before register()"
-        )
-    if cfg.section("local_sgd") is not None:
+    if part.name == "fsdp":
+        return Registration(cfg, fsdp=apply(model, cfg.section("fsdp")))
+    if part.name == "local_sgd":
         return Registration(cfg, local_sgd=_local_sgd(model, cfg, optimizer, process_group, total_steps))
-    if cfg.section("onebit_adam") is not None:
+    if part.name == "onebit_adam":
         return Registration(cfg, onebit_adam=_onebit_adam(model, cfg, optimizer, process_group, total_steps))
-    if not is_ddp:
-        raise TypeError(
-            f"register() got a {type(model).__name__}, neither DistributedDataParallel nor sharded, in a job of several "
-            "processes: wrap it in DistributedDataParallel (the DDP hook) or shard it (FSDP) first, or give the config "
-            "a [local_sgd] table to average the plain module"
-        )
     return Registration(cfg, hook=register_ddp_hook(model, cfg, process_group, optimizer))
-
-
-def _sharded(model: torch.nn.Module, cfg: Config) -> Registration:
-    """``[fsdp]`` on a sharded model, which the config must hold (no silent defaults)."""
-    check_sharded_config(cfg)
-    section = cfg.section("fsdp")
-    if section is None:
-        raise ConfigError(
-            "the model is sharded (FSDP) and the config has no [fsdp] table: add one ([fsdp] with no keys takes "
-            "QSDP's defaults, 8-bit weights and gradients; weight_bits = grad_bits = 32 leaves FSDP as it is)"
-        )
-    return Registration(cfg, fsdp=apply(model, section))
 
 
 def _local_sgd(
@@ -210,11 +190,6 @@ def _local_sgd(
     total_steps: int | None,
 ) -> LocalSGD:
     """The Local SGD / CO2 / DiLoCo trainer of ``[local_sgd]``, run by ``optimizer``'s step hooks."""
-    if cfg.section("bandwidth") is not None:
-        raise ConfigError(
-            "the config's [bandwidth] table plans the DDP hook's gradient reduction; with [local_sgd] gradients stay "
-            "local and the whole model is averaged in one collective: remove one of the two tables"
-        )
     if optimizer is None:
         raise TypeError("the config's [local_sgd] table runs at the optimizer's step: pass register(..., optimizer=optimizer)")
     # torch.optim.Optimizer.__init__ makes the hook tables; a wrapper that skips it lacks them
@@ -230,27 +205,13 @@ def _local_sgd(
 
 
 def _onebit_adam(
-    model: torch.nn.Module,
+    model: DistributedDataParallel,
     cfg: Config,
     optimizer: torch.optim.Optimizer | None,
     process_group: Any,
     total_steps: int | None,
 ) -> OneBitAdam:
     """1-bit Adam of ``[onebit_adam]`` on the DDP ``model`` and its AdamW ``optimizer``."""
-    for table in ("bandwidth", "layerwise"):
-        if cfg.section(table) is not None:
-            raise ConfigError(
-                f"the config's [{table}] table plans the DDP hook's gradient compression; with [onebit_adam] the "
-                "gradients stay local after the warm-up and the momentum is averaged with the top-level method: "
-                f"remove [{table}]"
-            )
-    if cfg.overrides or cfg.start_iter:
-        raise ConfigError(
-            "overrides and start_iter are not accepted with [onebit_adam]: the momentum is averaged as one vector with "
-            "the top-level method, after [onebit_adam] warmup exact steps"
-        )
-    if not isinstance(model, DistributedDataParallel):
-        raise TypeError(f"the config's [onebit_adam] table runs under DistributedDataParallel; got {type(model).__name__}")
     if optimizer is None:
         raise TypeError("the config's [onebit_adam] table takes over AdamW's step: pass register(..., optimizer=adamw)")
     check_adam(optimizer)

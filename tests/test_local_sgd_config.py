@@ -81,8 +81,8 @@ def test_bad_values_name_key_value_and_accepted(table, needle):
     ("config", "needle"),
     [
         ({"method": "none"}, "the config has no [local_sgd] table"),
-        ({"local_sgd": {}, "start_iter": 3}, "start_iter = 3 is not accepted with [local_sgd]"),
-        ({"local_sgd": {}, "overrides": [{"params": ["*.bias"], "method": "none"}]}, "overrides are not accepted"),
+        ({"local_sgd": {}, "start_iter": 3}, "the config's start_iter cannot apply: start_iter applies with the DDP hook"),
+        ({"local_sgd": {}, "overrides": [{"params": ["*.bias"], "method": "none"}]}, "the config's overrides cannot apply"),
     ],
 )
 def test_from_config_refuses_what_it_cannot_do(config, needle):

@@ -208,15 +208,15 @@ def test_optimizer_step_hooks_train_exactly_as_the_explicit_trainer(runs, name):
 @pytest.mark.multiproc
 def test_a_table_that_cannot_apply_says_why(runs):
     errors = runs[0]["refusals"]
-    assert "[fsdp] table sets a sharded model's collectives; this DistributedDataParallel is not sharded" in errors["fsdp_on_ddp"]
+    assert "on a DistributedDataParallel model: the config's [fsdp] cannot apply" in errors["fsdp_on_ddp"]
     assert (
         "[local_sgd] table runs at the optimizer's step: pass register(..., optimizer=optimizer)"
         in (errors["local_sgd_without_optimizer"])
     )
-    assert "[bandwidth] table plans the DDP hook's gradient reduction; with [local_sgd]" in errors["local_sgd_with_bandwidth"]
-    assert "does not apply to a sharded (FSDP) model: method = 'powersgd'" in errors["method_on_sharded"]
-    assert "the config has no [fsdp] table: add one" in errors["sharded_without_fsdp"]
-    assert "register() got a Sequential, neither DistributedDataParallel nor sharded" in errors["plain_module"]
+    assert "the config's [bandwidth] cannot apply: [local_sgd] does not take it" in errors["local_sgd_with_bandwidth"]
+    assert "(FSDP2): the config's method cannot apply: [fsdp] does not take it" in errors["method_on_sharded"]
+    assert "this model takes only [fsdp]: add [fsdp]" in errors["sharded_without_fsdp"]
+    assert "on a plain module (neither DistributedDataParallel nor sharded)" in errors["plain_module"]
     assert errors["float64_powersgd"].startswith("6 parameters of dtype float64 ('0.weight', '0.bias', '1.weight', ...)")
     assert errors["float64_powersgd_advice"] == "no error"  # the override the message suggests works
     assert "averages the model's float64 values with method 'powersgd'" in errors["float64_local_sgd_powersgd"]

@@ -18,6 +18,7 @@ from commpress.local_sgd import from_config
     [
         ({"local_sgd": {"period": 4}}, r"commpress\.register\(model, config, optimizer=optimizer\)"),
         ({"fsdp": {"grad_bits": 8}}, r"commpress\.register\(model, config\) on a model sharded with fully_shard"),
+        ({"onebit_adam": {"warmup": 1}}, r"commpress\.register\(ddp_model, config, optimizer=adamw\)"),
     ],
 )
 def test_the_ddp_hook_refuses_tables_it_does_not_apply(table, where):
@@ -28,9 +29,9 @@ def test_the_ddp_hook_refuses_tables_it_does_not_apply(table, where):
 def test_local_sgd_refuses_fsdp_and_bandwidth_tables():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match=r"\[fsdp\] table is not applied by Local SGD.*on a model sharded with"):
+    with pytest.raises(ConfigError, match=r"applies \[local_sgd\] only .*apply \[fsdp\] with .* on a model sharded with"):
         from_config(model, opt, {"local_sgd": {"period": 2}, "fsdp": {}})
-    with pytest.raises(ConfigError, match=r"\[bandwidth\] table is not applied by Local SGD"):
+    with pytest.raises(ConfigError, match=r"applies \[local_sgd\] only .*the config's \[bandwidth\] cannot apply"):
         from_config(model, opt, {"local_sgd": {"period": 2}, "bandwidth": {"adaptive": True}})
 
 
@@ -41,10 +42,11 @@ def test_local_sgd_refuses_fsdp_and_bandwidth_tables():
         {"local_sgd": {"period": 2}},
         {"bandwidth": {"adaptive": True}},
         {"method": "none", "start_iter": 3},
+        {"onebit_adam": {"warmup": 1}},
     ],
 )
 def test_fsdp_refuses_what_it_does_not_apply(config):
-    with pytest.raises(ConfigError, match=r"does not apply to a sharded \(FSDP\) model: .*give it a config with \[fsdp\] only"):
+    with pytest.raises(ConfigError, match=r"commpress\.fsdp\.apply applies \[fsdp\] only .*cannot apply"):
         load_fsdp_config({**config, "fsdp": {"grad_bits": 8}})
 
 

@@ -60,8 +60,6 @@ class AdaptiveLayer:
     def __init__(
         self, groups: MethodGroups, settings: BandwidthConfig, model: torch.nn.Module | None, main: Backend
     ) -> None:
-        if groups.config.backend != "torch":
-            raise ConfigError(f"[bandwidth] adaptive = true needs backend = 'torch', got backend = {groups.config.backend!r}")
         if model is None:
             raise ConfigError("[bandwidth] adaptive = true needs the model (pass model= to CommState) to size the plan")
         if not isinstance(main, MeasurableBackend):

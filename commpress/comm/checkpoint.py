@@ -33,6 +33,7 @@ __all__ = [
     "DCPState",
     "check_config",
     "check_resume",
+    "check_state",
     "combine_compressors",
     "compressors_per_rank",
     "gather_job",
@@ -111,6 +112,7 @@ def own_part(
     ``combine(shared, parts, scale)`` builds one rank's part from old rank 0's (``shared``)
     and the old parts it takes over (a whole job saved with another world size).
     """
+    check_state(state, what)
     if not is_whole_job(state):
         _check_whose(state, rank, world_size, what, per_rank)
         return state
@@ -156,13 +158,32 @@ def holds_per_rank(entries: Mapping[str, Any], keys: Sequence[str]) -> bool:
     return any(entries.get(key) for key in keys)
 
 
+def check_state(state: Any, what: str) -> None:
+    """Raise ValueError, saying so, unless ``state`` is a part or a whole job of parts:
+    whatever else it is (None, a list, another library's dict) gets the one message."""
+    if not isinstance(state, Mapping):
+        _refuse_junk(what, f"is {'None' if state is None else 'a ' + type(state).__name__}")
+    if not is_whole_job(state):
+        missing = [k for k in ("rank", "world_size", "step", "config") if k not in state]
+        if missing:
+            _refuse_junk(what, f"has no {', '.join(missing)}")
+        return
+    ranks = state["ranks"]
+    if "world_size" not in state or not isinstance(ranks, (list, tuple)):
+        _refuse_junk(what, "has ranks that are not a list of parts with their world_size")
+    for part in ranks:
+        if not isinstance(part, Mapping) or is_whole_job(part):
+            _refuse_junk(what, "lists a rank's part that is not one")
+        check_state(part, what)
+
+
+def _refuse_junk(what: str, found: str) -> None:
+    raise ValueError(
+        f"{what}: the state {found}: it is not a commpress state dict of this version (save it again with state_dict())"
+    )
+
+
 def _check_whose(part: Mapping[str, Any], rank: int, world_size: int, what: str, per_rank: Callable[..., bool]) -> None:
-    missing = [k for k in ("rank", "world_size", "step", "config") if k not in part]
-    if missing:
-        raise ValueError(
-            f"{what}: the state has no {', '.join(missing)}: it is not a commpress state dict of this version "
-            "(save it again with state_dict())"
-        )
     saved_rank, saved_world = part["rank"], part["world_size"]
     if (saved_rank, saved_world) == (rank, world_size) or not per_rank(part):
         return

@@ -17,7 +17,6 @@ from commpress.errors import ConfigError
 from commpress.schema import check_fields, parse_dataclass
 
 __all__ = [
-    "APPLIED_BY",
     "BITS",
     "FULL_PRECISION",
     "OUTER_DEFAULTS",
@@ -344,13 +343,3 @@ def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str
 
 #: Every table a config may hold: its name -> its parser.
 TABLES: dict[str, Callable[[Mapping[str, Any]], Any]] = {name: functools.partial(parse_table, name) for name in TABLE_TYPES}
-
-#: Where each table takes effect, so an entry point handed a table it does not apply can
-#: say where it belongs: :func:`commpress.register` applies every table that fits the model.
-APPLIED_BY: dict[str, str] = {
-    "local_sgd": "commpress.register(model, config, optimizer=optimizer) (Local SGD / CO2 / DiLoCo at the optimizer's step)",
-    "fsdp": "commpress.register(model, config) on a model sharded with fully_shard or FSDP1",
-    "bandwidth": "commpress.register(ddp_model, config) (the DDP hook)",
-    "layerwise": "commpress.register(ddp_model, config) (the DDP hook)",
-    "onebit_adam": "commpress.register(ddp_model, config, optimizer=adamw) (1-bit Adam at the optimizer's step)",
-}

@@ -19,7 +19,7 @@ from commpress.compressors import Bucket, Context, ParamSlot, build, compressor_
 from commpress.compressors.registry import methods_taking
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
-from commpress.config.tables import APPLIED_BY
+from commpress.config.matrix import check_part
 from commpress.errors import ConfigError
 
 __all__ = ["CommState", "check_model"]
@@ -55,12 +55,7 @@ class CommState(OnBackend):
         backend: Backend | None = None,
     ) -> None:
         self.config = Config.load(config)
-        for table in ("local_sgd", "fsdp"):
-            if self.config.section(table) is not None:
-                raise ConfigError(
-                    f"the config's [{table}] table is not applied by the DDP hook: apply it with {APPLIED_BY[table]}, "
-                    f"and give the hook a config without [{table}]"
-                )
+        check_part(self.config, "ddp_hook", "CommState (the DDP hook's state)")
         if self.config.overrides and model is None:
             raise ConfigError("config has overrides by parameter name: pass model= so names can be resolved")
         groups = method_groups(self.config, model)
@@ -279,10 +274,11 @@ class CommState(OnBackend):
         The config must be the one the state was saved with; another rank's part with
         per-rank entries is refused. Before the process group exists the state waits for
         the first reduction."""
+        what = "CommState.load_state_dict"
+        checkpoint.check_state(state, what)
         if self._backend is None:
             self._saved = state
             return
-        what = "CommState.load_state_dict"
         part = checkpoint.own_part(state, self.rank, self.world_size, what, self._holds_per_rank, self._combine)
         checkpoint.check_config(part["config"], self.config.to_dict(), what)
         self.end_step()

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from commpress.config import Config
-from commpress.config.tables import APPLIED_BY, LocalSGDConfig
+from commpress.config.matrix import check_part, model_kind
+from commpress.config.tables import LocalSGDConfig
 from commpress.errors import ConfigError
 from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.co2 import CO2
@@ -48,13 +49,7 @@ def from_config(
     section = cfg.section("local_sgd")
     if section is None:
         raise ConfigError("the config has no [local_sgd] table")
-    for table in ("fsdp", "bandwidth", "layerwise"):
-        if cfg.section(table) is not None:
-            raise ConfigError(f"the config's [{table}] table is not applied by Local SGD: apply it with {APPLIED_BY[table]}")
-    if cfg.overrides:
-        raise ConfigError("overrides are not accepted with [local_sgd]: the whole model is averaged with one method")
-    if cfg.start_iter:
-        raise ConfigError(f"start_iter = {cfg.start_iter} is not accepted with [local_sgd]; use local_sgd.warmup_steps (QSR)")
+    check_part(cfg, "local_sgd", "commpress.local_sgd.from_config", model_kind(model, cfg.backend))
     group = process_group if process_group is not None or cfg.backend != "torch" else getattr(model, "process_group", None)
     averager = ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend)
     return trainer_for(model, optimizer, section, averager, total_steps)

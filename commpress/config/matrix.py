@@ -1,0 +1,308 @@
+"""Which parts of a config apply to which kind of model, and which combine: the one place
+:func:`commpress.register` and every lower-level entry point (``CommState`` and
+``register_ddp_hook``, ``commpress.local_sgd.from_config``, ``commpress.fsdp.apply``) ask,
+so that no table is dropped without a word.
+
+A config's *items* are its tables and the top-level settings that only some parts take
+(:data:`ITEMS`). A *part* (:data:`PARTS`) is one adapter: the DDP hook, Local SGD / CO2 /
+DiLoCo, 1-bit Adam, FSDP's collectives. Each part is chosen by its own table (the DDP hook
+by none of theirs), applies to some model kinds (:data:`KINDS`) and takes some other items
+along; :data:`NEEDS` and :data:`APART` are the two rules inside a part. Everything else is
+refused with a :class:`~commpress.errors.ConfigError` naming the items, the model kind and
+what to do instead. The docs' tables are rendered from here (:func:`rst_table`,
+:func:`markdown_table`) and a test checks they match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
+
+from commpress.config import Config
+from commpress.config.tables import TABLE_TYPES
+from commpress.errors import ConfigError
+
+__all__ = [
+    "APART",
+    "ITEMS",
+    "KINDS",
+    "NEEDS",
+    "PARTS",
+    "Part",
+    "check_part",
+    "items_of",
+    "label",
+    "markdown_table",
+    "model_kind",
+    "part_for",
+    "refused_items",
+    "rst_table",
+]
+
+#: Model kinds, and how refusals name them.
+KINDS: dict[str, str] = {
+    "DDP": "a DistributedDataParallel model",
+    "FSDP2": "a model sharded with fully_shard (FSDP2)",
+    "FSDP1": "an FSDP1 root (FullyShardedDataParallel)",
+    "plain": "a plain module (neither DistributedDataParallel nor sharded) in a job of several processes",
+    "single": "a single process (torch.distributed not initialized)",
+}
+#: What to hand register() instead, by kind: the words after "hand register() ".
+_KIND_ADVICE = {
+    "DDP": "the model wrapped in DistributedDataParallel",
+    "FSDP2": "the model sharded with fully_shard",
+    "FSDP1": "the FSDP1 root",
+    "plain": "the plain module",
+}
+
+#: What adding a part's table does by default, where that needs saying.
+_ADD_HINT = {
+    "fsdp": " ([fsdp] with no keys takes QSDP's defaults, 8-bit weights and gradients; weight_bits = grad_bits = 32 "
+    "leaves FSDP as it is)"
+}
+
+#: The top-level settings that only some parts take, then every table.
+ITEMS: tuple[str, ...] = ("method", "overrides", "start_iter", "backend", *TABLE_TYPES)
+
+
+def label(item: str) -> str:
+    """How refusals and the docs name an item: ``[local_sgd]``, ``method``, ``backend = 'mpi'``."""
+    if item in TABLE_TYPES:
+        return f"[{item}]"
+    return "backend = 'mpi'" if item == "backend" else item
+
+
+def items_of(config: Config) -> tuple[str, ...]:
+    """The items ``config`` sets, in :data:`ITEMS` order: a table it holds, a top-level
+    ``method`` other than ``"none"``, any ``overrides``, ``start_iter`` > 0, a backend
+    other than torch."""
+    found = {
+        "method": config.method != "none",
+        "overrides": bool(config.overrides),
+        "start_iter": config.start_iter > 0,
+        "backend": config.backend != "torch",
+        **{name: config.section(name) is not None for name in TABLE_TYPES},
+    }
+    return tuple(item for item in ITEMS if found[item])
+
+
+@dataclass(frozen=True)
+class Part:
+    """One adapter a config reaches: ``name`` is its :class:`~commpress.Registration`
+    attribute's state_dict key; ``table`` chooses it (None: the DDP hook, chosen by no other
+    part's table); ``kinds`` the models it applies to; ``takes`` the items it applies along;
+    ``does`` what it does, in refusals; ``entry`` how to apply it."""
+
+    name: str
+    table: str | None
+    kinds: tuple[str, ...]
+    takes: frozenset[str]
+    does: str
+    entry: str
+
+    @property
+    def title(self) -> str:
+        return "the DDP hook" if self.table is None else label(self.table)
+
+
+#: Every part, the DDP hook first (the one a DDP model gets when no other table chooses).
+PARTS: dict[str, Part] = {
+    p.name: p
+    for p in (
+        Part(
+            "ddp_hook",
+            None,
+            ("DDP",),
+            frozenset({"method", "overrides", "start_iter", "backend", "bandwidth", "layerwise"}),
+            "the DDP comm hook compresses the gradient buckets",
+            "commpress.register(ddp_model, config) (the DDP hook)",
+        ),
+        Part(
+            "local_sgd",
+            "local_sgd",
+            ("DDP", "plain"),
+            frozenset({"method", "backend"}),
+            "Local SGD / CO2 / DiLoCo keep gradients local and average the whole model as one vector with the "
+            "top-level method, at the optimizer's step",
+            "commpress.register(model, config, optimizer=optimizer) (Local SGD / CO2 / DiLoCo at the optimizer's step)",
+        ),
+        Part(
+            "onebit_adam",
+            "onebit_adam",
+            ("DDP",),
+            frozenset({"method", "backend"}),
+            "1-bit Adam takes over AdamW's step: exact gradients for the warm-up, then local gradients and the "
+            "momentum averaged as one vector with the top-level method",
+            "commpress.register(ddp_model, config, optimizer=adamw) (1-bit Adam at the optimizer's step)",
+        ),
+        Part(
+            "fsdp",
+            "fsdp",
+            ("FSDP2", "FSDP1"),
+            frozenset(),
+            "[fsdp] sets a sharded model's own collectives (weight_bits, grad_bits) on its torch.distributed mesh",
+            "commpress.register(model, config) on a model sharded with fully_shard or an FSDP1 root",
+        ),
+    )
+}
+
+#: An item a part takes only with another: item -> (the item it needs, why).
+NEEDS: dict[str, tuple[str, str]] = {
+    "layerwise": ("method", "it plans the top-level method's setting per tensor, and method = 'none' has none to plan"),
+}
+#: Items a part takes, but not together: the pair -> why.
+APART: dict[frozenset[str], str] = {
+    frozenset({"bandwidth", "backend"}): "[bandwidth] measures the links and reduces through torch.distributed",
+}
+
+
+def model_kind(model: torch.nn.Module, backend: str = "torch") -> str:
+    """``model``'s key in :data:`KINDS`: ``"single"`` is a model neither wrapped nor sharded
+    with torch.distributed not initialized (and ``backend`` torch): nobody to send to."""
+    if isinstance(model, FullyShardedDataParallel):
+        return "FSDP1"
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "FSDP2"
+    if isinstance(model, DistributedDataParallel):
+        return "DDP"
+    return "plain" if dist.is_initialized() or backend != "torch" else "single"
+
+
+def _names(items: Any) -> str:
+    named = [label(i) for i in items]
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
+
+
+def _where(item: str) -> str:
+    """Which parts apply ``item``, and on which models."""
+    takers = [p for p in PARTS.values() if item in p.takes or item == p.table]
+    return " or ".join(f"{p.title} (on {', '.join(p.kinds)})" for p in takers)
+
+
+def _apply_with(item: str) -> str:
+    """Where to apply ``item`` instead: its part's entry point, or the parts that take it."""
+    chosen = [p for p in PARTS.values() if p.table == item]
+    return f"apply {label(item)} with {chosen[0].entry}" if chosen else f"{label(item)} applies with {_where(item)}"
+
+
+def _verdict(items: tuple[str, ...], kind: str) -> tuple[Part | None, tuple[str, ...], str]:
+    """The part that applies ``items`` on ``kind`` (None in a single process), or the items
+    refused and why, with what to do instead (``why`` empty: accepted)."""
+    chosen = [p for p in PARTS.values() if p.table in items]
+    if len(chosen) > 1:
+        tables = tuple(i for i in ITEMS if any(i == p.table for p in chosen))
+        why = "; ".join(f"{label(p.table)}: {p.does}" for p in chosen)
+        return None, tables, f"each runs the training step its own way ({why}): keep one of them"
+    if kind == "single":  # nothing applies; refuse a config that applies to no model
+        _, refused, why = _verdict(items, chosen[0].kinds[0] if chosen else "DDP")
+        return None, refused, (why and f"it applies to no model: {why}")
+    part = chosen[0] if chosen else next((p for p in PARTS.values() if p.table is None and kind in p.kinds), None)
+    if part is None:
+        tables = [p.table for p in PARTS.values() if kind in p.kinds]
+        add = " or ".join(f"add {label(t)}{_ADD_HINT.get(t, '')}" for t in tables)
+        others = dict.fromkeys(_KIND_ADVICE[p.kinds[0]] for p in PARTS.values() if kind not in p.kinds)
+        return None, items, f"this model takes only {_names(tables)}: {add}, or hand register() {' or '.join(others)}"
+    if kind not in part.kinds:
+        instead = " or ".join(_KIND_ADVICE[k] for k in part.kinds)
+        why = f"{part.does}; it applies to {' and '.join(part.kinds)} models: remove it, or hand register() {instead}"
+        return None, (part.table,), why
+    extra = tuple(i for i in items if i != part.table and i not in part.takes)
+    if extra:
+        where = "; ".join(f"{label(i)} applies with {_where(i)}" for i in extra)
+        them = "it" if len(extra) == 1 else "them"
+        return None, extra, f"{part.title} does not take {them} ({part.does}): remove {them} ({where})"
+    for item, (need, why) in NEEDS.items():
+        if item in items and need not in items:
+            return None, (item,), f"{label(item)} needs a top-level {label(need)}: {why}"
+    for pair, why in APART.items():
+        if pair <= set(items):
+            return None, tuple(i for i in ITEMS if i in pair), f"they do not combine: {why}: remove one"
+    return part, (), ""
+
+
+def refused_items(config: Config, kind: str) -> tuple[str, ...] | None:
+    """The items :func:`part_for` names when it refuses ``config`` on ``kind``, or None
+    when it applies."""
+    _, refused, why = _verdict(items_of(config), kind)
+    return refused if why else None
+
+
+def part_for(config: Config, kind: str, entry: str = "commpress.register()") -> Part | None:
+    """The part that applies ``config`` to a model of ``kind`` (None in a single process:
+    nothing applies); raises :class:`ConfigError` naming the items refused, the kind and
+    what to do instead."""
+    return _decide(items_of(config), kind, entry)
+
+
+def _decide(items: tuple[str, ...], kind: str, entry: str) -> Part | None:
+    part, refused, why = _verdict(items, kind)
+    if why:
+        what = f"the config's {_names(refused)} cannot apply" if refused else "the config cannot apply"
+        raise ConfigError(f"{entry} on {KINDS[kind]}: {what}: {why}")
+    return part
+
+
+def check_part(config: Config, name: str, entry: str, kind: str | None = None) -> None:
+    """Refuse what the lower-level ``entry``, which applies part ``name`` alone, does not
+    apply: another part's items (saying where they apply), and what :func:`part_for`
+    refuses on ``kind`` (default: the part's first kind) once the part's table is added."""
+    part = PARTS[name]
+    items = items_of(config)
+    foreign = [i for i in items if i != part.table and i not in part.takes]
+    if foreign:
+        where = "; ".join(_apply_with(i) for i in foreign)
+        what = f"the config's {_names(foreign)} cannot apply"
+        raise ConfigError(f"{entry} applies {part.title} only ({part.does}); {what}: {where}")
+    if kind != "single":
+        _decide(tuple(i for i in ITEMS if i in items or i == part.table), kind or part.kinds[0], entry)
+
+
+def _applies(kind: str) -> list[str]:
+    """What applies on ``kind``, one phrase per part."""
+    default = any(p.table is None and kind in p.kinds for p in PARTS.values())
+    out = []
+    for p in PARTS.values():
+        if kind in p.kinds:
+            head = "the DDP hook" if p.table is None else f"{label(p.table)} {'instead' if default else '(required)'}"
+            takes = ", ".join(label(i) for i in ITEMS if i in p.takes)
+            out.append(f"{head}, with {takes}" if takes else f"{head} alone")
+    return out
+
+
+def _rows() -> list[tuple[str, list[str]]]:
+    """The rows of the docs' tables: the model, then what applies (one phrase per part)."""
+    rules = [f"{label(i)} needs {label(n)}" for i, (n, _) in NEEDS.items()]
+    rules += [f"{_names(i for i in ITEMS if i in pair)} do not combine" for pair in APART]
+    rows = [(KINDS[k].removeprefix("a ").removeprefix("an "), _applies(k)) for k in KINDS if k != "single"]
+    rows[0][1].append("; ".join(rules))
+    rows.append((KINDS["single"].removeprefix("a "), ["nothing; a config that applies to no model is refused"]))
+    return rows
+
+
+def markdown_table() -> str:
+    """The table of what applies where, as README.md holds it."""
+    lines = ["| model | what applies |", "|---|---|"]
+    lines += [f"| {model} | {'; '.join(parts)} |" for model, parts in _rows()]
+    return "\n".join(lines)
+
+
+def rst_table(width: int = 44) -> str:
+    """The same table as :mod:`commpress.registration`'s docstring holds it."""
+    import textwrap
+
+    rule = f"{'=' * width}  {'=' * width}"
+    lines = [rule, f"{'model':<{width}}  what applies", rule]
+    for model, parts in _rows():
+        left = textwrap.wrap(model, width)
+        right = textwrap.wrap("; ".join(parts), width)
+        for i in range(max(len(left), len(right))):
+            a = left[i] if i < len(left) else ""
+            lines.append(f"{a:<{width}}  {right[i] if i < len(right) else ''}".rstrip())
+    lines.append(rule)
+    return "\n".join(lines)
+
