@@ -29,6 +29,7 @@ __all__ = [
     "LayerwiseConfig",
     "LocalSGDConfig",
     "OneBitAdamConfig",
+    "Table",
     "check_co2_settings",
     "check_diloco_settings",
     "check_streaming",
@@ -317,8 +318,11 @@ class OneBitAdamConfig:
 WARMUP_ACCEPTED = "an integer >= 1 (exact AdamW steps) or a number in (0, 1) (a fraction of total_steps)"
 
 
+#: Any one table's settings, as :meth:`commpress.Config.section` returns it.
+Table = LocalSGDConfig | FSDPConfig | BandwidthConfig | LayerwiseConfig | OneBitAdamConfig
+
 #: Every table a config may hold: its name -> its dataclass.
-TABLE_TYPES: dict[str, type] = {
+TABLE_TYPES: dict[str, type[Table]] = {
     "local_sgd": LocalSGDConfig,
     "fsdp": FSDPConfig,
     "bandwidth": BandwidthConfig,
@@ -336,14 +340,14 @@ _LABELS = {
 }
 
 
-def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> Any:
+def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> Table:
     """The ``[name]`` table's dataclass from ``data`` (``belongs``: see
     :func:`commpress.schema.check_kwargs`)."""
     return parse_dataclass(_LABELS[name], TABLE_TYPES[name], data, belongs)
 
 
 #: Every table a config may hold: its name -> its parser.
-TABLES: dict[str, Callable[[Mapping[str, Any]], Any]] = {name: functools.partial(parse_table, name) for name in TABLE_TYPES}
+TABLES: dict[str, Callable[[Mapping[str, Any]], Table]] = {name: functools.partial(parse_table, name) for name in TABLE_TYPES}
 
 #: Where each table takes effect, so an entry point handed a table it does not apply can
 #: say where it belongs: :func:`commpress.register` applies every table that fits the model.
