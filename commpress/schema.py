@@ -1,5 +1,7 @@
 """Checks keyword settings against type hints, so every config error names key, value and
-what is accepted. Used for compressor parameters and for config sections.
+what is accepted. Used for compressor parameters and for config sections. A number's range
+is declared in its hint too (``Annotated[int, Bounds(ge=1)]``): one validator checks the
+type, then the range, and says both in its errors.
 
 Numbers must be finite wherever a ``float`` is accepted: no setting means anything at
 infinity or NaN, and letting one through only moves the failure into training.
@@ -18,13 +20,65 @@ from typing import Any, Literal, TypeVar
 
 from commpress.errors import ConfigError
 
-__all__ = ["check_fields", "check_keys", "check_kwargs", "parse_dataclass", "signature_fields"]
+__all__ = ["Bounds", "check_fields", "check_keys", "check_kwargs", "parse_dataclass", "signature_fields"]
 
 T = TypeVar("T")
 
 
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """The range a number must fall in, declared beside its type:
+    ``period: Annotated[int, Bounds(ge=1)]``. :func:`check_fields` checks it once the type
+    holds, and its error says it (``expected an integer >= 1``, ``a number in (0, 1]``);
+    ``note`` adds what the number means."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    note: str = ""
+
+    def holds(self, value: float) -> bool:
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+
+    def describe(self, tp: Any) -> str:
+        kind = "an integer" if tp is int else "a number"
+        low = ("[", ">=", self.ge) if self.ge is not None else ("(", ">", self.gt) if self.gt is not None else None
+        high = ("]", "<=", self.le) if self.le is not None else (")", "<", self.lt) if self.lt is not None else None
+        if low and high:
+            text = f"{kind} in {low[0]}{low[2]:g}, {high[2]:g}{high[0]}"
+        elif low or high:
+            _, op, bound = low or high
+            text = f"{kind} {op} {bound:g}"
+        else:
+            text = kind
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _bounds(tp: Any, value: Any) -> tuple[Any, Bounds] | None:
+    """(the type, its Bounds) that ``value`` (of type ``tp``, already checked) falls under,
+    or None when no range is declared for it."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        inner, *extras = typing.get_args(tp)
+        found = [e for e in extras if isinstance(e, Bounds)]
+        return (inner, found[0]) if found else None
+    if origin in (types.UnionType, typing.Union):
+        for arg in typing.get_args(tp):
+            if _coerce(value, arg)[0]:
+                return _bounds(arg, value)
+    return None
+
+
 def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _describe(typing.get_args(tp)[0])
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (types.UnionType, typing.Union):
@@ -41,6 +95,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     origin = typing.get_origin(tp)
     if tp is Any:
         return True, value
+    if origin is typing.Annotated:
+        return _coerce(value, typing.get_args(tp)[0])
     if origin is Literal:
         return (value in typing.get_args(tp)), value
     if origin in (types.UnionType, typing.Union):
@@ -128,7 +184,7 @@ def signature_fields(fn: Callable[..., Any]) -> dict[str, tuple[Any, bool]]:
 
 @functools.cache
 def _dataclass_fields(cls: type) -> dict[str, tuple[Any, bool]]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     return {
         f.name: (hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         for f in dataclasses.fields(cls)
@@ -142,13 +198,21 @@ def parse_dataclass(where: str, cls: type[T], data: Mapping[str, Any], belongs: 
     return cls(**check_kwargs(where, data, _dataclass_fields(cls), belongs))
 
 
-def check_fields(where: str, obj: Any) -> None:
+def check_fields(where: str, obj: Any, key: str = "{where}: {key}") -> None:
     """Check every field of the (frozen) dataclass instance ``obj`` against its type hint and
-    store the converted value (lists become tuples, integers floats): called from
-    ``__post_init__`` so a table built directly is held to the same rules as one parsed."""
-    for name, (tp, _) in _dataclass_fields(type(obj)).items():
+    store the converted value (lists become tuples, integers floats), then check the
+    declared :class:`Bounds`: called from ``__post_init__`` so a table built directly is
+    held to the same rules as one parsed. ``key``: how a range error names the key."""
+    fields = _dataclass_fields(type(obj))
+    for name, (tp, _) in fields.items():
         value = getattr(obj, name)
         ok, conv = _coerce(value, tp)
         if not ok:
             raise ConfigError(f"{where}: {name} = {value!r} is not accepted; expected {_describe(tp)}")
         object.__setattr__(obj, name, conv)
+    for name, (tp, _) in fields.items():
+        value = getattr(obj, name)
+        found = _bounds(tp, value)
+        if found is not None and not found[1].holds(value):
+            named = key.format(where=where, key=name)
+            raise ConfigError(f"{named} = {value!r} is not accepted; expected {found[1].describe(found[0])}")

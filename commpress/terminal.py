@@ -1,10 +1,9 @@
 """Terminal output shared by the commands and the library's reports: plain-text tables and a
-one-line progress display."""
+progress bar (tqdm's)."""
 
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Sequence
 
 __all__ = ["Progress", "format_table"]
@@ -32,25 +31,23 @@ def _is_number(text: str) -> bool:
 
 
 class Progress:
-    """``Progress(total, label).update(done)`` redraws ``label [#####.....] done/total``.
-    On a pipe (logs, CI) it writes a line every ``PIPE_SECONDS`` and the finished line, so
-    a long run still shows it is alive."""
+    """tqdm's bar, driven by the count done so far: ``Progress(total, label).update(done, note)``.
+    On a pipe (logs, CI) it redraws at most every ``PIPE_SECONDS`` and at the end, so a long
+    run still shows it is alive without filling the log."""
 
     PIPE_SECONDS = 30.0
 
-    def __init__(self, total: int, label: str = "", width: int = 30) -> None:
-        self.total, self.label, self.width = max(total, 1), label, width
-        self.start = self._shown = time.perf_counter()
-        self._tty = sys.stderr.isatty()
+    def __init__(self, total: int, label: str = "") -> None:
+        from tqdm import tqdm  # imported here: ``commpress --help`` does not pay for it
+
+        tty = sys.stderr.isatty()
+        every = 0.1 if tty else self.PIPE_SECONDS
+        self._bar = tqdm(
+            total=max(total, 1), desc=label, file=sys.stderr, mininterval=every, maxinterval=max(every, 10.0), ascii=not tty
+        )
 
     def update(self, done: int, note: str = "") -> None:
-        if not self._tty and done < self.total:
-            if time.perf_counter() - self._shown < self.PIPE_SECONDS:
-                return
-            self._shown = time.perf_counter()
-        filled = self.width * done // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        line = f"{self.label} [{bar}] {done}/{self.total} {time.perf_counter() - self.start:5.1f}s {note}"
-        end = "\n" if done >= self.total or not self._tty else ""
-        sys.stderr.write(("\r" if self._tty else "") + line + end)
-        sys.stderr.flush()
+        self._bar.set_postfix_str(note, refresh=False)
+        self._bar.update(done - self._bar.n)
+        if done >= self._bar.total:
+            self._bar.close()

@@ -27,13 +27,22 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 from commpress.cmdline import parse_method_spec, parse_settings
 from commpress.compressors import build, check_params
 from commpress.config.files import read_config_file
 from commpress.config.keys import OVERRIDE_KEYS, TOP_LEVEL, TOP_LEVEL_HOME, belongs
-from commpress.config.tables import TABLE_TYPES, parse_table
+from commpress.config.tables import (
+    TABLE_TYPES,
+    BandwidthConfig,
+    FSDPConfig,
+    LayerwiseConfig,
+    LocalSGDConfig,
+    OneBitAdamConfig,
+    Table,
+    parse_table,
+)
 from commpress.errors import ConfigError
 from commpress.schema import check_keys
 
@@ -74,7 +83,7 @@ class Config:
     start_iter: int = 0
     backend: str = "torch"
     overrides: tuple[Override, ...] = ()
-    sections: Mapping[str, Any] = field(default_factory=dict)
+    sections: Mapping[str, Table] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, Mapping):
@@ -118,8 +127,24 @@ class Config:
         sections = {key: parse_table(key, value, functools.partial(belongs, here=f"[{key}]")) for key, value in data.items()}
         return cls(overrides=overrides, sections=sections, **core)
 
-    def section(self, name: str) -> Any | None:
-        """The parsed ``[name]`` table, or None when the config has none."""
+    @overload
+    def section(self, name: Literal["local_sgd"]) -> LocalSGDConfig | None: ...
+    @overload
+    def section(self, name: Literal["fsdp"]) -> FSDPConfig | None: ...
+    @overload
+    def section(self, name: Literal["bandwidth"]) -> BandwidthConfig | None: ...
+    @overload
+    def section(self, name: Literal["layerwise"]) -> LayerwiseConfig | None: ...
+    @overload
+    def section(self, name: Literal["onebit_adam"]) -> OneBitAdamConfig | None: ...
+    @overload
+    def section(self, name: str) -> Table | None: ...
+    def section(self, name: str) -> Table | None:
+        """The ``[name]`` table's settings (its class in :mod:`commpress.config.tables`), or
+        None when the config has none. A name that is no table raises ValueError: a
+        misspelt name would otherwise read as a table left out."""
+        if name not in TABLE_TYPES:
+            raise ValueError(f"no config table is called {name!r}; the tables: {', '.join(TABLE_TYPES)}")
         return self.sections.get(name)
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,7 +160,7 @@ class Config:
                 {"params": list(o.params), "method": o.method, "method_params": dict(o.method_params)} for o in self.overrides
             ]
         for name, sec in sorted(self.sections.items()):
-            out[name] = dataclasses.asdict(sec) if dataclasses.is_dataclass(sec) else sec
+            out[name] = dataclasses.asdict(sec)
         return out
 
     def digest(self) -> str:

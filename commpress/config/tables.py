@@ -11,10 +11,10 @@ import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from commpress.errors import ConfigError
-from commpress.schema import check_fields, parse_dataclass
+from commpress.schema import Bounds, check_fields, parse_dataclass
 
 __all__ = [
     "BITS",
@@ -28,6 +28,7 @@ __all__ = [
     "LayerwiseConfig",
     "LocalSGDConfig",
     "OneBitAdamConfig",
+    "Table",
     "check_co2_settings",
     "check_diloco_settings",
     "check_streaming",
@@ -43,10 +44,10 @@ class LocalSGDConfig:
     takes its algorithm's default (:data:`OUTER_DEFAULTS`, :data:`STREAMING_DEFAULTS`)."""
 
     algorithm: Literal["local_sgd", "co2", "diloco"] = "local_sgd"
-    period: int = 4
-    qsr_alpha: float | None = None
-    qsr_power: float = 2.0
-    warmup_steps: int = 0
+    period: Annotated[int, Bounds(ge=1)] = 4
+    qsr_alpha: Annotated[float, Bounds(gt=0)] | None = None
+    qsr_power: Annotated[float, Bounds(gt=0)] = 2.0
+    warmup_steps: Annotated[int, Bounds(ge=0)] = 0
     average_buffers: bool = False
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -58,15 +59,7 @@ class LocalSGDConfig:
     merge_alpha: float | None = None
 
     def __post_init__(self) -> None:
-        check_fields("local_sgd", self)  # types, and every number finite
-        if self.period < 1:
-            raise ConfigError(f"local_sgd: period = {self.period!r} is not accepted; expected an integer >= 1")
-        if self.qsr_alpha is not None and not self.qsr_alpha > 0:
-            raise ConfigError(f"local_sgd: qsr_alpha = {self.qsr_alpha!r} is not accepted; expected a number > 0")
-        if not self.qsr_power > 0:
-            raise ConfigError(f"local_sgd: qsr_power = {self.qsr_power!r} is not accepted; expected a number > 0")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"local_sgd: warmup_steps = {self.warmup_steps!r} is not accepted; expected an integer >= 0")
+        check_fields("local_sgd", self)  # types, every number finite, the declared ranges
         for key, algorithms in _KEYS_OF.items():
             if getattr(self, key) is not None and self.algorithm not in algorithms:
                 raise ConfigError(
@@ -185,19 +178,17 @@ class FSDPConfig:
     grad_bits: int = 8
     bucket_size: int = 1024
     exclude: tuple[str, ...] = ("*norm*", "*embed*", "*.bias")
-    min_numel: int = 4096
+    min_numel: Annotated[int, Bounds(ge=0)] = 4096
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_fields("fsdp", self)  # types; exclude becomes a tuple
+        check_fields("fsdp", self, key="fsdp.{key}")  # types, ranges; exclude becomes a tuple
         for key in ("weight_bits", "grad_bits"):
             value = getattr(self, key)
             if value not in (*BITS, FULL_PRECISION):
                 raise ConfigError(f"fsdp.{key} = {value!r} is not accepted; accepted: 2, 4, 8 (quantized) or 32 (full precision)")
         if self.bucket_size < 8 or self.bucket_size % 8:
             raise ConfigError(f"fsdp.bucket_size = {self.bucket_size!r} is not accepted; expected a multiple of 8, >= 8")
-        if self.min_numel < 0:
-            raise ConfigError(f"fsdp.min_numel = {self.min_numel!r} is not accepted; expected an integer >= 0")
 
     def keeps_full_precision(self, name: str, numel: int) -> bool:
         """Whether the parameter called ``name`` with ``numel`` elements is excluded."""
@@ -217,31 +208,25 @@ class BandwidthConfig:
     """
 
     adaptive: bool = False
-    budget_ms: float = 0.0
-    slowdown: float = 0.0
-    min_ratio: float = 0.01
+    budget_ms: Annotated[float, Bounds(ge=0)] = 0.0
+    slowdown: Annotated[float, Bounds(ge=0)] = 0.0
+    min_ratio: Annotated[float, Bounds(gt=0, le=1)] = 0.01
     max_ratio: float = 1.0
     #: re-measure the links and re-plan every this many steps (0: only at start-up)
-    remeasure_every: int = 0
+    remeasure_every: Annotated[int, Bounds(ge=0)] = 0
     #: links at least this fast join ranks into one domain; 0 = automatic (largest gap)
-    fast_gbps: float = 0.0
+    fast_gbps: Annotated[float, Bounds(ge=0)] = 0.0
     #: domains join ranks on one host (and network namespace) or linked by fast links
     #: ("auto"), only the former ("host") or only the latter ("bandwidth")
     group_by: Literal["auto", "bandwidth", "host"] = "auto"
     #: declared domains (lists of ranks), used instead of the measured grouping
     domains: tuple[tuple[int, ...], ...] = ()
     #: how long one bandwidth probe should last (larger: more accurate, slower start-up)
-    probe_ms: float = 40.0
+    probe_ms: Annotated[float, Bounds(gt=0, le=10_000)] = 40.0
 
     def __post_init__(self) -> None:
-        check_fields("[bandwidth]", self)  # types, and every number finite
-        _check("budget_ms", self.budget_ms, self.budget_ms >= 0 and math.isfinite(self.budget_ms), "a number >= 0")
-        _check("slowdown", self.slowdown, self.slowdown >= 0 and math.isfinite(self.slowdown), "a number >= 0")
-        _check("min_ratio", self.min_ratio, 0 < self.min_ratio <= 1, "a number in (0, 1]")
+        check_fields("[bandwidth]", self, key="[bandwidth] {key}")  # types, every number finite, the declared ranges
         _check("max_ratio", self.max_ratio, self.min_ratio <= self.max_ratio <= 1, f"a number in [min_ratio={self.min_ratio}, 1]")
-        _check("remeasure_every", self.remeasure_every, self.remeasure_every >= 0, "an integer >= 0")
-        _check("fast_gbps", self.fast_gbps, self.fast_gbps >= 0 and math.isfinite(self.fast_gbps), "a number >= 0")
-        _check("probe_ms", self.probe_ms, 0 < self.probe_ms <= 10_000, "a number in (0, 10000]")
         ranks = [r for d in self.domains for r in d]
         if self.domains and (sorted(ranks) != list(range(len(ranks))) or not all(self.domains)):
             raise ConfigError(
@@ -267,16 +252,15 @@ class LayerwiseConfig:
 
     enabled: bool = False
     budget: Literal["uniform"] | int | float = "uniform"
-    every: int = 200
+    every: Annotated[int, Bounds(ge=1, note="steps between plans")] = 200
 
     def __post_init__(self) -> None:
-        check_fields("[layerwise]", self)  # types, and every number finite
+        check_fields("[layerwise]", self, key="[layerwise] {key}")  # types, every number finite, the declared ranges
         budget = self.budget
         if isinstance(budget, int):
             _check("budget", budget, budget >= 1, BUDGET_ACCEPTED, "layerwise")
         elif isinstance(budget, float):
             _check("budget", budget, 0 < budget < 1, BUDGET_ACCEPTED, "layerwise")
-        _check("every", self.every, self.every >= 1, "an integer >= 1 (steps between plans)", "layerwise")
 
 
 #: What ``[layerwise] budget`` accepts, for error messages.
@@ -316,8 +300,11 @@ class OneBitAdamConfig:
 WARMUP_ACCEPTED = "an integer >= 1 (exact AdamW steps) or a number in (0, 1) (a fraction of total_steps)"
 
 
+#: Any one table's settings, as :meth:`commpress.Config.section` returns it.
+Table = LocalSGDConfig | FSDPConfig | BandwidthConfig | LayerwiseConfig | OneBitAdamConfig
+
 #: Every table a config may hold: its name -> its dataclass.
-TABLE_TYPES: dict[str, type] = {
+TABLE_TYPES: dict[str, type[Table]] = {
     "local_sgd": LocalSGDConfig,
     "fsdp": FSDPConfig,
     "bandwidth": BandwidthConfig,
@@ -335,11 +322,11 @@ _LABELS = {
 }
 
 
-def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> Any:
+def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> Table:
     """The ``[name]`` table's dataclass from ``data`` (``belongs``: see
     :func:`commpress.schema.check_kwargs`)."""
     return parse_dataclass(_LABELS[name], TABLE_TYPES[name], data, belongs)
 
 
 #: Every table a config may hold: its name -> its parser.
-TABLES: dict[str, Callable[[Mapping[str, Any]], Any]] = {name: functools.partial(parse_table, name) for name in TABLE_TYPES}
+TABLES: dict[str, Callable[[Mapping[str, Any]], Table]] = {name: functools.partial(parse_table, name) for name in TABLE_TYPES}
