@@ -19,10 +19,12 @@ import sys
 from types import ModuleType
 from typing import Any
 
-#: module -> its functions and classes newer than torch 2.9
+#: package -> its functions and classes newer than torch 2.9. Only the packages that
+#: re-export them: the modules defining them call them as globals, which a module's
+#: ``__getattr__`` cannot serve (tests/test_old_torch.py checks that commpress imports
+#: none of these names from anywhere).
 MODULE_NAMES: dict[str, tuple[str, ...]] = {
     "torch.distributed": ("all_gather_single", "reduce_scatter_single", "shrink_group"),
-    "torch.distributed.distributed_c10d": ("all_gather_single", "reduce_scatter_single", "shrink_group"),
     "torch.distributed.fsdp": ("DataParallelMeshDims", "share_comm_ctx"),
 }
 
