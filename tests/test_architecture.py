@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "commpress"
 
 LAYERS = [
-    {"errors", "schema", "cmdline", "terminal"},
+    {"errors", "schema", "cmdline", "terminal", "torch_compat"},
     {"kernels"},
     {"compressors"},
     {"config"},

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from commpress.comm.backend import Channel
 from commpress.comm.links import Links, MeasurableBackend
 from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter, sum_rows
+from commpress.torch_compat import all_gather_single
 
 __all__ = ["TorchBackend", "TorchLinks", "group_timeout", "require_initialized"]
 
@@ -110,7 +111,7 @@ class TorchBackend(MeasurableBackend):
         assert isinstance(request, AllGather)
         flat = tensor.reshape(-1).contiguous()
         out = flat.new_empty(size * flat.numel())
-        work = dist.all_gather_single(out, flat, group=group, async_op=True)
+        work = all_gather_single(out, flat, group=group, async_op=True)
         return work.get_future().then(_checked(lambda: list(out.view(size, -1).unbind(0))))
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from commpress.comm.counters import Traffic
 from commpress.fsdp.wire import Wire
+from commpress.torch_compat import all_gather_single, reduce_scatter_single
 
 __all__ = ["quantized_all_gather", "quantized_all_reduce", "quantized_reduce_scatter"]
 
@@ -44,7 +45,7 @@ def quantized_reduce_scatter(
     if segments.nraw:
         raw_in = segments.take(rows, "raw").contiguous()
         raw_out = raw_in.new_empty(segments.nraw)
-        dist.reduce_scatter_single(raw_out, raw_in.view(-1), group=group, op=op)
+        reduce_scatter_single(raw_out, raw_in.view(-1), group=group, op=op)
         traffic.add(nbytes=raw_in.numel() * raw_in.element_size(), collectives=1)
         segments.put(output, raw_out, "raw")
 
@@ -58,7 +59,7 @@ def quantized_all_reduce(wire: Wire, flat: torch.Tensor, group: dist.ProcessGrou
     wire.encode(flat, seed, payload)
     gathered = torch.empty(world * wire.nbytes, dtype=torch.uint8, device=flat.device)
     t1 = time.perf_counter()
-    dist.all_gather_single(gathered, payload, group=group)
+    all_gather_single(gathered, payload, group=group)
     traffic.add(nbytes=payload.numel(), collectives=1)
     t2 = time.perf_counter()
     wire.accumulate(gathered.view(world, wire.nbytes), flat, average=True)
@@ -82,7 +83,7 @@ def quantized_all_gather(
     wire.encode(shard, seed, payload)
     gathered = torch.empty(world * wire.nbytes, dtype=torch.uint8, device=shard.device)
     t1 = time.perf_counter()
-    dist.all_gather_single(gathered, payload, group=group)
+    all_gather_single(gathered, payload, group=group)
     traffic.add(nbytes=wire.nbytes, collectives=1)
     t2 = time.perf_counter()
     rows, out = gathered.view(world, wire.nbytes), output.view(world, n)

@@ -29,8 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin
 
 from commpress.comm import checkpoint
 from commpress.comm.counters import Traffic
@@ -40,6 +38,14 @@ from commpress.config.tables import FULL_PRECISION, FSDPConfig
 from commpress.fsdp.collectives import quantized_all_gather, quantized_reduce_scatter
 from commpress.fsdp.wire import Segments, Wire
 from commpress.kernels import derive_seed
+from commpress.torch_compat import (
+    FSDPAllGather,
+    FSDPDefaultAlloc,
+    FSDPReduceScatter,
+    all_gather_single,
+    fsdp_param_groups,
+    reduce_scatter_single,
+)
 
 __all__ = ["FSDP2State", "ParamShard", "QuantizedAllGather", "QuantizedReduceScatter", "Unit", "apply_fsdp2"]
 
@@ -118,14 +124,14 @@ class Unit:
         return self._wires[key]
 
 
-class _UnitCollective(DefaultAllocMixin):
+class _UnitCollective(FSDPDefaultAlloc):
     """What both custom collectives hold: the unit whose layout and counters they use."""
 
     def __init__(self, unit: Unit) -> None:
         self.unit = unit
 
 
-class QuantizedAllGather(_UnitCollective, AllGather):
+class QuantizedAllGather(_UnitCollective, FSDPAllGather):
     """``fsdp_module.set_custom_all_gather(QuantizedAllGather(unit))``."""
 
     def __call__(
@@ -141,7 +147,7 @@ class QuantizedAllGather(_UnitCollective, AllGather):
         traffic = unit.gather_traffic
         if wire is None:
             traffic.add(nbytes=n * input_tensor.element_size(), collectives=1)
-            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         # seeded by the unit's reduce-scatter count: the backward re-gather of unchanged
         # weights reproduces the forward's quantization exactly; by the rank in the shard
         # group: HSDP replicas (same master shard) gather the same quantized weights
@@ -149,7 +155,7 @@ class QuantizedAllGather(_UnitCollective, AllGather):
         return None
 
 
-class QuantizedReduceScatter(_UnitCollective, ReduceScatter):
+class QuantizedReduceScatter(_UnitCollective, FSDPReduceScatter):
     """``fsdp_module.set_custom_reduce_scatter(QuantizedReduceScatter(unit))``."""
 
     def __call__(
@@ -168,7 +174,7 @@ class QuantizedReduceScatter(_UnitCollective, ReduceScatter):
         traffic = unit.scatter_traffic
         if wire is None:
             traffic.add(nbytes=input_tensor.numel() * input_tensor.element_size(), collectives=1)
-            return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
+            return reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
         if op not in _OPS:
             raise ValueError(
                 f"commpress's quantized reduce-scatter supports ReduceOp.AVG and SUM, FSDP asked for {op}: "
@@ -242,7 +248,7 @@ def apply_fsdp2(
     names = {id(p): n for n, p in (root if root is not None else module).named_parameters()}
     units: list[Unit] = []
     for where, fsdp_module in _fsdp_modules(module, recurse):
-        groups = fsdp_module._get_fsdp_state()._fsdp_param_groups
+        groups = fsdp_param_groups(fsdp_module._get_fsdp_state())
         if not groups:
             continue
         if len(groups) > 1:
