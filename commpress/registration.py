@@ -35,12 +35,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.adaptive.layerwise import LayerPlan
 from commpress.comm import Traffic
+from commpress.comm.averager import ParameterAverager
 from commpress.config import Config
 from commpress.errors import ConfigError
 from commpress.fsdp import FSDP2State, QuantizedState, apply
 from commpress.fsdp.config import check_sharded_config
 from commpress.hooks import CommState, register_ddp_hook
-from commpress.local_sgd import LocalSGD, ParameterAverager, from_config
+from commpress.local_sgd import LocalSGD, from_config
 from commpress.optim import OneBitAdam, check_adam
 
 __all__ = ["Registration", "register"]

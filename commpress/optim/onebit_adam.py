@@ -43,11 +43,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic, checkpoint
-from commpress.comm.agreement import agree_on_settings
+from commpress.comm.averager import ParameterAverager
 from commpress.compressors import AllReduce, Bucket, ParamSlot, Reduction
 from commpress.config import digest_of
 from commpress.errors import ConfigError
-from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.local_sgd import check_finite
 
 __all__ = ["OneBitAdam", "check_adam"]
@@ -181,8 +180,7 @@ class OneBitAdam:
         optimizer's step hooks; the ranks first agree on the settings."""
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
-        if self.averager.backend.can_block:
-            agree_on_settings(self.settings, self.name, "torch" if dist.is_initialized() else "mpi", process_group)
+        self.averager.connect(self.settings, self.name, process_group)  # the one set-up exchange
         model.register_comm_hook(self, comm_hook)
         self._hooks = [
             self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
@@ -192,7 +190,7 @@ class OneBitAdam:
     def _pre_step(self) -> None:
         if not self.frozen:
             return
-        if self._check_resume and self.averager.backend.can_block:
+        if self._check_resume and self.averager.can_block:
             checkpoint.check_resume(self.averager.backend, self.steps, digest_of(self.settings), self.name)
         self._check_resume = False
         self.finish_step(self.start_step())
