@@ -25,7 +25,7 @@ module only picks, per model, which subsystems a config reaches.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -40,7 +40,8 @@ from commpress.config import Config
 from commpress.errors import ConfigError
 from commpress.fsdp import FSDP2State, QuantizedState, apply
 from commpress.fsdp.config import check_sharded_config
-from commpress.hooks import CommState, register_ddp_hook
+from commpress.hooks import CommState
+from commpress.hooks.ddp import attach_ddp_hook
 from commpress.local_sgd import LocalSGD, from_config
 from commpress.optim import OneBitAdam, check_adam
 
@@ -57,6 +58,9 @@ class Registration:
     the FSDP state (:class:`~commpress.fsdp.FSDP2State` or
     :class:`~commpress.fsdp.QuantizedState`). No part applies in a single process.
 
+    :meth:`remove` (or leaving a ``with commpress.register(...) as reg:`` block) takes
+    every hook it added off the model and the optimizer.
+
     Checkpoints: :meth:`state_dict` holds each applied part's state under its name
     (``"ddp_hook"``, ``"local_sgd"``, ``"onebit_adam"``, ``"fsdp"``); ``full=True`` gathers every rank's parts
     (a collective: call it on every rank) for a checkpoint saved on rank 0 only, and
@@ -72,9 +76,11 @@ class Registration:
         local_sgd: LocalSGD | None = None,
         onebit_adam: OneBitAdam | None = None,
         fsdp: FSDP2State | QuantizedState | None = None,
+        remove_hook: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.hook = hook
+        self._remove_hook = remove_hook  # takes the DDP hook off
         self.local_sgd = local_sgd
         self.onebit_adam = onebit_adam
         self.fsdp = fsdp
@@ -125,6 +131,28 @@ class Registration:
         have nothing left to do."""
         if self.local_sgd is not None:
             self.local_sgd.finish()
+
+    def remove(self) -> None:
+        """Take every hook :func:`register` added off the model and the optimizer: DDP
+        all-reduces gradients as it does without a comm hook, ``optimizer.step()`` is the
+        optimizer's own step (DGC's momentum given back to it), and nothing more goes
+        through commpress. Local SGD leaves each rank's model where it is: call
+        :meth:`finish` first for one model on every rank. The FSDP part is not removable."""
+        if self.fsdp is not None:
+            raise RuntimeError("Registration.remove(): the [fsdp] part's hooks cannot be taken off a sharded model")
+        if self._remove_hook is not None:
+            self._remove_hook()
+            self._remove_hook = None
+        if self.local_sgd is not None:
+            self.local_sgd.remove_hooks()
+        if self.onebit_adam is not None:
+            self.onebit_adam.detach()
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """Each applied part's state under its name; ``full=True``: every rank's (a
@@ -188,7 +216,8 @@ def register(
             "processes: wrap it in DistributedDataParallel (the DDP hook) or shard it (FSDP) first, or give the config "
             "a [local_sgd] table to average the plain module"
         )
-    return Registration(cfg, hook=register_ddp_hook(model, cfg, process_group, optimizer))
+    state, remove = attach_ddp_hook(model, cfg, process_group, optimizer)
+    return Registration(cfg, hook=state, remove_hook=remove)
 
 
 def _sharded(model: torch.nn.Module, cfg: Config) -> Registration:

@@ -138,9 +138,9 @@ class LocalSGD:
                 f"{self.name} averages the model's {dtype} values with method {compressor.name!r}, which does not "
                 f"take {dtype}: {advice}"
             )
-        if is_ddp:
-            skip_gradient_allreduce(model)  # DDP already broadcast rank 0's model
-        elif self.averager.can_block:  # ranks in one thread start from identical models (class docstring)
+        #: what keeps DDP's gradients local (None for a plain module)
+        self.ddp_switch = skip_gradient_allreduce(model) if is_ddp else None  # DDP broadcast rank 0's model
+        if not is_ddp and self.averager.can_block:  # ranks in one thread start from identical models (class docstring)
             self.averager.broadcast(self.anchor)
             self.flat.write(self.anchor)
         self._average: Average | None = None
@@ -209,6 +209,16 @@ class LocalSGD:
                 self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._begin_step()),
                 self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._end_step()),
             ]
+
+    def remove_hooks(self) -> None:
+        """Take this trainer's hooks off the optimizer and the DDP model: ``optimizer.step()``
+        is a plain step again and DDP all-reduces gradients (call :meth:`finish` first for
+        one model on every rank)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.ddp_switch is not None:
+            self.ddp_switch.remove()
 
     def _begin_step(self) -> None:
         self.clock.begin_step(float(self.optimizer.param_groups[0]["lr"]))

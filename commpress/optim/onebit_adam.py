@@ -47,6 +47,7 @@ from commpress.comm.averager import ParameterAverager
 from commpress.compressors import AllReduce, Bucket, ParamSlot, Reduction
 from commpress.config import digest_of
 from commpress.errors import ConfigError
+from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 from commpress.local_sgd.local_sgd import check_finite
 
 __all__ = ["OneBitAdam", "check_adam"]
@@ -163,6 +164,7 @@ class OneBitAdam:
         self._check_resume = False
         self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self._hooks: list[RemovableHandle] = []
+        self._switch: CommHookSwitch | None = None
         self.wait_seconds: list[float] = []
 
     @property
@@ -181,11 +183,20 @@ class OneBitAdam:
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
         self.averager.connect(self.settings, self.name, process_group)  # the one set-up exchange
-        model.register_comm_hook(self, comm_hook)
+        self._switch = register_removable_hook(model, self, comm_hook)
         self._hooks = [
             self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
             self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
         ]
+
+    def detach(self) -> None:
+        """Take off what :meth:`attach` registered: DDP all-reduces gradients again and
+        ``optimizer.step()`` is AdamW's own step."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self._switch is not None:
+            self._switch.remove()
 
     def _pre_step(self) -> None:
         if not self.frozen:
