@@ -1,7 +1,8 @@
 """``Registration.remove()`` and ``with commpress.register(...) as reg:``: every hook
 register added comes off the model and the optimizer. On 2 gloo ranks, after the block the
 next steps send no byte through commpress and train exactly as plain DDP with the plain
-optimizer from the same model and optimizer state."""
+optimizer from the same model and optimizer state. Registering agrees on the settings in
+one exchange."""
 
 from __future__ import annotations
 
@@ -50,7 +51,18 @@ def _run(name: str, rank: int) -> dict:
 
     model = DistributedDataParallel(_model())
     opt = _optimizer(name, model)
-    with commpress.register(model, CONFIGS / name, optimizer=opt, total_steps=8) as reg:
+    exchanges, gather = [], dist.all_gather_object  # the set-up agreement is one all_gather_object
+
+    def counted(*args, **kwargs):
+        exchanges.append(1)
+        return gather(*args, **kwargs)
+
+    dist.all_gather_object = counted
+    try:
+        reg = commpress.register(model, CONFIGS / name, optimizer=opt, total_steps=8)
+    finally:
+        dist.all_gather_object = gather
+    with reg:
         _steps(model, opt, rank, 0, 5)  # past 1-bit Adam's warm-up (15% of 8 steps)
         reg.finish()
         inside = reg.traffic.bytes_sent
@@ -66,6 +78,7 @@ def _run(name: str, rank: int) -> dict:
     every = [torch.empty_like(_flat(model)) for _ in range(dist.get_world_size())]
     dist.all_gather(every, _flat(model))
     return {
+        "exchanges": len(exchanges),
         "sent_inside": inside,
         "sent_after": reg.traffic.bytes_sent - inside,
         "optimizer_hooks": hooks,
@@ -97,3 +110,9 @@ def test_after_remove_training_is_plain_ddp_and_sends_nothing_through_commpress(
 
 def test_dgc_gives_the_momentum_back_to_the_optimizer(runs):
     assert all(r["topk_dgc.toml"]["momenta"] == [0.9] for r in runs)
+
+
+@pytest.mark.parametrize("name", [n for n in FILES if n != "topk_dgc.toml"])
+def test_one_agreement_exchange_at_start(runs, name):
+    """The trainer's settings and its averager's method are agreed on together."""
+    assert all(r[name]["exchanges"] == 1 for r in runs)
