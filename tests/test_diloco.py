@@ -134,7 +134,7 @@ def test_outer_optimizer_is_any_torch_optimizer_and_its_state_resumes():
     adam = functools.partial(torch.optim.Adam, lr=0.01)
     table = {"period": 4, "fragments": 2, "sync_delay": 1}
     straight = _trajectory(table, adam, steps=16)
-    with pytest.raises(ConfigError, match="DiLoCo: outer_lr set the built-in outer SGD; with outer_optimizer"):
+    with pytest.raises(ConfigError, match=r"DiLoCo: outer_lr = 0\.5 is not accepted with outer_optimizer; expected None"):
         DiLoCo(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), outer_lr=0.5, outer_optimizer=adam)
     # Adam moves the anchor differently from the default SGD
     assert not torch.equal(straight[-1], _trajectory(table, None, steps=16)[-1])

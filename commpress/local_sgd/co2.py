@@ -27,7 +27,7 @@ from torch import nn
 from commpress.comm.averager import ParameterAverager
 from commpress.config.tables import check_co2_settings
 from commpress.errors import ConfigError
-from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, describe_optimizer
+from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, check_outer_arguments, describe_optimizer
 from commpress.local_sgd.periods import Period
 
 __all__ = ["CO2", "ClippedSGD"]
@@ -84,9 +84,7 @@ class CO2(LocalSGD):
         outer_optimizer: OuterOptimizer | None = None,
     ) -> None:
         outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "clip": clip}
-        if outer_optimizer is not None and any(v is not None for v in outer.values()):
-            given = ", ".join(k for k, v in outer.items() if v is not None)
-            raise ConfigError(f"{self.name}: {given} set the built-in outer SGD; with outer_optimizer set them in the optimizer")
+        check_outer_arguments(self.name, outer_optimizer, outer)
         self.outer_lr = float(self.default("outer_lr") if outer_lr is None else outer_lr)
         self.outer_momentum = float(self.default("outer_momentum") if outer_momentum is None else outer_momentum)
         self.staleness_penalty = self.default("staleness_penalty") if staleness_penalty is None else staleness_penalty

@@ -24,7 +24,7 @@ from commpress.comm.averager import ParameterAverager
 from commpress.config.tables import check_diloco_settings, check_streaming
 from commpress.errors import ConfigError
 from commpress.local_sgd.fragments import Fragment, split
-from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, describe_optimizer
+from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, check_outer_arguments, describe_optimizer
 from commpress.local_sgd.periods import Constant, Period
 
 __all__ = ["DiLoCo"]
@@ -78,9 +78,7 @@ class DiLoCo(LocalSGD):
         outer_optimizer: OuterOptimizer | None = None,
     ) -> None:
         outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
-        if outer_optimizer is not None and any(v is not None for v in outer.values()):
-            given = ", ".join(k for k, v in outer.items() if v is not None)
-            raise ConfigError(f"{self.name}: {given} set the built-in outer SGD; with outer_optimizer set them in the optimizer")
+        check_outer_arguments(self.name, outer_optimizer, outer)
         streaming = {"fragments": fragments, "sync_delay": sync_delay, "merge_alpha": merge_alpha}
         values = {k: self.default(k) if v is None else v for k, v in {**outer, **streaming}.items()}
         check_diloco_settings(*values.values())
