@@ -106,7 +106,8 @@ class DiLoCo(LocalSGD):
         return Constant(h // self.fragment_count)
 
     def _outer_params(self) -> list[torch.Tensor]:
-        """The anchor of each fragment (the whole anchor with one fragment)."""
+        """The anchor of each fragment (the whole anchor with one fragment); cuts
+        ``fragments`` here, where the flat model is first known."""
         self.fragments = split(self.flat.slots, self.fragment_count, self.name)
         return [self.anchor[f.where] for f in self.fragments]
 
