@@ -29,7 +29,7 @@ module only applies the part the matrix picks for the model.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -37,12 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.adaptive.layerwise import LayerPlan
 from commpress.comm import Traffic
+from commpress.comm.averager import ParameterAverager
 from commpress.config import Config
 from commpress.config.matrix import model_kind, part_for
 from commpress.errors import ConfigError
 from commpress.fsdp import FSDP2State, QuantizedState, apply
-from commpress.hooks import CommState, register_ddp_hook
-from commpress.local_sgd import LocalSGD, ParameterAverager, from_config
+from commpress.hooks import CommState
+from commpress.hooks.ddp import attach_ddp_hook
+from commpress.local_sgd import LocalSGD, from_config
 from commpress.optim import OneBitAdam, check_adam
 
 __all__ = ["Registration", "register"]
@@ -57,6 +59,9 @@ class Registration:
     on the user's AdamW; ``fsdp``,
     the FSDP state (:class:`~commpress.fsdp.FSDP2State` or
     :class:`~commpress.fsdp.QuantizedState`). No part applies in a single process.
+
+    :meth:`remove` (or leaving a ``with commpress.register(...) as reg:`` block) takes
+    every hook it added off the model and the optimizer.
 
     Checkpoints: :meth:`state_dict` holds each applied part's state under its name
     (``"ddp_hook"``, ``"local_sgd"``, ``"onebit_adam"``, ``"fsdp"``); ``full=True`` gathers every rank's parts
@@ -73,9 +78,11 @@ class Registration:
         local_sgd: LocalSGD | None = None,
         onebit_adam: OneBitAdam | None = None,
         fsdp: FSDP2State | QuantizedState | None = None,
+        remove_hook: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.hook = hook
+        self._remove_hook = remove_hook  # takes the DDP hook off
         self.local_sgd = local_sgd
         self.onebit_adam = onebit_adam
         self.fsdp = fsdp
@@ -126,6 +133,28 @@ class Registration:
         have nothing left to do."""
         if self.local_sgd is not None:
             self.local_sgd.finish()
+
+    def remove(self) -> None:
+        """Take every hook :func:`register` added off the model and the optimizer: DDP
+        all-reduces gradients as it does without a comm hook, ``optimizer.step()`` is the
+        optimizer's own step (DGC's momentum given back to it), and nothing more goes
+        through commpress. Local SGD leaves each rank's model where it is: call
+        :meth:`finish` first for one model on every rank. The FSDP part is not removable."""
+        if self.fsdp is not None:
+            raise RuntimeError("Registration.remove(): the [fsdp] part's hooks cannot be taken off a sharded model")
+        if self._remove_hook is not None:
+            self._remove_hook()
+            self._remove_hook = None
+        if self.local_sgd is not None:
+            self.local_sgd.remove_hooks()
+        if self.onebit_adam is not None:
+            self.onebit_adam.detach()
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """Each applied part's state under its name; ``full=True``: every rank's (a
@@ -179,7 +208,8 @@ def register(
         return Registration(cfg, local_sgd=_local_sgd(model, cfg, optimizer, process_group, total_steps))
     if part.name == "onebit_adam":
         return Registration(cfg, onebit_adam=_onebit_adam(model, cfg, optimizer, process_group, total_steps))
-    return Registration(cfg, hook=register_ddp_hook(model, cfg, process_group, optimizer))
+    state, remove = attach_ddp_hook(model, cfg, process_group, optimizer)
+    return Registration(cfg, hook=state, remove_hook=remove)
 
 
 def _local_sgd(

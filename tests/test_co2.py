@@ -20,7 +20,7 @@ CLIP = 2.0**-9  # exact in float32, so the bound can be compared exactly
 def _delayed_averaging_reference(rank: int, period: int) -> list[torch.Tensor]:
     """Local steps, then every ``period`` steps: start averaging a - x, apply the previous
     round's average to the anchor, continue from the anchor (written out by hand)."""
-    from commpress.local_sgd import ParameterAverager
+    from commpress.comm.averager import ParameterAverager
     from commpress.local_sgd.flat import FlatModel
 
     model = _model()

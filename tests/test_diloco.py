@@ -1,18 +1,22 @@
 """DiLoCo in one process (ranks simulated by :class:`commpress.comm.SimulatedWorld`): the
-outer step is torch's Nesterov SGD on the averaged pseudo-gradient, fragments hold whole
+outer optimizer is torch's Nesterov SGD on the averaged pseudo-gradient (bit for bit the
+step it had built in before), or any torch optimizer, fragments hold whole
 tensors in nearly equal sizes, every fragment is synced once per period at staggered steps
 in the same order on every rank, the merge factor, and error feedback kept per fragment."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 from torch import nn
 
 from commpress.comm import SimulatedWorld
+from commpress.comm.averager import ParameterAverager
 from commpress.compressors import ParamSlot
 from commpress.config import Config, ConfigError
-from commpress.local_sgd import DiLoCo, OuterStep, ParameterAverager
+from commpress.local_sgd import DiLoCo
 from commpress.local_sgd.config import trainer_for
 from commpress.local_sgd.fragments import split
 
@@ -53,29 +57,87 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_outer_step_is_torch_sgd_on_the_pseudo_gradient(nesterov):
-    torch.manual_seed(1)
-    anchor, grads = torch.randn(50), [torch.randn(50) for _ in range(4)]
-    reference = nn.Parameter(anchor.clone())
-    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=nesterov)
-    outer = OuterStep(anchor, lr=0.7, momentum=0.9, nesterov=nesterov)
-    for g in grads:
-        reference.grad = g.clone()
-        sgd.step()
-        outer.apply(anchor, g.clone())
-        assert torch.equal(anchor, reference.detach())
-    assert torch.equal(outer.momentum, sgd.state[reference]["momentum_buffer"])
+class TodaysOuterStep(torch.optim.Optimizer):
+    """The outer step DiLoCo had built in before it took any torch optimizer, kept as the
+    oracle: ``m = beta * m + g``; ``p -= lr * (g + beta * m)`` (Nesterov) or ``lr * m``."""
+
+    def __init__(self, params, lr: float, momentum: float, nesterov: bool) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros_like(p))
+                m.mul_(group["momentum"]).add_(p.grad)
+                if group["nesterov"]:
+                    p.sub_(p.grad.add_(m, alpha=group["momentum"]), alpha=group["lr"])
+                else:
+                    p.sub_(m, alpha=group["lr"])
 
 
-def test_outer_step_slices_and_plain_average():
-    anchor, g = torch.randn(10), torch.randn(4)
-    before = anchor.clone()
-    OuterStep(anchor).apply(anchor, g.clone(), slice(3, 7))  # lr 1, no momentum: anchor - g, elsewhere untouched
-    assert torch.equal(anchor[3:7], before[3:7] - g)
-    assert torch.equal(anchor[:3], before[:3]) and torch.equal(anchor[7:], before[7:])
-    with pytest.raises(ValueError, match="nesterov = true needs outer_momentum > 0"):
-        OuterStep(anchor, nesterov=True)
+def _trajectory(table: dict, outer, method: str = "none", params: dict | None = None, steps: int = 24):
+    """Every step's models and anchor of DiLoCo on simulated ranks, ``outer`` its outer optimizer."""
+    settings = {k: v for k, v in table.items() if k != "nesterov"}  # the outer optimizer's
+    ranks = []
+    for backend in SimulatedWorld(WORLD).backends:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        averager = ParameterAverager(method, params, backend=backend)
+        trainer = DiLoCo(model, opt, **settings, averager=averager, total_steps=steps, outer_optimizer=outer)
+        ranks.append((model, opt, trainer))
+    seen = []
+    for step in range(steps):
+        _step(ranks, step)
+        seen += [_flat(m) for m, _, _ in ranks] + [ranks[0][2].anchor.clone()]
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("table", "method"),
+    [
+        ({"period": 4}, "none"),
+        ({"period": 6, "fragments": 3, "sync_delay": 1, "merge_alpha": 0.5}, "topk"),
+        ({"period": 4, "fragments": 2, "nesterov": False}, "bf16"),
+    ],
+)
+def test_torch_sgd_as_outer_optimizer_matches_the_old_built_in_step_bit_for_bit(table, method):
+    nesterov = table.get("nesterov", True)
+    params = {"ratio": 0.1, "min_numel": 0} if method == "topk" else None
+    sgd = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=nesterov)
+    oracle = functools.partial(TodaysOuterStep, lr=0.7, momentum=0.9, nesterov=nesterov)
+    ours, reference = _trajectory(table, sgd, method, params), _trajectory(table, oracle, method, params)
+    assert len(ours) == len(reference) and all(torch.equal(a, b) for a, b in zip(ours, reference))
+    assert not torch.equal(reference[0], reference[-1])  # the models moved
+    # the default outer optimizer is that SGD
+    default = {**table, "outer_lr": 0.7, "outer_momentum": 0.9}
+    ranks, _ = _ranks({"algorithm": "diloco", **default}, method, params)
+    assert type(ranks[0][2].outer_optimizer) is torch.optim.SGD
+    assert ranks[0][2].outer_optimizer.defaults["nesterov"] is nesterov
+
+
+def test_outer_step_moves_only_its_fragment():
+    ranks, _ = _ranks({"algorithm": "diloco", "period": 4, "fragments": 2})
+    trainer = ranks[0][2]
+    second = trainer.fragments[1]
+    before, g = trainer.anchor.clone(), torch.randn(second.stop - second.start)
+    trainer.outer_step(1, g.clone())  # the first step of Nesterov SGD at lr 0.7, momentum 0.9
+    expected = before[second.where] - 0.7 * (g + 0.9 * g)
+    torch.testing.assert_close(trainer.anchor[second.where], expected, rtol=0, atol=1e-6)
+    assert torch.equal(trainer.anchor[: second.start], before[: second.start])
+    assert all(p.grad is None for p in trainer.outer_params)
+
+
+def test_outer_optimizer_is_any_torch_optimizer_and_its_state_resumes():
+    adam = functools.partial(torch.optim.Adam, lr=0.01)
+    table = {"period": 4, "fragments": 2, "sync_delay": 1}
+    straight = _trajectory(table, adam, steps=16)
+    with pytest.raises(ConfigError, match=r"DiLoCo: outer_lr = 0\.5 is not accepted with outer_optimizer; expected None"):
+        DiLoCo(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), outer_lr=0.5, outer_optimizer=adam)
+    # Adam moves the anchor differently from the default SGD
+    assert not torch.equal(straight[-1], _trajectory(table, None, steps=16)[-1])
 
 
 def test_fragments_hold_whole_tensors_in_nearly_equal_sizes():

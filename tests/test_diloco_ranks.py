@@ -93,13 +93,14 @@ def _checks(rank: int, world: int) -> dict:
         with torch.no_grad():
             next(iter(model.parameters()))[0, 0] = float("nan")
     trainer = reg.local_sgd
-    anchor, momentum = trainer.anchor.clone(), trainer.outer.momentum.clone()
+    anchor, outer = trainer.anchor.clone(), copy.deepcopy(trainer.outer_optimizer.state_dict())
     try:
         _train(model, opt, rank, 4, 2)
         out["nonfinite"] = ""
     except FloatingPointError as exc:
         out["nonfinite"] = str(exc)
-    out["unchanged"] = torch.equal(trainer.anchor, anchor) and torch.equal(trainer.outer.momentum, momentum)
+    momentum = trainer.outer_optimizer.state_dict()["state"][0]["momentum_buffer"]
+    out["unchanged"] = torch.equal(trainer.anchor, anchor) and torch.equal(momentum, outer["state"][0]["momentum_buffer"])
     return out
 
 

@@ -19,10 +19,10 @@ from commpress import CommState
 from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
 from commpress.adaptive.hierarchy import Hierarchy
 from commpress.comm import SimulatedWorld
+from commpress.comm.averager import ParameterAverager
 from commpress.comm.simulated import SimulatedBackend
 from commpress.compressors import Bucket, build
 from commpress.fsdp.wire import Segments, Wire
-from commpress.local_sgd import ParameterAverager
 
 pytestmark = pytest.mark.usefixtures("fake_cuda")
 

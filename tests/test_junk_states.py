@@ -10,7 +10,8 @@ import torch
 
 from commpress import CommState, ConfigError
 from commpress.comm import SimulatedWorld
-from commpress.local_sgd import LocalSGD, ParameterAverager
+from commpress.comm.averager import ParameterAverager
+from commpress.local_sgd import LocalSGD
 from commpress.optim import OneBitAdam
 from commpress.registration import Registration
 

@@ -13,8 +13,8 @@ import torch
 import commpress
 from commpress import ConfigError
 from commpress.comm import SimulatedWorld
+from commpress.comm.averager import ParameterAverager
 from commpress.comm.launch import run_local
-from commpress.local_sgd import ParameterAverager
 from commpress.optim import OneBitAdam
 
 STEPS, WARMUP = 10, 4

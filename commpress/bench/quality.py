@@ -5,7 +5,7 @@ Each run trains one task with one optimizer and one method on ranks simulated by
 computes the gradient of its own batch, and the real compressors (the method groups a
 ``CommState`` would build, ``start_iter`` included) average them, with every compressor's
 ``end_step(True)`` after each step; Local SGD rows average the ranks' models through the
-real :class:`~commpress.local_sgd.ParameterAverager` at the rounds its period policy sets,
+real :class:`~commpress.comm.averager.ParameterAverager` at the rounds its period policy sets,
 CO2 rows run the real :class:`~commpress.local_sgd.CO2`, one per rank, and QSDP rows (an
 ``[fsdp]`` table) compute with the weights commpress's quantized FSDP2 all-gather delivers
 and step on the average its quantized reduce-scatter computes (the step functions are in

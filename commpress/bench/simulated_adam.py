@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from commpress.bench.simulated_training import WORLD, _set_grads
 from commpress.comm import SimulatedWorld
+from commpress.comm.averager import ParameterAverager
 from commpress.compressors import Bucket, Context, build
 from commpress.config import Config
-from commpress.local_sgd import ParameterAverager
 from commpress.optim import OneBitAdam
 
 __all__ = ["OneBitAdamRanks"]

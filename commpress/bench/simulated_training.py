@@ -17,6 +17,7 @@ import torch
 
 from commpress.adaptive.layerwise import LayerwiseGroups, method_groups
 from commpress.comm import SimulatedWorld
+from commpress.comm.averager import ParameterAverager
 from commpress.compressors import Bucket, Context, build
 from commpress.compressors.collectives import sum_rows
 from commpress.config import Config
@@ -24,7 +25,6 @@ from commpress.config.tables import FSDPConfig
 from commpress.fsdp.fsdp2 import Unit
 from commpress.fsdp.layout import flat_shards, plan_units, unshard
 from commpress.hooks.optimizer import hand_over_momentum
-from commpress.local_sgd import ParameterAverager
 from commpress.local_sgd.config import trainer_for
 from commpress.workloads.train import cosine_lr
 

@@ -3,7 +3,7 @@
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations
 # and needs the real GradBucket / Future types, not strings.
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -12,9 +12,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.config import Config
 from commpress.hooks.optimizer import hand_over_momentum
+from commpress.hooks.removable import register_removable_hook
 from commpress.hooks.state import CommState
 
-__all__ = ["ddp_hook", "register_ddp_hook"]
+__all__ = ["attach_ddp_hook", "ddp_hook", "register_ddp_hook"]
 
 
 def ddp_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -40,6 +41,17 @@ def register_ddp_hook(
     parameters is handed over to them and those groups' momentum set to 0
     (:func:`commpress.hooks.optimizer.hand_over_momentum`); ignored otherwise.
     """
+    return attach_ddp_hook(model, config, process_group, optimizer)[0]
+
+
+def attach_ddp_hook(
+    model: DistributedDataParallel,
+    config: Config | Mapping[str, Any] | str | None = None,
+    process_group: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> tuple[CommState, Callable[[], None]]:
+    """:func:`register_ddp_hook`, and the call that takes it off again: DDP all-reduces as
+    it does without a hook, the optimizer gets its momentum back."""
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"register_ddp_hook() expects a DistributedDataParallel model, got {type(model).__name__}")
     cfg = Config.load(config)
@@ -47,6 +59,11 @@ def register_ddp_hook(
     state = CommState(cfg, model=model.module, process_group=group)
     groups = state.groups
     compressor_of = lambda name: groups.compressors[groups.key_for(name)]  # noqa: E731
-    hand_over_momentum(optimizer, model.module.named_parameters(), compressor_of, cfg.start_iter)
-    model.register_comm_hook(state, ddp_hook)
-    return state
+    give_back = hand_over_momentum(optimizer, model.module.named_parameters(), compressor_of, cfg.start_iter)
+    switch = register_removable_hook(model, state, ddp_hook)
+
+    def remove() -> None:
+        switch.remove()
+        give_back()
+
+    return state, remove

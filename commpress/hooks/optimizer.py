@@ -30,9 +30,10 @@ def hand_over_momentum(
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
     compressor_of: Callable[[str], Any],
     start_iter: int = 0,
-) -> None:
+) -> Callable[[], None]:
     """Give each DGC compressor the momentum of the SGD param groups holding its
     parameters, and set those groups' momentum to 0 (recorded under :data:`HANDED_OVER`).
+    Returns the call that gives it back (the groups' momentum restored, the guard removed).
 
     ``compressor_of(name)`` is the compressor of the parameter called ``name``. A no-op
     when no compressor applies momentum itself. Raises :class:`ConfigError`, before
@@ -47,7 +48,7 @@ def hand_over_momentum(
         if getattr(c, "dgc", False):
             owners[id(p)] = (name, c)
     if not owners:
-        return
+        return lambda: None
     _check_optimizer(optimizer, start_iter)
     taken, handed = _momenta(optimizer, owners)
     for c, m in taken.values():
@@ -65,8 +66,15 @@ def hand_over_momentum(
     for i, m in handed:
         optimizer.param_groups[i][HANDED_OVER] = m
         optimizer.param_groups[i]["momentum"] = 0.0
-    if handed:
-        optimizer.register_step_pre_hook(_guard([i for i, _ in handed]))
+    guard = optimizer.register_step_pre_hook(_guard([i for i, _ in handed])) if handed else None
+
+    def give_back() -> None:
+        if guard is not None:
+            guard.remove()
+        for i, m in handed:
+            optimizer.param_groups[i]["momentum"] = optimizer.param_groups[i].pop(HANDED_OVER, m)
+
+    return give_back
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer | None, start_iter: int) -> None:

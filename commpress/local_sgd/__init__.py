@@ -1,27 +1,25 @@
 """Local SGD, CO2 and DiLoCo: each rank takes local optimizer steps and the ranks average
 their models from time to time (a constant period or the Quadratic Synchronization Rule),
-through one outer step on the averaged pseudo-gradient; CO2 overlaps that averaging with
-the next round's computation, Streaming DiLoCo syncs fragments overlapped with a few inner
-steps."""
+through one step of an outer optimizer (any ``torch.optim.Optimizer``) on the averaged
+pseudo-gradient; CO2 overlaps that averaging with the next round's computation, Streaming
+DiLoCo syncs fragments overlapped with a few inner steps."""
 
-from commpress.local_sgd.averaging import ParameterAverager
-from commpress.local_sgd.co2 import CO2
+from commpress.local_sgd.co2 import CO2, ClippedSGD
 from commpress.local_sgd.config import LocalSGDConfig, from_config
 from commpress.local_sgd.ddp import local_gradients_hook, skip_gradient_allreduce
 from commpress.local_sgd.diloco import DiLoCo
-from commpress.local_sgd.local_sgd import LocalSGD
-from commpress.local_sgd.outer import OuterStep
+from commpress.local_sgd.local_sgd import LocalSGD, OuterOptimizer
 from commpress.local_sgd.periods import QSR, Constant, Period, qsr_period
 
 __all__ = [
     "CO2",
     "QSR",
+    "ClippedSGD",
     "Constant",
     "DiLoCo",
     "LocalSGD",
     "LocalSGDConfig",
-    "OuterStep",
-    "ParameterAverager",
+    "OuterOptimizer",
     "Period",
     "from_config",
     "local_gradients_hook",

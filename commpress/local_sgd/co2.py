@@ -8,40 +8,47 @@ At the end of round t (local model x_t, round anchor a_t), on every rank::
     m    = clamp(beta * m + D / Lambda, -clip, clip)
     a_{t+1} = a_t - outer_lr * m         local models continue from a_{t+1}
 
-the :class:`~commpress.local_sgd.outer.OuterStep` of Local SGD and DiLoCo with its
-momentum, the penalty as the scale of D, and clipping; what differs is the timing: the
-average lands a round late, and the local model restarts from the anchor at once.
-``docs/local_sgd.md`` gives the equations, the staleness penalty Lambda and the defaults.
+The staleness penalty Lambda scales the pseudo-gradient D before the outer optimizer's
+step; that optimizer is torch's SGD with momentum beta, or :class:`ClippedSGD` when the
+momentum is clipped (or any ``torch.optim.Optimizer`` given). What differs from Local SGD
+is the timing: the average lands a round late, and the local model restarts from the
+anchor at once. ``docs/local_sgd.md`` gives the equations, Lambda and the defaults.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from commpress.comm.averager import ParameterAverager
 from commpress.config.tables import check_co2_settings
 from commpress.errors import ConfigError
-from commpress.local_sgd.averaging import ParameterAverager
-from commpress.local_sgd.local_sgd import LocalSGD, check_finite
-from commpress.local_sgd.outer import OuterStep
+from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, check_outer_arguments, describe_optimizer
 from commpress.local_sgd.periods import Period
 
-__all__ = ["CO2"]
+__all__ = ["CO2", "ClippedSGD"]
 
 
-@dataclass
-class _Pending:
-    """A round's average in flight: the buffer it lands in and the anchor of that round."""
+class ClippedSGD(torch.optim.Optimizer):
+    """SGD with momentum whose buffer is clipped element-wise after each update, CO2's
+    outer step: ``m = clamp(momentum * m + grad, -clip, clip)``, ``param -= lr * m``."""
 
-    future: torch.futures.Future
-    buffer: torch.Tensor
-    anchor: torch.Tensor | None  # kept only for the adaptive penalty
+    def __init__(self, params: Iterable[torch.Tensor], lr: float, momentum: float, clip: float) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "clip": clip})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                m.mul_(group["momentum"]).add_(p.grad).clamp_(-group["clip"], group["clip"])
+                p.sub_(m, alpha=group["lr"])
 
 
 class CO2(LocalSGD):
@@ -49,6 +56,9 @@ class CO2(LocalSGD):
     momentum ``outer_momentum`` (beta), ``staleness_penalty`` (a constant Lambda >= 1, or
     ``"adaptive"``: Lambda grows with the gap between the local models and the stale
     average) and element-wise outer momentum clipping to ``[-clip, clip]`` (None: off).
+    ``outer_optimizer`` replaces the outer SGD (then leave ``outer_lr``, ``outer_momentum``
+    and ``clip`` unset); arguments left None take the ``[local_sgd]`` table's defaults for
+    ``algorithm = "co2"`` (the plain average, one round late).
 
     ``wait_seconds`` records how long each sync point waited for the background average
     (near zero when the link keeps up with one round of compute); ``penalties`` each Lambda.
@@ -56,51 +66,60 @@ class CO2(LocalSGD):
     """
 
     name = "CO2"
+    algorithm = "co2"
 
     def __init__(
         self,
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
-        period: int | Period = 4,
-        outer_lr: float = 1.0,
-        outer_momentum: float = 0.0,
-        staleness_penalty: float | str = 1.0,
+        period: int | Period | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        staleness_penalty: float | str | None = None,
         clip: float | None = None,
         process_group: Any = None,
         averager: ParameterAverager | str | None = None,
         average_buffers: bool = False,
         total_steps: int | None = None,
+        outer_optimizer: OuterOptimizer | None = None,
     ) -> None:
-        check_co2_settings(outer_lr, outer_momentum, staleness_penalty, clip)
-        self.outer_lr = float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        self.staleness_penalty = staleness_penalty
+        outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "clip": clip}
+        check_outer_arguments(self.name, outer_optimizer, outer)
+        self.outer_lr = float(self.default("outer_lr") if outer_lr is None else outer_lr)
+        self.outer_momentum = float(self.default("outer_momentum") if outer_momentum is None else outer_momentum)
+        self.staleness_penalty = self.default("staleness_penalty") if staleness_penalty is None else staleness_penalty
+        check_co2_settings(self.outer_lr, self.outer_momentum, self.staleness_penalty, clip)
         self.clip = None if clip is None else float(clip)
+        self._given_outer = outer_optimizer
         super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps)
-        if staleness_penalty == "adaptive" and not self.averager.backend.can_block:
+        if self.staleness_penalty == "adaptive" and not self.averager.can_block:
             raise ConfigError(
                 "staleness_penalty = 'adaptive' is not accepted with ranks simulated in one process: its blocking "
                 "all-reduce at every sync point waits for ranks that run later; use a number >= 1"
             )
-        self._pending: _Pending | None = None
+        self._pending: Average | None = None
+        self._pending_anchor: torch.Tensor | None = None  # the pending round's anchor, for the adaptive penalty
         self.penalties: list[float] = []
 
-    def _outer_step(self) -> OuterStep:
-        """Momentum beta without Nesterov, clipped."""
-        return OuterStep(self.anchor, self.outer_lr, self.outer_momentum, clip=self.clip)
+    def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The given one, or momentum SGD without Nesterov (clipped: :class:`ClippedSGD`)."""
+        if self._given_outer is not None:
+            return self._given_outer(params)
+        if self.clip is None:
+            return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum)
+        return ClippedSGD(params, self.outer_lr, self.outer_momentum, self.clip)
 
     @property
     def momentum(self) -> torch.Tensor | None:
-        """The outer momentum m (None at beta 0 without clipping: no state)."""
-        return self.outer.momentum
+        """The outer momentum m (None before the first outer step, and without momentum)."""
+        return self.outer_optimizer.state.get(self.anchor, {}).get("momentum_buffer")
 
     def _settings(self) -> dict[str, Any]:
-        return {
-            "outer_lr": self.outer_lr,
-            "outer_momentum": self.outer_momentum,
-            "staleness_penalty": self.staleness_penalty,
-            "clip": self.clip,
-        }
+        if self._given_outer is not None:
+            outer: dict[str, Any] = {"outer_optimizer": describe_optimizer(self.outer_optimizer)}
+        else:
+            outer = {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "clip": self.clip}
+        return {**outer, "staleness_penalty": self.staleness_penalty}
 
     def start_due(self, final: bool = False) -> None:
         """At the end of a round (``final``: of a round in progress): apply the previous
@@ -111,9 +130,9 @@ class CO2(LocalSGD):
         local = self.flat.read()
         send = torch.sub(self.anchor, local)
         if self._pending is not None:
-            self._apply(self._wait(), local)
-        keep = self.anchor.clone() if self.staleness_penalty == "adaptive" else None
-        self._pending = _Pending(self.averager.start(self.flat.bucket(send)), send, keep)
+            self._apply(local)  # waits before this round's average starts: one in flight at a time
+        self._pending = Average(self.averager.start(self.flat.bucket(send)), send, self.clock.rounds)
+        self._pending_anchor = self.anchor.clone() if self.staleness_penalty == "adaptive" else None
         self.flat.write(self.anchor)
         self.clock.round_done()
 
@@ -121,24 +140,19 @@ class CO2(LocalSGD):
         """Nothing lands during training (a round's average is applied at the next round's
         end); ``final``: wait for the last average and apply it."""
         if final and self._pending is not None:
-            self._apply(self._wait(), self.flat.read())
+            self._apply(self.flat.read())
             self.flat.write(self.anchor)
 
-    def _wait(self) -> _Pending:
+    def _apply(self, local: torch.Tensor) -> None:
+        """The outer step from the stale average ``D``, scaled by the staleness penalty."""
         pending, self._pending = self._pending, None
         assert pending is not None
-        t0 = time.perf_counter()
-        pending.future.wait()
-        self.wait_seconds.append(time.perf_counter() - t0)
-        return pending
-
-    def _apply(self, pending: _Pending, local: torch.Tensor) -> None:
-        """The outer update from the stale average ``D = pending.buffer``."""
-        stale = pending.buffer
-        check_finite(stale, self.name, self.clock.rounds - 1)
-        penalty = self._penalty(stale, pending.anchor, local)
+        stale = self._wait(pending)
+        penalty = self._penalty(stale, self._pending_anchor, local)
         self.penalties.append(penalty)
-        self.outer.apply(self.anchor, stale, scale=1.0 / penalty)
+        if penalty != 1.0:
+            stale.mul_(1.0 / penalty)
+        self.outer_step(0, stale)
 
     def _penalty(self, stale: torch.Tensor, stale_anchor: torch.Tensor | None, local: torch.Tensor) -> float:
         """Lambda: the constant, or max(1, rms over ranks of |x_local - x_stale_avg| / |D|)."""
@@ -153,24 +167,20 @@ class CO2(LocalSGD):
     def _part(self) -> dict[str, Any]:
         """Adds the average in flight (waited for, so a restored run applies the same values
         at its next sync)."""
-        state = super()._part()
         pending = None
         if self._pending is not None:
             self._pending.future.wait()
-            pending = {
-                "average": self._pending.buffer.clone(),
-                "anchor": None if self._pending.anchor is None else self._pending.anchor.clone(),
-            }
-        state["pending"] = pending
-        return state
+            anchor = self._pending_anchor
+            pending = {"average": self._pending.buffer.clone(), "anchor": None if anchor is None else anchor.clone()}
+        return {**super()._part(), "pending": pending}
 
     def _load_part(self, state: Mapping[str, Any]) -> None:
         super()._load_part(state)
         pending = state["pending"]
-        self._pending = None
+        self._pending, self._pending_anchor = None, None
         if pending is not None:
             done: torch.futures.Future = torch.futures.Future()
             buffer = pending["average"].clone()
             done.set_result(buffer)
-            anchor = None if pending["anchor"] is None else pending["anchor"].clone()
-            self._pending = _Pending(done, buffer, anchor)
+            self._pending = Average(done, buffer, self.clock.rounds - 1)
+            self._pending_anchor = None if pending["anchor"] is None else pending["anchor"].clone()

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from commpress.comm.averager import ParameterAverager
 from commpress.config import Config
 from commpress.config.matrix import check_part, model_kind
 from commpress.config.tables import LocalSGDConfig
 from commpress.errors import ConfigError
-from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.co2 import CO2
 from commpress.local_sgd.diloco import DiLoCo
 from commpress.local_sgd.local_sgd import LocalSGD

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from commpress.hooks.removable import CommHookSwitch, register_removable_hook
+
 __all__ = ["local_gradients_hook", "skip_gradient_allreduce"]
 
 
@@ -22,9 +24,10 @@ def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.future
     return fut
 
 
-def skip_gradient_allreduce(model: DistributedDataParallel) -> None:
-    """Register :func:`local_gradients_hook` on ``model`` (before its first backward).
+def skip_gradient_allreduce(model: DistributedDataParallel) -> CommHookSwitch:
+    """Register :func:`local_gradients_hook` on ``model`` (before its first backward);
+    the switch it returns turns DDP's all-reduce back on.
 
     DDP takes one comm hook per model, so a model that already has one is refused by DDP.
     """
-    model.register_comm_hook(None, local_gradients_hook)
+    return register_removable_hook(model, None, local_gradients_hook)

@@ -1,7 +1,8 @@
 """DiLoCo (Douillard et al., 2023) and Streaming DiLoCo (Douillard et al., 2025): Local SGD
-whose outer step is SGD with Nesterov momentum on the averaged pseudo-gradient, optionally
-synced fragment by fragment, each fragment's average landing ``sync_delay`` inner steps
-after it started and merged into the local values with ``merge_alpha``.
+whose outer optimizer is SGD with Nesterov momentum on the averaged pseudo-gradient (or any
+``torch.optim.Optimizer``), optionally synced fragment by fragment, each fragment's average
+landing ``sync_delay`` inner steps after it started and merged into the local values with
+``merge_alpha``.
 
 The schedule, with period H and F fragments: a round is H / F steps and ends with the sync
 of fragment ``rounds % F``, so each fragment is synced once every H steps, fragment f at
@@ -12,26 +13,43 @@ steps ``(f + 1) * H / F + k * H``; its average lands ``sync_delay`` (tau) steps 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from commpress.comm.averager import ParameterAverager
 from commpress.config.tables import check_diloco_settings, check_streaming
 from commpress.errors import ConfigError
-from commpress.local_sgd.averaging import ParameterAverager
-from commpress.local_sgd.local_sgd import LocalSGD
-from commpress.local_sgd.outer import OuterStep
+from commpress.local_sgd.fragments import Fragment, split
+from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, check_outer_arguments, describe_optimizer
 from commpress.local_sgd.periods import Constant, Period
 
 __all__ = ["DiLoCo"]
 
 
+@dataclass
+class _InFlight:
+    """A fragment's average and the step count at which it lands; ``replace``: the local
+    values then take the anchor's whatever ``merge_alpha`` (the final syncs of finish)."""
+
+    average: Average
+    fragment: Fragment
+    due: int
+    replace: bool = False
+
+
 class DiLoCo(LocalSGD):
-    """DiLoCo with ``period`` (H) inner steps per outer step, outer SGD with learning rate
-    ``outer_lr``, momentum ``outer_momentum`` and ``nesterov`` (the paper's 0.7, 0.9,
-    Nesterov); ``fragments`` (F), ``sync_delay`` (tau) and ``merge_alpha`` (alpha) make
-    it Streaming DiLoCo, which needs a constant H divisible by F and tau < H / F.
+    """DiLoCo with ``period`` (H) inner steps per outer step and an outer optimizer over
+    the anchor: ``outer_optimizer`` builds it from the anchor's tensors (one flat tensor
+    per fragment; e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
+    nesterov=True)``, any ``torch.optim.Optimizer``), or, left None, SGD with ``outer_lr``,
+    ``outer_momentum`` and ``nesterov``. ``fragments`` (F), ``sync_delay`` (tau) and
+    ``merge_alpha`` (alpha) make it Streaming DiLoCo, which needs a constant H divisible by
+    F and tau < H / F. Arguments left None take the ``[local_sgd]`` table's defaults for
+    ``algorithm = "diloco"`` (the paper's outer step: 0.7, 0.9, Nesterov).
 
     ``averager`` compresses the pseudo-gradients (any commpress method, its error
     feedback kept per fragment across rounds). Call :meth:`finish` at the end of training:
@@ -40,46 +58,134 @@ class DiLoCo(LocalSGD):
     """
 
     name = "DiLoCo"
+    algorithm = "diloco"
 
     def __init__(
         self,
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
-        period: int | Period = 100,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        fragments: int = 1,
-        sync_delay: int = 0,
-        merge_alpha: float = 0.0,
+        period: int | Period | None = None,
+        outer_lr: float | None = None,
+        outer_momentum: float | None = None,
+        nesterov: bool | None = None,
+        fragments: int | None = None,
+        sync_delay: int | None = None,
+        merge_alpha: float | None = None,
         process_group: Any = None,
         averager: ParameterAverager | str | None = None,
         average_buffers: bool = False,
         total_steps: int | None = None,
+        outer_optimizer: OuterOptimizer | None = None,
     ) -> None:
-        check_diloco_settings(outer_lr, outer_momentum, nesterov, fragments, sync_delay, merge_alpha)
-        self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), bool(nesterov)
-        self.fragment_count, self.sync_delay, self.merge_alpha = fragments, sync_delay, float(merge_alpha)
-        self.outer_period = period
-        if fragments > 1 or sync_delay > 0:
-            h = period.h if isinstance(period, Constant) else period if isinstance(period, int) else None
-            try:
-                check_streaming(h, fragments, sync_delay)
-            except ConfigError as exc:
-                raise ConfigError(f"{self.name}: {exc}") from None
-            period = Constant(h // fragments)
-        super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps)
+        outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
+        check_outer_arguments(self.name, outer_optimizer, outer)
+        streaming = {"fragments": fragments, "sync_delay": sync_delay, "merge_alpha": merge_alpha}
+        values = {k: self.default(k) if v is None else v for k, v in {**outer, **streaming}.items()}
+        check_diloco_settings(*values.values())
+        self.outer_lr, self.outer_momentum = float(values["outer_lr"]), float(values["outer_momentum"])
+        self.nesterov = bool(values["nesterov"])
+        self.fragment_count, self.sync_delay = values["fragments"], values["sync_delay"]
+        self.merge_alpha = float(values["merge_alpha"])
+        self.outer_period = self.default("period") if period is None else period
+        self._given_outer = outer_optimizer
+        super().__init__(model, inner_optimizer, self.outer_period, process_group, averager, average_buffers, total_steps)
+        #: per fragment, the step count at which its local values last equalled the anchor
+        self.fresh = [0] * len(self.fragments)
+        self._in_flight: list[_InFlight] = []
+
+    def _round_period(self, period: int | Period) -> int | Period:
+        """Streaming: a round of H / F steps ends with one fragment's sync."""
+        if self.fragment_count == 1 and self.sync_delay == 0:
+            return period
+        h = period.h if isinstance(period, Constant) else period if isinstance(period, int) else None
+        try:
+            check_streaming(h, self.fragment_count, self.sync_delay)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.name}: {exc}") from None
+        assert h is not None
+        return Constant(h // self.fragment_count)
+
+    def _outer_params(self) -> list[torch.Tensor]:
+        """The anchor of each fragment (the whole anchor with one fragment); cuts
+        ``fragments`` here, where the flat model is first known."""
+        self.fragments = split(self.flat.slots, self.fragment_count, self.name)
+        return [self.anchor[f.where] for f in self.fragments]
+
+    def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The given one, or SGD as the paper steps it (torch's Nesterov, dampening 0)."""
+        if self._given_outer is not None:
+            return self._given_outer(params)
+        return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
 
     def _settings(self) -> dict[str, Any]:
-        return {
-            "outer_period": repr(self.outer_period),
-            "outer_lr": self.outer_lr,
-            "outer_momentum": self.outer_momentum,
-            "nesterov": self.nesterov,
-            "fragments": self.fragment_count,
-            "sync_delay": self.sync_delay,
-            "merge_alpha": self.merge_alpha,
-        }
+        if self._given_outer is not None:
+            outer: dict[str, Any] = {"outer_optimizer": describe_optimizer(self.outer_optimizer)}
+        else:
+            outer = {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "nesterov": self.nesterov}
+        streaming = {"fragments": self.fragment_count, "sync_delay": self.sync_delay, "merge_alpha": self.merge_alpha}
+        return {"outer_period": repr(self.outer_period), **outer, **streaming}
 
-    def _outer_step(self) -> OuterStep:
-        return OuterStep(self.anchor, self.outer_lr, self.outer_momentum, self.nesterov)
+    def start_due(self, final: bool = False) -> None:
+        """Start the average the step just counted is due to start: the fragment
+        ``rounds % fragments`` at the end of a round. ``final``: land what is in flight,
+        then start every fragment whose local values differ from the anchor (finish)."""
+        if final:
+            self._land(until=None)
+            for fragment in self.fragments:
+                if self.fresh[fragment.index] != self.clock.step:
+                    self._start_fragment(fragment, self.clock.step, replace=True)
+            return
+        if not self.clock.round_ends:
+            return
+        self._check_ranks()
+        self._land(until=None)  # a round shorter than sync_delay (QSR's last) lands the previous first
+        self._start_fragment(self.fragments[self.clock.rounds % len(self.fragments)], self.clock.step + self.sync_delay)
+
+    def apply_due(self, final: bool = False) -> None:
+        """Land the averages due by this step (``final``: all in flight), then end the
+        round if this step ended it (``final``: if steps were taken in it)."""
+        self._land(until=None if final else self.clock.step)
+        self._end_round(final)
+
+    def _land(self, until: int | None) -> None:
+        """Land, in the order they started, the averages due by step ``until`` (None: all)."""
+        while self._in_flight and (until is None or self._in_flight[0].due <= until):
+            self._land_one(self._in_flight.pop(0))
+
+    def _start_fragment(self, fragment: Fragment, due: int, replace: bool = False) -> None:
+        started = self._start(self.anchor[fragment.where], self.flat.read(tensors=fragment.tensors), fragment.bucket)
+        self._in_flight.append(_InFlight(started, fragment, due, replace))
+
+    def _land_one(self, flight: _InFlight) -> None:
+        """The outer step with the averaged pseudo-gradient, then the merge of the local values."""
+        fragment = flight.fragment
+        self.outer_step(fragment.index, self._wait(flight.average))
+        where, tensors = fragment.where, fragment.tensors
+        if flight.replace or self.merge_alpha == 0:
+            self.flat.write(self.anchor[where], tensors)
+            self.fresh[fragment.index] = self.clock.step
+        else:
+            local = self.flat.read(tensors=tensors)
+            self.flat.write(local.mul_(self.merge_alpha).add_(self.anchor[where], alpha=1 - self.merge_alpha), tensors)
+            self.fresh[fragment.index] = -1
+
+    def _part(self) -> dict[str, Any]:
+        """Adds each fragment's last sync step and the averages in flight (waited for, so a
+        restored run lands the same values at the same steps)."""
+        in_flight = []
+        for flight in self._in_flight:
+            flight.average.future.wait()
+            saved = {"fragment": flight.fragment.index, "due": flight.due, "round": flight.average.round}
+            in_flight.append({**saved, "average": flight.average.buffer.clone(), "replace": flight.replace})
+        return {**super()._part(), "fresh": list(self.fresh), "in_flight": in_flight}
+
+    def _load_part(self, part: Mapping[str, Any]) -> None:
+        super()._load_part(part)
+        self.fresh = [int(step) for step in part["fresh"]]
+        self._in_flight = []
+        for saved in part["in_flight"]:
+            done: torch.futures.Future = torch.futures.Future()
+            buffer = saved["average"].clone()
+            done.set_result(buffer)
+            average = Average(done, buffer, int(saved["round"]))
+            self._in_flight.append(_InFlight(average, self.fragments[saved["fragment"]], int(saved["due"]), saved["replace"]))

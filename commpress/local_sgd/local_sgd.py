@@ -1,41 +1,44 @@
 """Local SGD: every rank takes optimizer steps on its own, and the ranks average their
 models when the period policy says so (a constant H, or QSR).
 
-The mechanism DiLoCo and CO2 share: at the end of a round the pseudo-gradient
-``anchor - local`` (of the whole model, or of one fragment) is averaged over ranks, landed
-``sync_delay`` steps later, and applied to the anchor by the :class:`OuterStep`; the local
-model then takes the new anchor (or, with ``merge_alpha``, a mix of it and its own values).
-Plain Local SGD lands at once with lr 1 and no momentum: the anchor becomes the average."""
+At the end of a round the pseudo-gradient ``anchor - local`` is averaged over ranks and
+the outer optimizer, a ``torch.optim.Optimizer`` over the anchor, steps the anchor with
+it; the local model then takes the new anchor. Local SGD's outer optimizer is SGD at lr 1
+without momentum: the anchor becomes the average. :class:`~commpress.local_sgd.CO2` and
+:class:`~commpress.local_sgd.DiLoCo` change when the average lands and which outer
+optimizer steps it."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic, checkpoint
-from commpress.comm.agreement import agree_on_settings
+from commpress.comm.averager import ParameterAverager
 from commpress.comm.pickling import BoundToProcess
 from commpress.compressors import host
 from commpress.compressors.registry import methods_taking
 from commpress.config import digest_of
+from commpress.config.tables import LocalSGDConfig
 from commpress.errors import ConfigError
-from commpress.local_sgd.averaging import ParameterAverager
 from commpress.local_sgd.ddp import skip_gradient_allreduce
 from commpress.local_sgd.flat import FlatModel
-from commpress.local_sgd.fragments import Fragment, split
-from commpress.local_sgd.outer import OuterStep
 from commpress.local_sgd.periods import Period
 from commpress.local_sgd.rounds import RoundClock
 
-__all__ = ["LocalSGD", "check_finite"]
+__all__ = ["Average", "LocalSGD", "OuterOptimizer", "check_finite", "check_outer_arguments", "describe_optimizer"]
+
+#: Builds the outer optimizer over the anchor's tensors (one flat tensor, or one per
+#: DiLoCo fragment), e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``.
+OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
 def check_finite(average: torch.Tensor, name: str, round_index: int) -> None:
@@ -48,18 +51,31 @@ def check_finite(average: torch.Tensor, name: str, round_index: int) -> None:
         )
 
 
-@dataclass
-class _InFlight:
-    """A fragment's pseudo-gradient being averaged (in place, in ``buffer``) and the step
-    count at which it lands; ``replace``: the local values then take the anchor's whatever
-    ``merge_alpha`` (the final syncs of :meth:`LocalSGD.finish`)."""
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A user's outer optimizer as settings the ranks compare: its class and defaults."""
+    kind = type(optimizer)
+    return {"class": f"{kind.__module__}.{kind.__qualname__}", **{k: v for k, v in optimizer.defaults.items() if k != "params"}}
 
-    fragment: Fragment
-    due: int
-    round: int
+
+def check_outer_arguments(name: str, outer_optimizer: OuterOptimizer | None, built_in: Mapping[str, Any]) -> None:
+    """Refuse the arguments of the built-in outer SGD (``built_in``, None where unset)
+    next to a given ``outer_optimizer``: its own arguments set those."""
+    given = [key for key, value in built_in.items() if value is not None]
+    if outer_optimizer is not None and given:
+        raise ConfigError(
+            f"{name}: {', '.join(given)} = {', '.join(repr(built_in[k]) for k in given)} is not accepted with "
+            "outer_optimizer; expected None (set them in the optimizer outer_optimizer builds)"
+        )
+
+
+@dataclass
+class Average:
+    """A pseudo-gradient being averaged over ranks, in place in ``buffer``, started in
+    round ``round``."""
+
     future: torch.futures.Future
     buffer: torch.Tensor
-    replace: bool = False
+    round: int
 
 
 class LocalSGD(BoundToProcess):
@@ -68,38 +84,37 @@ class LocalSGD(BoundToProcess):
     calling ``optimizer.step()`` (what :func:`commpress.register` does).
 
     ``period``: an int (average every ``period`` steps) or a :class:`Period` such as
-    :class:`QSR`. ``averager``: a :class:`ParameterAverager`, or a compressor name
-    (``"none"``, ``"bf16"``, ...) for the averaging all-reduce. ``average_buffers`` also
-    averages floating-point buffers (BatchNorm statistics). ``total_steps`` lets QSR cap
-    the last round at the last step.
+    :class:`QSR` (None: the ``[local_sgd]`` table's default). ``averager``: a
+    :class:`~commpress.comm.averager.ParameterAverager`, or a compressor name (``"none"``,
+    ``"bf16"``, ...) for the averaging all-reduce. ``average_buffers`` also averages
+    floating-point buffers (BatchNorm statistics). ``total_steps`` lets QSR cap the last
+    round at the last step.
 
     ``wait_seconds`` records how long each averaging blocked the caller. A non-finite
     average raises ``FloatingPointError`` on every rank and changes nothing.
 
     With DDP, a comm hook that keeps gradients local is registered here (construct before
     the first backward); a plain module gets rank 0's values at construction. The optimizer
-    state (momenta, Adam moments) stays local: only the model is averaged.
+    state (momenta, Adam moments) stays local: only the model is averaged. The ranks agree
+    on the settings in one exchange at construction.
 
-    With an averager whose backend cannot block (``can_block`` false: ranks of a
+    With an averager whose backend cannot block (ranks of a
     :class:`commpress.comm.SimulatedWorld`, all in one thread) the set-up agreement and
-    broadcast are left out: build every rank's
-    trainer from one config and identical models. Such ranks take their steps one after
-    another through :meth:`local_step` (every rank) and then :meth:`apply_due` (every rank);
-    :meth:`finish` likewise as ``start_due(final=True)``, then ``apply_due(final=True)``.
+    broadcast are left out: build every rank's trainer from one config and identical
+    models. Such ranks take their steps one after another through :meth:`local_step`
+    (every rank) and then :meth:`apply_due` (every rank); :meth:`finish` likewise as
+    ``start_due(final=True)``, then ``apply_due(final=True)``.
     """
 
     name = "local SGD"
-    #: the streaming settings of :class:`commpress.local_sgd.DiLoCo`; Local SGD syncs the
-    #: whole model and lands it at once
-    fragment_count = 1
-    sync_delay = 0
-    merge_alpha = 0.0
+    #: the ``[local_sgd]`` table's algorithm, whose defaults fill the arguments left None
+    algorithm = "local_sgd"
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        period: int | Period = 4,
+        period: int | Period | None = None,
         process_group: Any = None,
         averager: ParameterAverager | str | None = None,
         average_buffers: bool = False,
@@ -107,6 +122,7 @@ class LocalSGD(BoundToProcess):
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        period = self._round_period(self.default("period") if period is None else period)
         self.clock = RoundClock(period, total_steps, self.name)
         is_ddp = isinstance(model, DistributedDataParallel)
         if process_group is None and is_ddp:
@@ -114,14 +130,17 @@ class LocalSGD(BoundToProcess):
         if not isinstance(averager, ParameterAverager):
             averager = ParameterAverager(averager or "none", process_group=process_group)
         self.averager = averager
-        in_process = not self.averager.backend.can_block  # no blocking set-up (class docstring)
+        self.flat = FlatModel(model, buffers=average_buffers)
+        #: the last average, identical on every rank; rounds average differences from it
+        self.anchor = self.flat.read()
+        #: what the outer optimizer steps: views of the anchor
+        self.outer_params = self._outer_params()
+        self.outer_optimizer = self._outer_optimizer(self.outer_params)
         #: what every rank must share, and a checkpoint must have been saved with
         self.settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
         self.settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
-        if not in_process:
-            agree_on_settings(self.settings, self.name, "torch" if dist.is_initialized() else "mpi", process_group)
+        self.averager.connect(self.settings, self.name, process_group)  # the one set-up exchange
         self._check_resume = False  # after a load: ranks compare step and settings at the next averaging
-        self.flat = FlatModel(model, buffers=average_buffers)
         compressor = self.averager.compressor
         if self.flat.dtype not in compressor.dtypes:
             dtype = str(self.flat.dtype).removeprefix("torch.")
@@ -131,24 +150,31 @@ class LocalSGD(BoundToProcess):
                 f"{self.name} averages the model's {dtype} values with method {compressor.name!r}, which does not "
                 f"take {dtype}: {advice}"
             )
-        #: the last average, identical on every rank; rounds average differences from it
-        self.anchor = self.flat.read()
-        if is_ddp:
-            skip_gradient_allreduce(model)  # DDP already broadcast rank 0's model
-        elif not in_process:
+        #: what keeps DDP's gradients local (None for a plain module)
+        self.ddp_switch = skip_gradient_allreduce(model) if is_ddp else None  # DDP broadcast rank 0's model
+        if not is_ddp and self.averager.can_block:  # ranks in one thread start from identical models (class docstring)
             self.averager.broadcast(self.anchor)
             self.flat.write(self.anchor)
-        self.outer = self._outer_step()
-        self.fragments = split(self.flat.slots, self.fragment_count, self.name)
-        #: per fragment, the step count at which its local values last equalled the anchor
-        self.fresh = [0] * len(self.fragments)
-        self._in_flight: list[_InFlight] = []
+        self._average: Average | None = None
         self.wait_seconds: list[float] = []
         self._hooks: list[RemovableHandle] = []
 
-    def _outer_step(self) -> OuterStep:
-        """Plain averaging: lr 1, no momentum."""
-        return OuterStep(self.anchor)
+    @classmethod
+    def default(cls, key: str) -> Any:
+        """``key``'s default for this algorithm: the ``[local_sgd]`` table's, the one source."""
+        return LocalSGDConfig(algorithm=cls.algorithm).value(key)  # type: ignore[arg-type]
+
+    def _round_period(self, period: int | Period) -> int | Period:
+        """The period of a round (DiLoCo's streaming syncs a fragment per round)."""
+        return period
+
+    def _outer_params(self) -> list[torch.Tensor]:
+        """The tensors the outer optimizer steps: the whole anchor."""
+        return [self.anchor]
+
+    def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """Plain averaging: SGD at lr 1 without momentum, the anchor becomes the average."""
+        return torch.optim.SGD(params, lr=1.0)
 
     def _settings(self) -> dict[str, Any]:
         """Settings every rank must share, beyond the period and the averaging method."""
@@ -196,6 +222,16 @@ class LocalSGD(BoundToProcess):
                 self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._end_step()),
             ]
 
+    def remove_hooks(self) -> None:
+        """Take this trainer's hooks off the optimizer and the DDP model: ``optimizer.step()``
+        is a plain step again and DDP all-reduces gradients (call :meth:`finish` first for
+        one model on every rank)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.ddp_switch is not None:
+            self.ddp_switch.remove()
+
     def _begin_step(self) -> None:
         self.clock.begin_step(float(self.optimizer.param_groups[0]["lr"]))
 
@@ -206,71 +242,66 @@ class LocalSGD(BoundToProcess):
 
     def _check_ranks(self) -> None:
         """After a load, the ranks compare step and settings at the first sync."""
-        if self._check_resume and self.averager.backend.can_block:
+        if self._check_resume and self.averager.can_block:
             checkpoint.check_resume(self.averager.backend, self.clock.step, digest_of(self.settings), self.name)
         self._check_resume = False
 
     def start_due(self, final: bool = False) -> None:
-        """Start the average the step just counted is due to start: the fragment
-        ``rounds % fragments`` at the end of a round. ``final``: land what is in flight,
-        then start every fragment whose local values differ from the anchor (finish)."""
-        if final:
-            self._land(until=None)
-            for fragment in self.fragments:
-                if self.fresh[fragment.index] != self.clock.step:
-                    self._start(fragment, self.clock.step, replace=True)
-            return
-        if not self.clock.round_ends:
+        """At the end of a round (``final``: of a round in progress), start averaging the
+        pseudo-gradient of the whole model."""
+        if not (self.clock.in_round if final else self.clock.round_ends):
             return
         self._check_ranks()
-        self._land(until=None)  # a round shorter than sync_delay (QSR's last) lands the previous first
-        self._start(self.fragments[self.clock.rounds % len(self.fragments)], self.clock.step + self.sync_delay)
+        self._average = self._start(self.anchor, self.flat.read(), self.flat.bucket)
 
     def apply_due(self, final: bool = False) -> None:
-        """Land the averages due by this step (``final``: all in flight), then end the
-        round if this step ended it (``final``: if steps were taken in it). A failed
-        average (a peer lost, a non-finite value) raises before the round is counted."""
-        self._land(until=None if final else self.clock.step)
+        """Land the average started at this step: the outer step, then the local model
+        takes the anchor; then end the round. A failed average (a peer lost, a non-finite
+        value) raises before the round is counted."""
+        if self._average is not None:
+            average, self._average = self._average, None
+            self.outer_step(0, self._wait(average))
+            self.flat.write(self.anchor)
+        self._end_round(final)
+
+    def _end_round(self, final: bool) -> None:
+        """Count the round if this step ended it (``final``: if steps were taken in it)."""
         if self.clock.round_ends or (final and self.clock.in_round):
             self.clock.round_done()
 
-    def _land(self, until: int | None) -> None:
-        """Land, in the order they started, the averages due by step ``until`` (None: all)."""
-        while self._in_flight and (until is None or self._in_flight[0].due <= until):
-            self._land_one(self._in_flight.pop(0))
+    def _start(self, anchor: torch.Tensor, local: torch.Tensor, bucket: Callable[[torch.Tensor], Any]) -> Average:
+        """Start averaging ``anchor - local`` (computed into ``local``), as ``bucket`` wraps it."""
+        torch.sub(anchor, local, out=local)
+        return Average(self.averager.start(bucket(local)), local, self.clock.rounds)
 
-    def _start(self, fragment: Fragment, due: int, replace: bool = False) -> None:
-        buffer = self.flat.read(tensors=fragment.tensors)
-        torch.sub(self.anchor[fragment.where], buffer, out=buffer)
-        future = self.averager.start(fragment.bucket(buffer))
-        self._in_flight.append(_InFlight(fragment, due, self.clock.rounds, future, buffer, replace))
-
-    def _land_one(self, flight: _InFlight) -> None:
-        """The outer step with the averaged pseudo-gradient, then the merge of the local values."""
+    def _wait(self, average: Average) -> torch.Tensor:
+        """The averaged pseudo-gradient, once it is there and finite (the wait recorded)."""
         t0 = time.perf_counter()
-        flight.future.wait()
+        average.future.wait()
         self.wait_seconds.append(time.perf_counter() - t0)
-        check_finite(flight.buffer, self.name, flight.round)
-        where, tensors = flight.fragment.where, flight.fragment.tensors
-        self.outer.apply(self.anchor, flight.buffer, where)
-        if flight.replace or self.merge_alpha == 0:
-            self.flat.write(self.anchor[where], tensors)
-            self.fresh[flight.fragment.index] = self.clock.step
-        else:
-            local = self.flat.read(tensors=tensors)
-            self.flat.write(local.mul_(self.merge_alpha).add_(self.anchor[where], alpha=1 - self.merge_alpha), tensors)
-            self.fresh[flight.fragment.index] = -1
+        check_finite(average.buffer, self.name, average.round)
+        return average.buffer
+
+    def outer_step(self, index: int, average: torch.Tensor) -> None:
+        """The outer optimizer's step of ``outer_params[index]`` with the averaged
+        pseudo-gradient ``average`` as its gradient; the other tensors have none."""
+        param = self.outer_params[index]
+        param.grad = average
+        try:
+            self.outer_optimizer.step()
+        finally:
+            param.grad = None
 
     def finish(self) -> None:
-        """End of training: land what is in flight, then sync every fragment changed since
-        its last sync (the steps since the last averaging, a merge's local part), so every
-        rank ends with the same model."""
+        """End of training: average the steps taken since the last round (CO2: apply the
+        last average; DiLoCo: land what is in flight and sync every fragment changed since),
+        so every rank ends with the same model."""
         self.start_due(final=True)
         self.apply_due(final=True)
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """Step and round counters, H, the anchor, the outer momentum, the fragments'
-        state and averages in flight, and the averager's state (save the model and the
+        """Step and round counters, H, the anchor, the outer optimizer's state (DiLoCo:
+        the fragments' state and averages in flight), and the averager's state (save the model and the
         optimizer alongside, as usual), tagged with this rank, the world size
         and the settings; ``full=True``: every rank's (a collective; see
         :meth:`commpress.CommState.state_dict`)."""
@@ -279,27 +310,13 @@ class LocalSGD(BoundToProcess):
         return checkpoint.gather_job(backend.allgather_object, part) if full else part
 
     def _part(self) -> dict[str, Any]:
-        """Counters, anchor, outer momentum, fragment freshness, the averages in flight
-        (waited for, so a restored run lands the same values at the same steps) and the
-        averager's state."""
-        in_flight = []
-        for flight in self._in_flight:
-            flight.future.wait()
-            in_flight.append(
-                {
-                    "fragment": flight.fragment.index,
-                    "due": flight.due,
-                    "round": flight.round,
-                    "average": flight.buffer.clone(),
-                    "replace": flight.replace,
-                }
-            )
+        """Counters, anchor, the outer optimizer's state and the averager's state."""
+        if self._average is not None:
+            raise RuntimeError(f"{self.name}: state_dict() between local_step() and apply_due(): land the average first")
         return {
             "clock": self.clock.state_dict(),
             "anchor": self.anchor.clone(),
-            "momentum": None if self.outer.momentum is None else self.outer.momentum.clone(),
-            "fresh": list(self.fresh),
-            "in_flight": in_flight,
+            "outer": copy.deepcopy(self.outer_optimizer.state_dict()),
             "averager": self.averager.state_dict(),
         }
 
@@ -315,14 +332,5 @@ class LocalSGD(BoundToProcess):
     def _load_part(self, part: Mapping[str, Any]) -> None:
         self.clock.load_state_dict(part["clock"])
         self.anchor.copy_(part["anchor"])
-        if self.outer.momentum is not None:
-            self.outer.momentum.copy_(part["momentum"])
-        self.fresh = [int(step) for step in part["fresh"]]
-        self._in_flight = []
-        for saved in part["in_flight"]:
-            done: torch.futures.Future = torch.futures.Future()
-            buffer = saved["average"].clone()
-            done.set_result(buffer)
-            fragment = self.fragments[saved["fragment"]]
-            self._in_flight.append(_InFlight(fragment, int(saved["due"]), int(saved["round"]), done, buffer, saved["replace"]))
+        self.outer_optimizer.load_state_dict(copy.deepcopy(part["outer"]))
         self.averager.load_state_dict(part["averager"])

@@ -43,12 +43,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic, checkpoint
-from commpress.comm.agreement import agree_on_settings
+from commpress.comm.averager import ParameterAverager
 from commpress.comm.pickling import BoundToProcess
 from commpress.compressors import AllReduce, Bucket, ParamSlot, Reduction
 from commpress.config import digest_of
 from commpress.errors import ConfigError
-from commpress.local_sgd.averaging import ParameterAverager
+from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 from commpress.local_sgd.local_sgd import check_finite
 
 __all__ = ["OneBitAdam", "check_adam"]
@@ -165,6 +165,7 @@ class OneBitAdam(BoundToProcess):
         self._check_resume = False
         self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
         self._hooks: list[RemovableHandle] = []
+        self._switch: CommHookSwitch | None = None
         self.wait_seconds: list[float] = []
 
     @property
@@ -182,18 +183,26 @@ class OneBitAdam(BoundToProcess):
         optimizer's step hooks; the ranks first agree on the settings."""
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
-        if self.averager.backend.can_block:
-            agree_on_settings(self.settings, self.name, "torch" if dist.is_initialized() else "mpi", process_group)
-        model.register_comm_hook(self, comm_hook)
+        self.averager.connect(self.settings, self.name, process_group)  # the one set-up exchange
+        self._switch = register_removable_hook(model, self, comm_hook)
         self._hooks = [
             self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
             self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
         ]
 
+    def detach(self) -> None:
+        """Take off what :meth:`attach` registered: DDP all-reduces gradients again and
+        ``optimizer.step()`` is AdamW's own step."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self._switch is not None:
+            self._switch.remove()
+
     def _pre_step(self) -> None:
         if not self.frozen:
             return
-        if self._check_resume and self.averager.backend.can_block:
+        if self._check_resume and self.averager.can_block:
             checkpoint.check_resume(self.averager.backend, self.steps, digest_of(self.settings), self.name)
         self._check_resume = False
         self.finish_step(self.start_step())

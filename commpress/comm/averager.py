@@ -1,5 +1,6 @@
 """Averages a flat vector of model values over ranks through any commpress compressor
-(``none``, ``fp16``, ``bf16``, ...) and a commpress backend, blocking or in the background."""
+(``none``, ``fp16``, ``bf16``, ...) and a commpress backend, blocking or in the background:
+what Local SGD, CO2, DiLoCo and 1-bit Adam send their models and momenta through."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from commpress.comm import Backend, checkpoint, make_backend
-from commpress.comm.agreement import agree_on_config
+from commpress.comm.agreement import agree_on_settings
 from commpress.comm.backend import OnBackend
 from commpress.comm.pickling import BoundToProcess
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction
@@ -29,11 +31,14 @@ def _exact_sum(tensor: torch.Tensor) -> Reduction:
 class ParameterAverager(OnBackend, BoundToProcess):
     """Runs a method group's reduction over a flat bucket of model values.
 
-    ``method`` and ``params`` name the compressor as in a commpress config; built with a
-    backend name, the ranks first agree on them. Local SGD and
+    ``method`` and ``params`` name the compressor as in a commpress config. Local SGD and
     CO2 average *differences* from a value every rank holds identically (the last
     average), so a narrow wire dtype such as ``bf16`` rounds the small change of one round,
     not the weights themselves. Build it on every rank in the same order.
+
+    Built with a backend name, it opens that backend at :meth:`connect`, after the one
+    exchange in which the ranks agree on the method, its params and the caller's settings
+    (the trainer's period, model, ...); used before, it connects with its own settings.
     """
 
     def __init__(
@@ -45,13 +50,40 @@ class ParameterAverager(OnBackend, BoundToProcess):
     ) -> None:
         self.groups = MethodGroups(Config(method=method, params=dict(params or {})))
         self.method = method
-        if isinstance(backend, str):
-            agree_on_config(self.groups.config, f"the parameter averager ({method!r})", backend, process_group)
-            backend = make_backend(backend, process_group, self.groups.rounds)
-        elif backend.rounds.get("world", 0) < self.groups.rounds:
-            raise ValueError(f"backend has {backend.rounds} rounds, method {method!r} needs {self.groups.rounds}")
-        self.backend = backend
+        self.process_group = process_group
+        self._backend_name = backend if isinstance(backend, str) else None
+        self._backend = None if isinstance(backend, str) else backend
+        if self._backend is not None and self._backend.rounds.get("world", 0) < self.groups.rounds:
+            raise ValueError(f"backend has {self._backend.rounds} rounds, method {method!r} needs {self.groups.rounds}")
         self.calls = 0
+
+    @property
+    def backend(self) -> Backend:
+        """The backend it reduces through (opened by :meth:`connect` on first use)."""
+        if self._backend is None:
+            self.connect()
+        assert self._backend is not None
+        return self._backend
+
+    @property
+    def can_block(self) -> bool:
+        """Whether a rank may wait on a collective alone (False for ranks of a
+        :class:`commpress.comm.SimulatedWorld`, all in one thread)."""
+        return self._backend is None or self._backend.can_block
+
+    def connect(self, settings: Mapping[str, Any] | None = None, entry: str = "", process_group: Any = None) -> None:
+        """The set-up exchange: every rank agrees on ``settings`` and this averager's method
+        and params at once (``entry`` names the caller in the error; ``process_group``: the
+        group to agree in when the averager was handed a backend), then the backend named
+        at construction opens. Ranks that cannot block skip the exchange."""
+        if self.can_block:
+            name = self._backend_name or ("torch" if dist.is_initialized() else "mpi")
+            group = self.process_group if self._backend_name else process_group
+            agreed = {**(settings or {}), "averaging": self.groups.config.to_dict()}
+            agree_on_settings(agreed, entry or f"the parameter averager ({self.method!r})", name, group)
+        if self._backend is None:
+            assert self._backend_name is not None
+            self._backend = make_backend(self._backend_name, self.process_group, self.groups.rounds)
 
     @property
     def compressor(self) -> Compressor:
