@@ -153,6 +153,7 @@ def register(
     optimizer: torch.optim.Optimizer | None = None,
     process_group: Any = None,
     total_steps: int | None = None,
+    manager: Any = None,
 ) -> Registration:
     """Apply every table of ``config`` that applies to ``model`` (the module docstring's
     table), on every rank, after wrapping or sharding the model and before the first
@@ -164,9 +165,13 @@ def register(
     methods that apply momentum themselves (Top-k with ``dgc = true``) take it over from
     the optimizer's SGD groups. ``process_group``: the group the DDP hook or Local SGD
     communicates in (default: the model's, or the world; FSDP uses its own mesh).
-    ``total_steps``: lets QSR cap the last round.
+    ``total_steps``: lets QSR cap the last round. ``manager``: a ``torchft.Manager`` every
+    collective of the DDP hook goes through (docs/fault_tolerance.md; the model wrapped by
+    :func:`commpress.hooks.managed_ddp`).
     """
     cfg = Config.load(config)
+    if manager is not None:
+        return Registration(cfg, hook=register_ddp_hook(model, cfg, process_group, optimizer, manager=manager))
     if isinstance(model, FullyShardedDataParallel) or any(isinstance(m, FSDPModule) for m in model.modules()):
         return _sharded(model, cfg)
     is_ddp = isinstance(model, DistributedDataParallel)
