@@ -176,9 +176,10 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
             state.state_dict(),
         )
         committed = step_managed(net, opt, manager, replica, step)
+        seen.setdefault("participants", []).append(manager.num_participants())
         if not manager.is_participating():
             seen["healed"] = True
-        if scenario == "survivor" and step == KILL_STEP:
+        if scenario == "survivor" and step == KILL_STEP and "failed_step_committed" not in seen:
             seen["failed_step_committed"] = committed
             seen["model_kept"] = all(torch.equal(a, b) for a, b in zip(before[0], net.parameters()))
             seen["state_kept"] = same(before[1], state.state_dict())

@@ -163,6 +163,8 @@ class ManagedCommState(CommState):
                 self.manager.report_error(exc)
                 return
             self._ran_at = ran_at
+            with self._done:
+                self._finite.append(torch.tensor(True))  # committed with the step, if the manager commits it
 
     def _without_per_rank(self, compressors: Mapping[str, Any]) -> dict[str, Any]:
         out = {}
