@@ -26,6 +26,7 @@ torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not i
 from torch.distributed import TCPStore  # noqa: E402
 from torchft.coordination import LighthouseServer  # noqa: E402
 
+import commpress  # noqa: E402
 from commpress.compressors import available  # noqa: E402
 from commpress.config import Config  # noqa: E402
 from commpress.errors import ConfigError  # noqa: E402
@@ -104,3 +105,11 @@ def test_tables_that_do_not_run_under_a_manager_are_refused(table):
     cfg = Config.load({"method": "powersgd", table: {}})
     with pytest.raises(ConfigError, match=rf"\[{table}\].*torchft Manager"):
         check_managed(cfg)
+
+
+def test_torchfts_own_ddp_is_refused_with_the_wrapper_to_use():
+    from torchft.ddp import DistributedDataParallel
+
+    model = DistributedDataParallel(object(), torch.nn.Linear(4, 4))  # its hook's state: any object
+    with pytest.raises(TypeError, match="managed_ddp"):
+        commpress.register(model, {"method": "powersgd"}, manager=object())
