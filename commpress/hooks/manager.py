@@ -149,10 +149,10 @@ class ManagedCommState(CommState):
         with self._settling:
             ran_at = self._ran_at
             self.load_state_dict(state)  # drops what this step staged on the stale state
-            self._joined = True
             log = self._backend.log if self._backend is not None else None
             if ran_at is None or log is None:
-                return
+                return  # healed before the step (use_async_quorum=False): it takes part in it
+            self._joined = True
             try:
                 for (index, numel, dtype, device, slots, ctx), results in zip(self._heal, log, strict=True):
                     if ctx.step >= self.config.start_iter:
