@@ -185,6 +185,7 @@ def register(
     optimizer: torch.optim.Optimizer | None = None,
     process_group: Any = None,
     total_steps: int | None = None,
+    manager: Any = None,
 ) -> Registration:
     """Apply every table of ``config`` that applies to ``model`` (the module docstring's
     table), on every rank, after wrapping or sharding the model and before the first
@@ -196,9 +197,14 @@ def register(
     methods that apply momentum themselves (Top-k with ``dgc = true``) take it over from
     the optimizer's SGD groups. ``process_group``: the group the DDP hook or Local SGD
     communicates in (default: the model's, or the world; FSDP uses its own mesh).
-    ``total_steps``: lets QSR cap the last round.
+    ``total_steps``: lets QSR cap the last round. ``manager``: a ``torchft.Manager`` every
+    collective of the DDP hook goes through (docs/fault_tolerance.md; the model wrapped by
+    :func:`commpress.hooks.managed_ddp`).
     """
     cfg = Config.load(config)
+    if manager is not None:
+        state, remove = attach_ddp_hook(model, cfg, process_group, optimizer, manager)
+        return Registration(cfg, hook=state, remove_hook=remove)
     part = part_for(cfg, model_kind(model, cfg.backend))
     if part is None:
         return Registration(cfg)  # a single process: nobody to send to, nothing to apply

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.config import Config
+from commpress.hooks.manager import ManagedCommState
 from commpress.hooks.optimizer import hand_over_momentum
 from commpress.hooks.removable import register_removable_hook
 from commpress.hooks.state import CommState
@@ -31,6 +32,7 @@ def register_ddp_hook(
     config: Config | Mapping[str, Any] | str | None = None,
     process_group: Any = None,
     optimizer: torch.optim.Optimizer | None = None,
+    manager: Any = None,
 ) -> CommState:
     """Build a :class:`CommState` for ``model`` from ``config`` and register :func:`ddp_hook`
     (the DDP part of :func:`commpress.register`, which applies every table of a config).
@@ -40,8 +42,11 @@ def register_ddp_hook(
     ``dgc = true``): the momentum of the ``torch.optim.SGD`` param groups holding their
     parameters is handed over to them and those groups' momentum set to 0
     (:func:`commpress.hooks.optimizer.hand_over_momentum`); ignored otherwise.
+    ``manager``: a ``torchft.Manager`` every collective goes through
+    (:class:`~commpress.hooks.manager.ManagedCommState`; wrap the model with
+    :func:`~commpress.hooks.manager.managed_ddp`).
     """
-    return attach_ddp_hook(model, config, process_group, optimizer)[0]
+    return attach_ddp_hook(model, config, process_group, optimizer, manager)[0]
 
 
 def attach_ddp_hook(
@@ -49,14 +54,23 @@ def attach_ddp_hook(
     config: Config | Mapping[str, Any] | str | None = None,
     process_group: Any = None,
     optimizer: torch.optim.Optimizer | None = None,
+    manager: Any = None,
 ) -> tuple[CommState, Callable[[], None]]:
     """:func:`register_ddp_hook`, and the call that takes it off again: DDP all-reduces as
     it does without a hook, the optimizer gets its momentum back."""
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"register_ddp_hook() expects a DistributedDataParallel model, got {type(model).__name__}")
+    if manager is not None and type(model).__module__.startswith("torchft"):
+        raise TypeError(
+            "torchft's DistributedDataParallel registers its own all-reduce hook, and DDP takes one hook only: wrap the "
+            "module with commpress.hooks.managed_ddp(module) instead (the same DDP, without that hook)"
+        )
     cfg = Config.load(config)
     group = process_group if process_group is not None or cfg.backend != "torch" else model.process_group
-    state = CommState(cfg, model=model.module, process_group=group)
+    if manager is not None:
+        state: CommState = ManagedCommState(cfg, model.module, manager)
+    else:
+        state = CommState(cfg, model=model.module, process_group=group)
     groups = state.groups
     compressor_of = lambda name: groups.compressors[groups.key_for(name)]  # noqa: E731
     give_back = hand_over_momentum(optimizer, model.module.named_parameters(), compressor_of, cfg.start_iter)

@@ -1,0 +1,154 @@
+"""The backend over a torchft ``Manager``: every collective goes through the manager's
+reconfigurable process group and its errors to the manager, so a lost peer fails the step
+(``should_commit()`` is False) instead of the run.
+
+Why not ``manager.allreduce``: it averages (a compressor divides by the step's participants
+itself, from ``ctx.world_size``) and its future chain is lazy (it completes only once
+waited on). Like it, this backend waits for the quorum, zeroes a healing replica's
+all-reduce input and reports failures through ``manager.wrap_future``. An all-gather carries
+one more byte saying whether its sender participates, and a healing replica's entry is
+dropped: every average counts the step's participants only (``num_participants()``).
+
+One process group carries every collective, so reductions run one after another (a later
+round, issued from a completion callback, would otherwise be issued in a timing-dependent
+order); the backward pass still overlaps the communication. While this replica heals, the
+results of the step's collectives are kept (:attr:`ManagerBackend.log`) so the hook can
+:func:`replay` the step on the state it receives from a healthy peer.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
+
+from commpress.comm.backend import Backend, Channel
+from commpress.compressors.collectives import AllGather, AllReduce, Collective, Finite, Reduction
+from commpress.errors import CollectiveError
+
+__all__ = ["ManagerBackend", "replay"]
+
+_OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}
+_FAILED = object()  # what manager.wrap_future hands back for a failed collective
+
+
+class ManagerBackend(Backend):
+    """Runs reductions over ``manager`` (a ``torchft.Manager``). Call :meth:`begin_step`
+    before a step's first reduction: it reads the step's quorum."""
+
+    def __init__(self, manager: Any, rounds: int) -> None:
+        super().__init__(0, 1, rounds)
+        self.manager = manager
+        self.participating = True
+        #: per reduction of this step, its collectives' results, while this replica heals
+        self.log: list[list[Any]] | None = None
+        self._tail: torch.futures.Future | None = None
+        self._lock = threading.Lock()
+
+    def begin_step(self) -> None:
+        """Wait for the step's quorum; take its participants (the world size), this
+        replica's rank among them and whether it heals; forget the last step's failure."""
+        m = self.manager
+        self.world_size = m.num_participants()
+        self.participating = m.is_participating()
+        self.rank = m.participating_rank() or 0
+        self._failure = None
+        self.log = None if self.participating else []
+
+    def members(self, scope: str) -> list[int]:
+        return list(range(self.world_size))
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        raise RuntimeError(
+            "under a torchft Manager the replicas change between steps: save each replica's own state_dict() "
+            "(not full=True); a rejoining replica gets the shared state from a healthy peer"
+        )
+
+    def run(self, reduction: Reduction) -> torch.futures.Future:
+        """:meth:`Backend.run`, started once the previous reduction has ended."""
+        if self.log is not None:
+            entry: list[Any] = []
+            self.log.append(entry)
+            reduction = _recorded(reduction, entry)
+        out: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            previous, self._tail = self._tail, out
+
+        def start(_: Any = None) -> None:
+            Backend.run(self, reduction).add_done_callback(functools.partial(_forward, out))
+
+        if previous is None:
+            start()
+        else:
+            previous.add_done_callback(start)
+        return out
+
+    def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:
+        m = self.manager
+        if m.errored() is not None:
+            raise CollectiveError(f"the manager already failed this step: {m.errored()}")
+        pg = m._pg  # the manager's reconfigurable group (what torchft's ManagedProcessGroup uses)
+        if isinstance(request, AllReduce):
+            tensor = request.tensor
+            if not self.participating:
+                tensor.zero_()
+            opts = AllreduceOptions()
+            opts.reduceOp = _OPS[request.op]
+            return self._checked(pg.allreduce([tensor], opts).get_future(), lambda: tensor)
+        if not isinstance(request, AllGather):
+            raise ValueError(f"{type(request).__name__} does not run under a torchft Manager (all-reduce and all-gather do)")
+        flat = request.tensor.reshape(-1).contiguous()
+        send = torch.empty(flat.numel() * flat.element_size() + 1, dtype=torch.uint8, device=flat.device)
+        send[:-1].copy_(flat.view(torch.uint8))
+        send[-1] = int(self.participating)
+        out = [torch.empty_like(send) for _ in range(pg.size())]
+        work = pg.allgather([out], [send], AllgatherOptions())
+        return self._checked(work.get_future(), lambda: [o[:-1].view(flat.dtype) for o in out if o[-1].item()])
+
+    def _checked(self, fut: torch.futures.Future, result: Callable[[], Any]) -> torch.futures.Future:
+        """``fut`` through the manager's error path (timeout, ``report_error``), failing on error."""
+
+        def done(f: torch.futures.Future) -> Any:
+            if f.value() is _FAILED:
+                raise CollectiveError(f"reported to the torchft Manager: {self.manager.errored()}")
+            return result()
+
+        return self.manager.wrap_future(fut, _FAILED).then(done)
+
+
+def _forward(out: torch.futures.Future, fut: torch.futures.Future) -> None:
+    try:
+        out.set_result(fut.value())
+    except BaseException as exc:
+        out.set_exception(exc)
+
+
+def _recorded(reduction: Reduction, log: list[Any]) -> Reduction:
+    """``reduction``, with a copy of every collective's result appended to ``log``."""
+    try:
+        request = next(reduction)
+        while True:
+            result = yield request
+            log.append([t.clone() for t in result] if isinstance(result, list) else result.clone())
+            request = reduction.send(result)
+    except StopIteration as done:
+        return done.value
+
+
+def replay(reduction: Reduction, results: list[Any]) -> Finite:
+    """Run ``reduction`` on recorded ``results`` instead of communicating: an all-reduce's
+    recorded result is written into the tensor it asked to reduce (as a backend does), an
+    all-gather gets a copy of the recorded list. Raises if it asks for more collectives."""
+    try:
+        request = next(reduction)
+        for result in results:
+            sent = request.tensor.copy_(result) if isinstance(request, AllReduce) else [t.clone() for t in result]
+            request = reduction.send(sent)
+    except StopIteration as done:
+        return done.value
+    reduction.close()
+    raise RuntimeError(f"the replayed reduction asked for more than the {len(results)} collectives recorded")

@@ -1,0 +1,174 @@
+"""The DDP hook under a torchft ``Manager``: compressed training that survives a lost peer.
+
+Every collective goes through the manager (:class:`~commpress.comm.manager_backend.ManagerBackend`).
+A step the manager does not commit (a failed collective, too few replicas) leaves the
+compressors' state as if it never ran: its staged changes are dropped on every survivor,
+as for a non-finite step. The step counter is the manager's (committed steps since
+registration), so warm starts, seeds and ``start_iter`` agree on every participant whatever
+the world size. A healing replica contributes nothing to the step it heals in; when the
+manager hands it a healthy peer's shared state (model, optimizer and this, registered with
+``register_state_dict_fn``), it replays the step's recorded collectives on that state, so
+its shared state ends the step equal to its peers'. Its per-rank state (error feedback,
+residuals, local momentum) starts from zero.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from commpress.comm.manager_backend import ManagerBackend, replay
+from commpress.compressors import Bucket, Context
+from commpress.config import Config
+from commpress.errors import ConfigError
+from commpress.hooks.state import CommState
+
+__all__ = ["ManagedCommState", "check_managed", "managed_ddp"]
+
+#: tables that do not run under a Manager (yet), and why
+_REFUSED = {
+    "local_sgd": "Local SGD / CO2 / DiLoCo",
+    "onebit_adam": "1-bit Adam",
+    "fsdp": "FSDP",
+    "bandwidth": "the bandwidth layer (it measures links between fixed ranks)",
+    "layerwise": "the layer-wise plan",
+}
+
+
+def check_managed(config: Config) -> None:
+    """Refuse what does not run under a torchft Manager: the tables of :data:`_REFUSED`
+    and ``backend = "mpi"``."""
+    for table, what in _REFUSED.items():
+        if config.section(table) is not None:
+            raise ConfigError(
+                f"the config's [{table}] table ({what}) does not run under a torchft Manager yet: remove it; the DDP "
+                "hook's method, params, overrides and start_iter do"
+            )
+    if config.backend != "torch":
+        raise ConfigError(
+            f'backend = {config.backend!r}: under a torchft Manager every collective goes through it; set backend = "torch"'
+        )
+
+
+def managed_ddp(module: torch.nn.Module, **kwargs: Any) -> DistributedDataParallel:
+    """``module`` in torch's DDP, ready for :func:`commpress.register` with ``manager=``: over
+    torchft's ``ProcessGroupDummy`` (the collectives go through the manager) and with
+    buckets never rebuilt (a rejoining replica's buckets must match its peers'), as
+    torchft's own ``DistributedDataParallel`` builds it; that one registers its all-reduce
+    hook when built, and DDP takes one hook only."""
+    from torchft.process_group import ProcessGroupDummy
+
+    return DistributedDataParallel(module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True, **kwargs)
+
+
+class ManagedCommState(CommState):
+    """A :class:`CommState` whose collectives go through ``manager`` (a ``torchft.Manager``);
+    its shared state is registered with the manager under ``key``."""
+
+    def __init__(
+        self,
+        config: Config | Mapping[str, Any] | str | None,
+        model: torch.nn.Module | None,
+        manager: Any,
+        key: str = "commpress",
+    ) -> None:
+        check_managed(Config.load(config))
+        self.manager = manager
+        self._settling = threading.RLock()  # the manager reads the shared state from its quorum thread
+        super().__init__(config, model)
+        self._base = manager.current_step()
+        self._ran_at: int | None = None  # the manager's step whose reductions ran
+        self._heal: list[tuple[int, int, torch.dtype, torch.device, tuple, Context]] = []
+        self._joined = False  # shared state loaded from a peer: drop per-rank state at its commit
+        manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
+
+    def connect(self) -> None:
+        if self._backend is None:
+            self._backend = ManagerBackend(self.manager, self.groups.rounds)
+        super().connect()
+
+    def reduce(self, index, buffer, params=None, advance=True) -> torch.futures.Future:
+        """:meth:`CommState.reduce` through the manager; a failed reduction is reported to
+        it and hands DDP ``buffer`` back (the step is then not committed), as torchft's DDP does."""
+        first = not self._step_open
+        if first:
+            self.end_step()
+            self.connect()
+            self._backend.begin_step()
+            self.step = self.manager.current_step() - self._base
+            self._check_resume = False  # membership is the manager's business
+            self._heal = []
+        ctx = Context(rank=self.rank, world_size=self.world_size, step=self.step)
+        fut = super().reduce(index, buffer, params, advance)
+        if first:
+            self._ran_at = self.manager.current_step()
+        if self._backend.log is not None:
+            self._heal.append((index, buffer.numel(), buffer.dtype, buffer.device, self._layouts[index][1], ctx))
+        return fut.then(lambda f: self._handed_back(buffer, f))
+
+    def _handed_back(self, buffer: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
+        try:
+            return fut.value()
+        except Exception as exc:
+            self.manager.report_error(exc)
+            return buffer
+
+    def end_step(self) -> None:
+        """Commit the last step's staged state if the manager committed that step (and
+        every average was finite), else drop it."""
+        with self._settling:
+            if self._ran_at is not None:
+                if self.manager.current_step() <= self._ran_at:
+                    with self._done:
+                        self._finite.append(torch.tensor(False))
+                super().end_step()
+                if self.manager.current_step() > self._ran_at and self._joined:
+                    self.groups.load_state_dict(self._without_per_rank(self.groups.state_dict()))
+                    self._joined = False
+                self._ran_at = None
+            else:
+                super().end_step()
+
+    # ---- live recovery -----------------------------------------------------------------
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """The committed state every replica shares (:meth:`CommState.state_dict` without
+        the per-rank entries): what the manager sends a healing replica."""
+        with self._settling:
+            state = self.state_dict()
+        return {**state, "compressors": self._without_per_rank(state["compressors"])}
+
+    def load_shared(self, state: Mapping[str, Any]) -> None:
+        """Take a healthy peer's shared state (the manager calls it in ``should_commit``),
+        then replay this step's collectives on it, so the state this step commits is the
+        peers'. A replay that fails is reported: the step is then not committed here."""
+        with self._settling:
+            ran_at = self._ran_at
+            self.load_state_dict(state)  # drops what this step staged on the stale state
+            log = self._backend.log if self._backend is not None else None
+            if ran_at is None or log is None:
+                return  # healed before the step (use_async_quorum=False): it takes part in it
+            self._joined = True
+            try:
+                for (index, numel, dtype, device, slots, ctx), results in zip(self._heal, log, strict=True):
+                    if ctx.step >= self.config.start_iter:
+                        bucket = Bucket(index, torch.zeros(numel, dtype=dtype, device=device), slots)
+                        replay(self.groups.composite.reduce(bucket, ctx), results)
+            except Exception as exc:
+                self.groups.end_step(False)
+                self.manager.report_error(exc)
+                return
+            self._ran_at = ran_at
+            with self._done:
+                self._finite.append(torch.tensor(True))  # committed with the step, if the manager commits it
+
+    def _without_per_rank(self, compressors: Mapping[str, Any]) -> dict[str, Any]:
+        out = {}
+        for key, state in compressors.items():
+            per_rank = self.groups.compressors[key].per_rank_state
+            out[key] = {k: ({} if k in per_rank else v) for k, v in state.items()}
+        return out

@@ -1,0 +1,203 @@
+"""Replica groups (one process each) for tests/test_manager.py: commpress under a torchft
+Manager, the lighthouse in the test process.
+
+Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA``:
+
+- ``same``: every method trained through the manager and, in the same process, through a
+  plain gloo group (``init_process_group`` on STORE_PORT); writes whether the models and
+  commpress states came out bit for bit equal.
+- ``survivor`` / ``killed`` / ``joiner``: replica 0 trains; replica 1 dies inside its
+  backward pass at :data:`KILL_STEP` (after some buckets were reduced); replica 0 checks
+  that step left its model and commpress state as they were, trains alone, and when the
+  restarted replica 1 (``joiner``, another model init) has healed, both train
+  :data:`TOGETHER` more steps and write their model and shared commpress state.
+
+The processes meet through a TCPStore the test process holds (STORE_PORT), never through
+the group that breaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchft import Manager, ProcessGroupGloo
+
+from commpress.compressors import available
+from commpress.hooks import CommState, ManagedCommState, ddp_hook, managed_ddp, register_ddp_hook
+
+#: method parameters that make every method compress the small test layers
+PARAMS: dict[str, dict[str, Any]] = {
+    "powersgd": {"rank": 2, "min_compression_rate": 0.0},
+    "acpsgd": {"rank": 2, "min_compression_rate": 0.0},
+    "topk": {"ratio": 0.3},
+}
+STEPS = 3
+KILL_STEP = 2
+TOGETHER = 3
+#: the config of the failure scenario: low rank with an all-gather method on one layer
+FAILING = {
+    "method": "powersgd",
+    "params": PARAMS["powersgd"],
+    "overrides": [{"params": ["2.*"], "method": "topk", "method_params": {"ratio": 0.3}}],
+}
+BUCKET_MB = 0.001  # about one parameter per bucket: several buckets, several rounds in flight
+
+
+def model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+
+def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * replica + step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+
+
+#: the replica group's stores (the quorum's group is set up through them: keep them alive)
+STORES: list[dist.TCPStore] = []
+
+
+def make_manager(replica: int, lighthouse: str, min_size: int = 1) -> Manager:
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    STORES.append(store)
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=min_size,
+        replica_id=f"replica_{replica}",
+        lighthouse_addr=lighthouse,
+        rank=0,
+        world_size=1,
+        store_addr="localhost",
+        store_port=store.port,
+        timeout=timedelta(seconds=10),
+        init_sync=False,
+    )
+
+
+def step_plain(ddp: nn.Module, opt: torch.optim.Optimizer, replica: int, step: int) -> None:
+    x, y = batch(replica, step)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def step_managed(ddp: nn.Module, opt: torch.optim.Optimizer, manager: Manager, replica: int, step: int) -> bool:
+    """One step as torchft's examples have it; whether the manager committed it."""
+    manager.start_quorum()
+    x, y = batch(replica, step)
+    nn.functional.mse_loss(ddp(x), y).backward()
+    committed = manager.should_commit()
+    if committed:
+        opt.step()
+    opt.zero_grad()
+    return committed
+
+
+def flat(state: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(state, dict):
+        return {k: v for key, value in state.items() for k, v in flat(value, f"{prefix}{key}/").items()}
+    return {prefix: state}
+
+
+def same(a: Any, b: Any) -> bool:
+    fa, fb = flat(a), flat(b)
+    return fa.keys() == fb.keys() and all(
+        torch.equal(x, fb[k]) if isinstance(x, torch.Tensor) else x == fb[k] for k, x in fa.items()
+    )
+
+
+def compared(state: dict[str, Any]) -> dict[str, Any]:
+    """What two runs must agree on: the compressors' state and the step (not who saved it)."""
+    return {"compressors": state["compressors"], "step": state["step"]}
+
+
+def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
+    manager = make_manager(replica, lighthouse, min_size=2)
+    seen: dict[str, Any] = {}
+    for method in os.environ.get("METHODS", " ".join(available())).split():
+        cfg = {"method": method, "params": PARAMS.get(method, {})}
+        plain = DistributedDataParallel(model(0), find_unused_parameters=True, bucket_cap_mb=BUCKET_MB)
+        state = CommState(cfg, model=plain.module)
+        plain.register_comm_hook(state, ddp_hook)
+        opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+        for step in range(STEPS):
+            step_plain(plain, opt, replica, step)
+        managed = managed_ddp(model(0), bucket_cap_mb=BUCKET_MB)
+        mstate = ManagedCommState(cfg, managed.module, manager, key=method)
+        managed.register_comm_hook(mstate, ddp_hook)
+        mopt = torch.optim.SGD(managed.parameters(), lr=0.1)
+        committed = [step_managed(managed, mopt, manager, replica, step) for step in range(STEPS)]
+        seen[method] = {
+            "committed": all(committed),
+            "participants": manager.num_participants(),
+            "model": all(torch.equal(a, b) for a, b in zip(plain.module.parameters(), managed.module.parameters())),
+            "state": same(compared(state.state_dict()), compared(mstate.state_dict())),
+            "changed": not torch.equal(next(model(0).parameters()), next(managed.module.parameters())),
+        }
+    (out / f"same{replica}.json").write_text(json.dumps(seen))
+    manager.shutdown(wait=False)
+
+
+def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
+    meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
+    manager = make_manager(replica, lighthouse)
+    net = managed_ddp(model(7 if scenario == "joiner" else 0), bucket_cap_mb=BUCKET_MB)
+    manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
+    state = register_ddp_hook(net, FAILING, manager=manager)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if scenario != "joiner":
+        meet.add("ready", 1)
+        while int(meet.add("ready", 0)) < 2:
+            time.sleep(0.05)
+    if scenario == "killed":
+        first = net.module[0].weight  # its gradient comes last in the backward pass: later buckets were reduced
+        first.register_hook(lambda g: os._exit(0) if manager.current_step() == KILL_STEP else g)
+    seen: dict[str, Any] = {"healed": False, "alone": 0}
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        step = manager.current_step()
+        if meet.check(["stop"]) and step >= int(meet.get("stop")):
+            break
+        before = (
+            [p.detach().clone() for p in net.parameters()],
+            state.state_dict(),
+        )
+        committed = step_managed(net, opt, manager, replica, step)
+        seen.setdefault("participants", []).append(manager.num_participants())
+        if not manager.is_participating():
+            seen["healed"] = True
+        if scenario == "survivor" and step == KILL_STEP and "failed_step_committed" not in seen:
+            seen["failed_step_committed"] = committed
+            seen["model_kept"] = all(torch.equal(a, b) for a, b in zip(before[0], net.parameters()))
+            seen["state_kept"] = same(before[1], state.state_dict())
+        if scenario == "survivor" and step > KILL_STEP:
+            if manager.num_participants() == 1:
+                seen["alone"] += 1
+                time.sleep(0.2)  # leave the restarted replica time to join
+            elif not meet.check(["stop"]):
+                meet.set("stop", str(manager.current_step() - 1 + TOGETHER))
+    seen["step"] = manager.current_step()
+    torch.save({"model": net.module.state_dict(), "shared": state.shared_state_dict()}, out / f"{scenario}.pt")
+    (out / f"{scenario}.json").write_text(json.dumps(seen))
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    scenario, outdir, lighthouse, port, replica = sys.argv[1:6]
+    if scenario == "same":
+        same_runs(Path(outdir), lighthouse, int(port), int(replica))
+    else:
+        failing(scenario, Path(outdir), lighthouse, int(port), int(replica))

@@ -1,0 +1,115 @@
+"""commpress under a torchft Manager (CPU, gloo, the lighthouse in this process, replica
+groups as processes: tests/manager_workers.py).
+
+Without failures every method's run through the manager is the plain gloo run, bit for
+bit: both sum two ranks' contributions exactly once (a + b) and divide by the same two
+participants; the step counter is the manager's committed steps, the plain run's steps.
+A replica killed in its backward pass leaves the survivor's model and commpress state as
+they were before that step; the restarted replica heals and ends with the survivor's
+model and shared commpress state, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torchft = pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+
+from torch.distributed import TCPStore  # noqa: E402
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+import commpress  # noqa: E402
+from commpress.compressors import available  # noqa: E402
+from commpress.config import Config  # noqa: E402
+from commpress.errors import ConfigError  # noqa: E402
+from commpress.hooks.manager import check_managed  # noqa: E402
+
+pytestmark = pytest.mark.multiproc
+WORKER = Path(__file__).with_name("manager_workers.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _start(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(WORKER.parent)]), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, str(WORKER), scenario, str(out), lighthouse, str(port), str(replica)]
+    log = (out / f"{scenario}{replica}.log").open("w")
+    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 150) -> None:
+    for p in procs:
+        p.wait(timeout=timeout)
+        assert p.returncode == 0, Path(p.args[3], f"{p.args[2]}{p.args[6]}.log").read_text()[-3000:]
+
+
+def test_every_method_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        port = _port()
+        _finish([_start("same", tmp_path, lighthouse.address(), port, r) for r in (0, 1)])
+    finally:
+        lighthouse.shutdown()
+    for replica in (0, 1):
+        seen = json.loads((tmp_path / f"same{replica}.json").read_text())
+        assert sorted(seen) == available()
+        for method, s in seen.items():
+            assert s == {"committed": True, "participants": 2, "model": True, "state": True, "changed": True}, (method, s)
+
+
+def test_a_killed_replica_skips_the_step_and_its_restart_heals_bit_for_bit(tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30000, heartbeat_timeout_ms=2000)
+    meet = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    try:
+        addr = lighthouse.address()
+        survivor = _start("survivor", tmp_path, addr, meet.port, 0)
+        killed = _start("killed", tmp_path, addr, meet.port, 1)
+        _finish([killed])
+        assert not (tmp_path / "killed.json").exists()
+        _finish([survivor, _start("joiner", tmp_path, addr, meet.port, 1)])
+    finally:
+        lighthouse.shutdown()
+    seen = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("survivor", "joiner")}
+    s, j = seen["survivor"], seen["joiner"]
+    assert (s["failed_step_committed"], s["model_kept"], s["state_kept"]) == (False, True, True), s
+    assert s["alone"] >= 1 and not s["healed"], s
+    assert j["healed"] and j["step"] == s["step"], (s, j)
+    a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("survivor", "joiner"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    lowrank = a["shared"]["compressors"]["main"]
+    assert lowrank["q"] and not lowrank["error"]  # warm starts are shared, error feedback is not
+    assert _same(a["shared"]["compressors"], b["shared"]["compressors"]) and a["shared"]["step"] == b["shared"]["step"]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("table", ["local_sgd", "bandwidth", "layerwise", "onebit_adam"])
+def test_tables_that_do_not_run_under_a_manager_are_refused(table):
+    cfg = Config.load({"method": "powersgd", table: {}})
+    with pytest.raises(ConfigError, match=rf"\[{table}\].*torchft Manager"):
+        check_managed(cfg)
+
+
+def test_torchfts_own_ddp_is_refused_with_the_wrapper_to_use():
+    from torchft.ddp import DistributedDataParallel
+
+    model = DistributedDataParallel(object(), torch.nn.Linear(4, 4))  # its hook's state: any object
+    with pytest.raises(TypeError, match="managed_ddp"):
+        commpress.register(model, {"method": "powersgd"}, manager=object())

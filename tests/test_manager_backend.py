@@ -1,0 +1,110 @@
+"""The backend over a torchft Manager, in one process: a stand-in manager whose group holds
+one scripted peer. A healing replica's all-reduce input is zeroed and its all-gather entry
+left out (the participation byte), whatever the dtype; a failure reaches the manager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from commpress.comm.manager_backend import ManagerBackend, replay
+from commpress.compressors import AllGather, AllReduce
+
+
+class _Group:
+    """Two replicas: this one and a peer that sends ``peer`` and says ``peer_in``."""
+
+    def __init__(self, peer: torch.Tensor, peer_in: bool, fail: bool = False) -> None:
+        self.peer, self.peer_in, self.fail = peer, peer_in, fail
+
+    def size(self) -> int:
+        return 2
+
+    def _done(self):
+        fut = torch.futures.Future()
+        if self.fail:
+            fut.set_exception(RuntimeError("Connection reset by peer"))
+        else:
+            fut.set_result(None)
+        return type("Work", (), {"get_future": lambda _: fut})()
+
+    def allreduce(self, tensors, opts):
+        tensors[0].add_(self.peer)
+        return self._done()
+
+    def allgather(self, outputs, inputs, opts):
+        raw = torch.cat([self.peer.reshape(-1).view(torch.uint8), torch.tensor([int(self.peer_in)], dtype=torch.uint8)])
+        outputs[0][0].copy_(inputs[0])
+        outputs[0][1].copy_(raw)
+        return self._done()
+
+
+class _Manager:
+    def __init__(self, group: _Group, participating: bool, participants: int) -> None:
+        self._pg, self.participating, self.participants, self.error = group, participating, participants, None
+
+    def num_participants(self) -> int:
+        return self.participants
+
+    def is_participating(self) -> bool:
+        return self.participating
+
+    def participating_rank(self) -> int | None:
+        return 0 if self.participating else None
+
+    def errored(self):
+        return self.error
+
+    def report_error(self, exc: Exception) -> None:
+        self.error = exc
+
+    def wrap_future(self, fut, default):
+        def swallow(f):
+            try:
+                return f.value()
+            except Exception as exc:
+                self.report_error(exc)
+                return default
+
+        return fut.then(swallow)
+
+
+def _once(request):
+    result = yield request
+    return result
+
+
+def _backend(peer: torch.Tensor, peer_in: bool, me_in: bool, fail: bool = False) -> ManagerBackend:
+    backend = ManagerBackend(_Manager(_Group(peer, peer_in, fail), me_in, int(me_in) + int(peer_in)), rounds=1)
+    backend.begin_step()
+    return backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32, torch.uint8])
+@pytest.mark.parametrize(("me_in", "peer_in"), [(True, True), (True, False), (False, True)])
+def test_all_gather_leaves_out_whoever_heals(dtype, me_in, peer_in):
+    mine, peer = torch.arange(5).to(dtype), torch.arange(10, 15).to(dtype)
+    backend = _backend(peer, peer_in, me_in)
+    got = backend.run(_once(AllGather(mine))).wait()
+    expected = [t for t, inside in ((mine, me_in), (peer, peer_in)) if inside]
+    assert len(got) == len(expected) and all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert backend.world_size == len(expected)
+
+
+def test_a_healing_replica_sends_zeros_in_an_all_reduce_and_its_log_replays():
+    backend = _backend(torch.full((4,), 2.0), peer_in=True, me_in=False)
+    got = backend.run(_once(AllReduce(torch.full((4,), 5.0)))).wait()
+    assert torch.equal(got, torch.full((4,), 2.0))  # the peer's alone
+    assert backend.log is not None and torch.equal(backend.log[0][0], got)
+    again = replay(_once(AllReduce(torch.zeros(4))), backend.log[0])
+    assert torch.equal(again, got)
+
+
+def test_a_failed_collective_fails_the_reduction_and_reaches_the_manager():
+    backend = _backend(torch.zeros(3), peer_in=True, me_in=True, fail=True)
+    with pytest.raises(Exception, match="Connection reset"):
+        backend.run(_once(AllReduce(torch.ones(3)))).wait()
+    assert backend.manager.errored() is not None
+    backend.begin_step()  # the next step starts clean; the manager still refuses until its next quorum
+    with pytest.raises(Exception, match="already failed this step"):
+        backend.run(_once(AllReduce(torch.ones(3)))).wait()
