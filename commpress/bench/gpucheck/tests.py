@@ -101,5 +101,6 @@ def run(report: Report, dry: bool) -> None:
         report.check("without CUDA every chosen test skips, for CUDA", not off and not ran, other_reasons=off, ran=ran)
         report.skip("the chosen tests on a GPU", reason)
 
+
 if __name__ == "__main__":
     main("tests", run)
