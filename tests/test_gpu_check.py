@@ -27,9 +27,8 @@ CPU_SIDES = {
 
 
 @pytest.mark.multiproc
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run's CUDA sides are skipped only on a machine without CUDA")
 def test_the_dry_run_reports_every_part(tmp_path):
-    env = {**os.environ, "PY": sys.executable}
+    env = {**os.environ, "PY": sys.executable, "CUDA_VISIBLE_DEVICES": ""}  # the chosen tests skip, GPU or not
     # --slack: the caps are sized for the lent GPU machine, not a busy CPU one
     done = subprocess.run(
         [str(ROOT / "scripts" / "gpu-check"), str(tmp_path), "--dry", "--slack", "6", "--budget", "3000"],
@@ -63,6 +62,13 @@ def test_a_part_past_its_cap_is_killed(tmp_path):
         report = run_part("env", tmp_path, dry=True, cap=0.05, log=log)
     assert report["status"] == "timeout" and "cap of 0 s" in report["error"]
     assert not (tmp_path / "env.json").exists()
+
+
+def test_a_check_inside_a_check_refuses(monkeypatch, capsys):
+    monkeypatch.setenv("COMMPRESS_GPU_CHECK", "1")
+    with pytest.raises(SystemExit):
+        main(["x", "--dry"])
+    assert "a GPU check is running above this process" in capsys.readouterr().err
 
 
 def test_bad_arguments_name_the_option(capsys):

@@ -26,6 +26,7 @@ from typing import Any
 PARTS = {"env": 30, "tests": 120, "kernels": 60, "ddp": 150, "lowrank": 60, "fsdp": 45}
 ROOT = Path(__file__).resolve().parents[3]
 FINAL = 15  # seconds a part needs at least; with less budget left it is not started
+RUNNING = "COMMPRESS_GPU_CHECK"  # set in the parts' environment: a check started inside one refuses
 
 
 def _parts(text: str) -> list[str]:
@@ -54,6 +55,7 @@ def run_part(name: str, out: Path, dry: bool, cap: float, log: Any) -> dict[str,
     command = [sys.executable, "-m", f"commpress.bench.gpucheck.{name}", str(out), *(["--dry"] if dry else [])]
     env = {
         **os.environ,
+        RUNNING: "1",
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
@@ -101,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         "--parts", type=_parts, default=list(PARTS), help=f"which parts, comma-separated (default all: {','.join(PARTS)})"
     )
     args = parser.parse_args(argv)
+    if os.environ.get(RUNNING):
+        parser.error(f"a GPU check is running above this process ({RUNNING} is set): one would start the other without end")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

@@ -53,7 +53,8 @@ def run(report: Report, dry: bool) -> None:
             "memory_gib": round(props.total_memory / 2**30, 1),
             "multiprocessors": props.multi_processor_count,
         }
-        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None
+        nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+        facts["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
         report.ran.append("gpu")
     else:
         report.skip("gpu", "no CUDA device")

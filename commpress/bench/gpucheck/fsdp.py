@@ -25,7 +25,8 @@ def run(report: Report, dry: bool) -> None:
     steps, hidden = SIZES[dry]
     reason = no_cuda(dry)
     runs = {}
-    for name, device, backend in (("cpu-gloo-1", "cpu", "gloo"), ("cuda-nccl-1", "cuda", "nccl")):
+    # the CUDA run first: were a second process group in this process to fail, it is the one kept
+    for name, device, backend in (("cuda-nccl-1", "cuda", "nccl"), ("cpu-gloo-1", "cpu", "gloo")):
         if device == "cuda" and reason is not None:
             report.skip(name, reason)
             continue
