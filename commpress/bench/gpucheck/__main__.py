@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from commpress.kernels.cpu.openmp import rank_env
+
 #: part -> its time cap in seconds, in the order they run (465 s in all)
 PARTS = {"env": 30, "tests": 120, "kernels": 60, "ddp": 150, "lowrank": 60, "fsdp": 45}
 ROOT = Path(__file__).resolve().parents[3]
@@ -55,6 +57,7 @@ def run_part(name: str, out: Path, dry: bool, cap: float, log: Any) -> dict[str,
     command = [sys.executable, "-m", f"commpress.bench.gpucheck.{name}", str(out), *(["--dry"] if dry else [])]
     env = {
         **os.environ,
+        **rank_env(),  # torch's OpenMP workers stop spinning soon, as in every rank commpress starts
         RUNNING: "1",
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
