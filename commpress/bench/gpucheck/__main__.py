@@ -12,15 +12,17 @@ part runs. Writes ``OUT/gpu-check.json`` (every part's report, the overall statu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from commpress.kernels.cpu.openmp import rank_env
 
@@ -39,7 +41,9 @@ def _parts(text: str) -> list[str]:
     return names
 
 
-def _at_least(option: str, low: float):
+def _at_least(option: str, low: float) -> Callable[[str], float]:
+    """A command-line type: a number of at least ``low``, else an error naming ``option``."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -52,7 +56,7 @@ def _at_least(option: str, low: float):
     return parse
 
 
-def run_part(name: str, out: Path, dry: bool, cap: float, log: Any) -> dict[str, Any]:
+def run_part(name: str, out: Path, dry: bool, cap: float, log: IO[str]) -> dict[str, Any]:
     """Run one part under ``cap`` seconds; its report, with how it ended."""
     command = [sys.executable, "-m", f"commpress.bench.gpucheck.{name}", str(out), *(["--dry"] if dry else [])]
     env = {
@@ -69,11 +73,12 @@ def run_part(name: str, out: Path, dry: bool, cap: float, log: Any) -> dict[str,
     start = time.perf_counter()
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        code = proc.wait(timeout=cap)
+        code: int | None = proc.wait(timeout=cap)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the part and every rank it started
-        proc.wait()
         code = None
+    with contextlib.suppress(ProcessLookupError):  # the part, and every rank it started and left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
     seconds = round(time.perf_counter() - start, 2)
     if code is None:
         return {"part": name, "status": "timeout", "seconds": seconds, "error": f"killed after its cap of {cap:.0f} s"}
