@@ -11,7 +11,6 @@ def test_bench_measures_every_op_against_copy(capsys):
     assert names[0] == "copy" and len(names) == len(set(names)) == len(bench.BYTES)
     assert all(r["ms"] > 0 and r["GB/s"] > 0 for r in rows)
     assert rows[0]["vs copy"] == 1.0 and rows[0]["of byte limit"] == 1.0
-    assert all(r["bytes/element"] == bench.BYTES[r["op"]] for r in rows)
     with_torch = [r for r in rows if r["speed-up"] is not None]
     assert {r["op"] for r in with_torch} >= {"uniform", "ternary_quantize_pack", "topk_select 1%"}
     bench.main(["--numel", "2048", "--repeat", "1"])
