@@ -1,13 +1,16 @@
 """Throughput of the commpress.kernels ops next to a plain copy and to the same op in plain torch.
 
-    python -m commpress.bench.kernels [--device cpu|cuda] [--numel 25165824] [--repeat 7]
+    python -m commpress.bench.kernels [--device cpu|cuda] [--numel 25165824] [--repeat 7] [--inner 1]
 
 Every op runs on one float32 buffer of ``numel`` elements; GB/s counts that buffer's bytes
 (4 * numel) per call, so every row compares with the ``copy`` row (``dst.copy_(src)``).
-Rounds are interleaved (each round runs every op once) and the median is reported, so a
-change in machine load affects all rows alike. ``torch ops`` is the same computation
-written in plain torch (random numbers from ``torch.rand_like``), the speed-up is its
-median time over ours.
+``of byte limit`` judges an op by the bytes it must move at least (:data:`BYTES`, per
+element): its bytes per second over the copy's (8 per element), so 100% is an op as
+bound by memory as the copy itself. Rounds are interleaved (each round runs every op
+``inner`` times back to back: on a GPU one call of a memory-bound op is shorter than a
+launch and a synchronization) and the median is reported, so a change in machine load
+affects all rows alike. ``torch ops`` is the same computation written in plain torch
+(random numbers from ``torch.rand_like``), the speed-up is its median time over ours.
 """
 
 from __future__ import annotations
@@ -27,6 +30,22 @@ from commpress.kernels.cpu.openmp import wait_setting
 WORLD = 2  # ranks decoded by the accumulate ops
 BITS, BUCKET = 4, 1024
 DENSITY = 0.01  # top-k keeps 1%
+_SPARSE = DENSITY * (4 + 4)  # top-k's values and int32 indices, per element of the tensor
+
+#: Bytes per element an op must read and write at least (float32 tensors, WORLD ranks decoded).
+BYTES = {
+    "copy": 4 + 4,
+    "uniform": 4,
+    "pack_bits 2-bit": 1 + 2 / 8,
+    "ternary_quantize_pack": 4 + 2 / 8,  # the tensor in, 2-bit codes out
+    f"ternary_unpack_accumulate x{WORLD}": WORLD * 2 / 8 + 4,  # every rank's codes in, the sum out
+    f"quantize_pack {BITS}-bit B={BUCKET}": 4 + BITS / 8 + 8 / BUCKET,  # codes, min and scale per bucket
+    f"unpack_accumulate {BITS}-bit x{WORLD}": WORLD * (BITS / 8 + 8 / BUCKET) + 4,
+    f"topk_select {DENSITY:.0%}": 4 + _SPARSE + DENSITY * 4,  # values + indices out, the selection zeroed
+    f"topk_select_many {DENSITY:.0%} + error": 4 + 4 + 4 + _SPARSE,  # gradient and residual in, their sum out
+    f"scatter_add_decode x{WORLD}": WORLD * _SPARSE + 4,  # every rank's entries in, the dense sum out
+    "add_error + update_error": 4 * 3 + 4 * 4,  # acc = grad + error; error = acc - decoded
+}
 
 
 def _torch_ternary(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -69,6 +88,7 @@ def cases(n: int, device: torch.device) -> dict[str, tuple[Callable[[], object],
     q = [cc.quantize_pack(x, BITS, BUCKET, r) for r in range(WORLD)]
     qp, qmins, qscales = (torch.stack(p) for p in zip(*q))
     acc = x.clone()
+    summed, error = torch.empty_like(x), x.mul(0.5)
     values, idx = cc.topk_select(x.clone(), k)
     values, idx = values.repeat(WORLD, 1), idx.repeat(WORLD, 1)
     codes = torch.randint(0, 4, (n,), dtype=torch.uint8, generator=gen).to(device)
@@ -85,13 +105,18 @@ def cases(n: int, device: torch.device) -> dict[str, tuple[Callable[[], object],
         f"quantize_pack {BITS}-bit B={BUCKET}": (lambda: cc.quantize_pack(x, BITS, BUCKET, 1), lambda: _torch_quantize(x)),
         f"unpack_accumulate {BITS}-bit x{WORLD}": (lambda: cc.unpack_accumulate(qp, qmins, qscales, BITS, BUCKET, n, out), None),
         f"topk_select {DENSITY:.0%}": (lambda: cc.topk_select(acc, k), lambda: _torch_topk(acc, k)),
+        f"topk_select_many {DENSITY:.0%} + error": (
+            lambda: cc.topk_select_many(summed, [(0, n)], [k], [1], [False], grad=x, error=error),
+            None,
+        ),
         f"scatter_add_decode x{WORLD}": (lambda: cc.scatter_add_decode(values, idx, n, out), None),
         "add_error + update_error": (lambda: cc.update_error(cc.add_error(x, dst), out, dst), None),
     }
 
 
-def measure(n: int, device: torch.device, repeat: int) -> list[dict]:
-    """Median seconds of every op and of its torch version, from ``repeat`` interleaved rounds."""
+def measure(n: int, device: torch.device, repeat: int, inner: int = 1) -> list[dict]:
+    """Median seconds of every op and of its torch version, from ``repeat`` interleaved rounds
+    of ``inner`` calls each."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     calls = cases(n, device)
     times: dict[str, list[float]] = {}
@@ -102,10 +127,11 @@ def measure(n: int, device: torch.device, repeat: int) -> list[dict]:
                     continue
                 sync()
                 start = time.perf_counter()
-                fn()
+                for _ in range(inner):
+                    fn()
                 sync()
                 if round_:
-                    times.setdefault(label, []).append(time.perf_counter() - start)
+                    times.setdefault(label, []).append((time.perf_counter() - start) / inner)
     copy = statistics.median(times["copy"])
     rows = []
     for name in calls:
@@ -117,6 +143,8 @@ def measure(n: int, device: torch.device, repeat: int) -> list[dict]:
                 "ms": t * 1e3,
                 "GB/s": 4 * n / t / 1e9,
                 "vs copy": copy / t,
+                "bytes/element": BYTES[name],
+                "of byte limit": BYTES[name] / BYTES["copy"] * copy / t,
                 "torch ops ms": None if torch_t is None else torch_t * 1e3,
                 "speed-up": None if torch_t is None else torch_t / t,
             }
@@ -125,12 +153,13 @@ def measure(n: int, device: torch.device, repeat: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| op | ms | GB/s | vs copy | torch ops ms | speed-up |\n|---|---:|---:|---:|---:|---:|"
+    head = "| op | ms | GB/s | vs copy | of byte limit | torch ops ms | speed-up |\n|---|---:|---:|---:|---:|---:|---:|"
     lines = [head]
     for r in rows:
         torch_ms = "" if r["torch ops ms"] is None else f"{r['torch ops ms']:.2f}"
         speed = "" if r["speed-up"] is None else f"{r['speed-up']:.1f}x"
-        lines.append(f"| {r['op']} | {r['ms']:.2f} | {r['GB/s']:.2f} | {r['vs copy']:.0%} | {torch_ms} | {speed} |")
+        shares = f"{r['vs copy']:.0%} | {r['of byte limit']:.0%}"
+        lines.append(f"| {r['op']} | {r['ms']:.2f} | {r['GB/s']:.2f} | {shares} | {torch_ms} | {speed} |")
     return "\n".join(lines)
 
 
@@ -141,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         "--numel", type=integer(BUCKET), default=24 << 20, help=f"elements per buffer (a multiple of {BUCKET}; default 24 Mi)"
     )
     parser.add_argument("--repeat", type=integer(1), default=7, help="timed rounds (median reported; default 7)")
+    parser.add_argument("--inner", type=integer(1), default=1, help="calls per op per round, back to back (default 1)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if args.numel % BUCKET:
@@ -150,8 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         where = torch.cuda.get_device_name(device)
     else:
         where = f"CPU, {torch.get_num_threads()} torch threads, OpenMP wait: {wait_setting()}"
-    rows = measure(args.numel, device, args.repeat)
-    print(f"{args.numel:,} float32 elements on {where}, median of {args.repeat} interleaved rounds\n")
+    rows = measure(args.numel, device, args.repeat, args.inner)
+    print(f"{args.numel:,} float32 elements on {where}, median of {args.repeat} interleaved rounds of {args.inner} calls\n")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -47,6 +47,8 @@ class BenchPlan:
     #: step by step, each row in turn (all models built first), instead of row after row:
     #: a machine whose speed drifts then moves every row alike
     interleave: bool = False
+    #: where the models and gradients live ("cpu", or "cuda" for this process's current GPU)
+    device: str = "cpu"
 
 
 def bench_rank(rank: int, world_size: int, plan: BenchPlan) -> dict[str, Any]:
@@ -98,6 +100,29 @@ def _bar(show: bool, label: str, plan: BenchPlan) -> Callable[[int], None] | Non
     return Progress(plan.warmup + plan.steps, f"{label:<40.40}").update if show else None
 
 
+def _device(plan: BenchPlan) -> torch.device:
+    """The plan's device; ``cuda`` is this process's current GPU."""
+    device = torch.device(plan.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _ddp(model: torch.nn.Module, plan: BenchPlan, cap: float | None) -> DistributedDataParallel:
+    """``model`` (on the plan's device) in DDP with buckets of ``cap`` MB (None: DDP's default)."""
+    kwargs: dict[str, Any] = {"bucket_cap_mb": cap} if cap is not None else {}
+    device = _device(plan)
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device.index]
+    return DistributedDataParallel(model, **kwargs)
+
+
+def _synchronize(plan: BenchPlan) -> None:
+    """Wait for the step's kernels on a GPU (a step's time is then its run, not its queueing)."""
+    if plan.device != "cpu":
+        torch.cuda.synchronize()
+
+
 def _row(task: Any, method: BenchMethod, plan: BenchPlan, rank: int, world_size: int, grad_bytes: int) -> _Run:
     """The run of one method: a Local SGD/CO2 trainer for configs with a ``[local_sgd]`` table."""
     if method.config is not None and method.config.section("local_sgd") is not None:
@@ -120,10 +145,10 @@ class _Run:
         self.counting: Counting = contextlib.nullcontext
         self.planning: PlanningCost | None = None  # a [layerwise] row's planning cost
         self.planning_before: dict[str, float] = {}  # ... when the timed steps began
-        model = task.model()
+        model = task.model().to(_device(plan))
         if method is not None:
             self.cap = bucket_cap(method, grad_bytes, plan.bucket_cap_mb)
-            model = DistributedDataParallel(model, **({"bucket_cap_mb": self.cap} if self.cap is not None else {}))
+            model = _ddp(model, plan, self.cap)
             self.traffic, self.counting, self.planning = attach(method, model, grad_bytes)
         self.model = model
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -142,6 +167,7 @@ class _Run:
             self.opt.zero_grad(set_to_none=False)
             loss.backward()
             self.opt.step()
+            _synchronize(self.plan)
         if step >= self.plan.warmup:
             self.times.append(time.perf_counter() - t0)
 
@@ -170,8 +196,7 @@ class _LocalSGDRun:
         assert method.config is not None
         self.task, self.method, self.plan, self.rank, self.world_size = task, method, plan, rank, world_size
         self.label = method.label
-        cap = {"bucket_cap_mb": plan.bucket_cap_mb} if plan.bucket_cap_mb else {}
-        self.ddp = DistributedDataParallel(task.model(), **cap)
+        self.ddp = _ddp(task.model().to(_device(plan)), plan, plan.bucket_cap_mb or None)
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-3, momentum=0.9)
         self.trainer = from_config(self.ddp, self.opt, method.config, total_steps=plan.warmup + plan.steps)
         self.times: list[float] = []
@@ -187,6 +212,7 @@ class _LocalSGDRun:
         loss.backward()
         rounds = self.trainer.clock.rounds
         self.trainer.step()
+        _synchronize(self.plan)
         if step >= self.plan.warmup:
             self.current.append(time.perf_counter() - t0)
             if self.trainer.clock.rounds > rounds or step == self.plan.warmup + self.plan.steps - 1:

@@ -37,7 +37,8 @@ class CharLMWorkload:
 
     def loss(self, model: nn.Module, step: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
         x, y = self.task.batch(step, rank, world_size)
-        return F.cross_entropy(model(x), y)
+        device = next(model.parameters()).device
+        return F.cross_entropy(model(x.to(device)), y.to(device))
 
 
 def make_workload(name: str, scale: float = 0.1, batch: int = 8) -> ShapedTask | CharLMWorkload:

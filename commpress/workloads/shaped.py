@@ -109,13 +109,16 @@ class ShapedTask:
         return ShapedModel(self.shapes(), self.seed)
 
     def loss(self, model: nn.Module, step: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
-        """The step's scalar to backpropagate; factors depend on (seed, step, rank)."""
+        """The step's scalar to backpropagate; factors depend on (seed, step, rank), drawn on
+        the CPU (the same numbers on every device) and moved to the model's device."""
         g = torch.Generator().manual_seed(((self.seed * 1_000_003 + step) * 4099 + rank) % (2**63))
+        device = next(model.parameters()).device
         factors = []
         for _, shape in self.shapes():
             if len(shape) >= 2:
                 rows, cols = shape[0], math.prod(shape[1:])
-                factors.append((torch.randn(rows, self.k, generator=g), torch.randn(cols, self.k, generator=g)))
+                u, v = torch.randn(rows, self.k, generator=g), torch.randn(cols, self.k, generator=g)
             else:
-                factors.append((torch.randn(shape, generator=g), torch.empty(0)))
+                u, v = torch.randn(shape, generator=g), torch.empty(0)
+            factors.append((u.to(device), v.to(device)))
         return model(factors)

@@ -42,13 +42,15 @@ def _units(model: CharMLP) -> list[torch.nn.Module]:
     return [model.embed, model.body[0], model.body[2], model.body[4]]
 
 
-def _shard_fsdp2(model: CharMLP, mesh_shape: tuple[int, ...] | None, mixed_precision: torch.dtype | None) -> None:
+def _shard_fsdp2(
+    model: CharMLP, mesh_shape: tuple[int, ...] | None, mixed_precision: torch.dtype | None, device: torch.device
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     shape = mesh_shape or (dist.get_world_size(),)
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=mixed_precision)
     for unit in _units(model):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
@@ -99,6 +101,7 @@ def train_fsdp(
     hook: Callable[[torch.nn.Module], Any] | None = None,
     on_step: Callable[[int], None] | None = None,
     mixed_precision: torch.dtype | None = None,
+    device: str = "cpu",
 ) -> FSDPTrainResult:
     """Train the demo model under FSDP2 (``version=2``; ``mesh_shape`` (r, s) for HSDP) or
     FSDP1 (``strategy`` a ``ShardingStrategy`` name) with ``commpress.fsdp.apply(model,
@@ -106,7 +109,8 @@ def train_fsdp(
     sizes the model's hidden layers. ``mixed_precision`` (FSDP2): FSDP2's own
     ``MixedPrecisionPolicy`` with that ``param_dtype`` and ``reduce_dtype`` (e.g.
     ``torch.bfloat16``: weights gathered and computed with, gradients reduced in bf16; the
-    master shards and the optimizer stay float32). SGD with momentum, cosine schedule; the
+    master shards and the optimizer stay float32). ``device`` (FSDP2): where the model and the
+    batches live (``"cuda"``: this process's current GPU). SGD with momentum, cosine schedule; the
     held-out loss is measured with full-precision weights. ``restart_at`` (FSDP2): at that step, save
     model, optimizer and commpress state (the whole job's, as a rank-0 checkpoint holds it,
     through ``torch.save`` and ``torch.load(weights_only=True)``), rebuild everything fresh
@@ -117,12 +121,17 @@ def train_fsdp(
         raise ValueError("restart_at is supported with FSDP2 (version=2) only")
     if mixed_precision is not None and version != 2:
         raise ValueError("mixed_precision is supported with FSDP2 (version=2) only")
+    if device != "cpu" and version != 2:
+        raise ValueError(f"device = {device!r} is supported with FSDP2 (version=2) only; FSDP1 runs on the CPU here")
+    where = torch.device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
 
     def build() -> tuple[torch.nn.Module, Any, torch.optim.Optimizer]:
         torch.manual_seed(task.seed)
-        model = CharMLP(task.context, hidden=hidden)
+        model = CharMLP(task.context, hidden=hidden).to(where)
         if version == 2:
-            _shard_fsdp2(model, mesh_shape, mixed_precision)
+            _shard_fsdp2(model, mesh_shape, mixed_precision, where)
         else:
             model = _shard_fsdp1(model, strategy)
         state = commpress.fsdp.apply(model, config) if config is not None else None
@@ -146,17 +155,17 @@ def train_fsdp(
                 state.load_state_dict(saved[2])
         for group in opt.param_groups:
             group["lr"] = schedule(step)
-        x, y = task.batch(step, rank, world)
+        x, y = (t.to(where) for t in task.batch(step, rank, world))
         t0 = time.perf_counter()
         loss = F.cross_entropy(wrapped(x), y)
         opt.zero_grad(set_to_none=False)
         loss.backward()
         opt.step()
+        losses.append(loss.item())  # waits for the step on a GPU
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
         if on_step is not None:
             on_step(step + 1)
-    full = _full_params(wrapped, version)
+    full = [p.cpu() for p in _full_params(wrapped, version)]
     reference = CharMLP(task.context, hidden=hidden)
     with torch.no_grad():
         for p, value in zip(reference.parameters(), full):
