@@ -42,10 +42,21 @@ import torch
 from torch import nn
 
 from commpress.adaptive.knapsack import cheapest, solve
-from commpress.adaptive.layer_errors import Setting, candidates, owed, tensor_errors
+from commpress.adaptive.layer_errors import candidates, tensor_errors
 from commpress.comm import Backend
 from commpress.comm.checkpoint import sum_entries
-from commpress.compressors import AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, build
+from commpress.compressors import (
+    EXACT,
+    AllReduce,
+    Bucket,
+    Compressor,
+    Context,
+    ParamSlot,
+    Reduction,
+    Setting,
+    build,
+    compressor_class,
+)
 from commpress.compressors.collectives import in_scope
 from commpress.compressors.composite import Composite
 from commpress.config import Config, digest_of
@@ -68,9 +79,10 @@ def method_groups(config: Config, model: nn.Module | None = None, last_layer: It
 
 
 def label(setting: Setting) -> str:
-    """``"topk ratio=0.02"``, ``"powersgd rank=8"``, ``"none"``: a setting by its knob."""
+    """``"topk ratio=0.02"``, ``"powersgd rank=8"``, ``"none"``: a setting by its method's
+    :attr:`~commpress.compressors.base.Compressor.knob`."""
     method, params = setting
-    knob = {"topk": "ratio", "powersgd": "rank", "acpsgd": "rank", "quant": "bits"}.get(method)
+    knob = compressor_class(method).knob
     return f"{method} {knob}={params[knob]:g}" if knob in params else method
 
 
@@ -193,7 +205,7 @@ class LayerwiseGroups(MethodGroups):
         """Whether ``step``'s gradients are measured for the next plan (never while the
         bandwidth layer sends this link exactly)."""
         start = self.config.start_iter
-        exact = self.compressors[MAIN].name == "none"
+        exact = self.compressors[MAIN].name == EXACT
         return step >= start and (step - start) % self.settings.every == 0 and not exact
 
     def replace(self, key: str, compressor: Compressor, spec: Setting) -> None:
@@ -215,9 +227,9 @@ class LayerwiseGroups(MethodGroups):
     def prepare(self, bucket: Bucket, ctx: Context) -> None:
         """Before a bucket is reduced: add what moved tensors owe to their gradients, and
         measure the candidates on a measured step."""
-        momentum = getattr(self.compressors[MAIN], "momentum", None)
-        for c in self.compressors.values():  # DGC's momentum is handed over to the configured group
-            if getattr(c, "dgc", False) and c.momentum is None:
+        momentum = self.compressors[MAIN].momentum
+        for c in self.compressors.values():  # the momentum handed over to the configured group
+            if c.applies_momentum and c.momentum is None:
                 c.momentum = momentum
         for slot in bucket.slots:
             carry = self._carry.get(slot.name)
@@ -237,7 +249,7 @@ class LayerwiseGroups(MethodGroups):
                 continue
             acc = bucket.buffer.narrow(0, slot.offset, slot.numel).to(torch.float32, copy=True)
             key = self.key_for(slot.name)
-            extra = owed(self.compressors[key], _entries(self._states[key], slot.name))
+            extra = self.compressors[key].owed(_entries(self._states[key], slot.name))
             if extra is not None:
                 acc.add_(extra.to(acc.device).reshape(-1))
             errors = tensor_errors(order, tuple(slot.shape), acc)
@@ -334,12 +346,12 @@ class LayerwiseGroups(MethodGroups):
         for name, (old, new) in sorted(moves.items()):
             entries = {sk: d.pop(name) for sk, d in states[old].items() if isinstance(d, dict) and name in d}
             source, target = self.compressors[old], self.compressors[new]
-            if entries and type(source) is type(target) and getattr(source, "dgc", False) == getattr(target, "dgc", False):
+            if entries and target.takes_state_of(source):
                 adapted = target.adapt_state({sk: {name: v} for sk, v in entries.items()}, source)
                 for sk, d in adapted.items():
                     states[new].setdefault(sk, {}).update(d)
                 continue
-            debt = owed(source, entries)
+            debt = source.owed(entries)
             if debt is not None:
                 debt = debt.detach().to(torch.float32, copy=True).cpu()
                 self._carry[name] = self._carry[name] + debt if name in self._carry else debt

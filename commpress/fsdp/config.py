@@ -7,6 +7,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from commpress.compressors import EXACT
 from commpress.config import Config
 from commpress.config.keys import TOP_LEVEL, belongs
 from commpress.config.tables import TABLE_TYPES, FSDPConfig, parse_table
@@ -36,7 +37,7 @@ def load_fsdp_config(source: Any = None) -> FSDPConfig:
 def check_sharded_config(config: Config) -> None:
     """Refuse, saying why, what a config sets that does not apply to a sharded model."""
     why = []
-    if config.method != "none" or config.params or config.overrides or config.start_iter:
+    if config.method != EXACT or config.params or config.overrides or config.start_iter:
         why.append(
             f"method = {config.method!r} (with its params, overrides, start_iter) compresses DDP's gradient buckets; "
             "a sharded model's collectives are set by [fsdp] (grad_bits, weight_bits)"
