@@ -57,8 +57,8 @@ from commpress.compressors import (
     build,
     compressor_class,
 )
-from commpress.compressors.collectives import in_scope
 from commpress.compressors.composite import Composite
+from commpress.compressors.wire.collectives import in_scope
 from commpress.config import Config, digest_of
 from commpress.config.groups import MAIN, MethodGroups
 from commpress.config.tables import LayerwiseConfig

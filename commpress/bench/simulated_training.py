@@ -18,7 +18,7 @@ import torch
 from commpress.adaptive.layerwise import LayerwiseGroups, method_groups
 from commpress.comm import SimulatedWorld
 from commpress.compressors import EXACT, Bucket, Context, build
-from commpress.compressors.collectives import sum_rows
+from commpress.compressors.wire.collectives import sum_rows
 from commpress.config import Config
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.fsdp2 import Unit

@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from commpress.compressors.collectives import AllGather, AllReduce, Collective, Finite, ReduceScatter, Reduction, Transfer
 from commpress.compressors.tensor_stats import TensorStats
+from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, Finite, ReduceScatter, Reduction, Transfer
 
 __all__ = [
     "AllGather",

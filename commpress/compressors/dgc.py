@@ -14,7 +14,7 @@ same on every rank, and ``U`` is delivered. ``g`` is first clipped per tensor to
 ``clip_norm / sqrt(world)`` (DGC's local gradient clipping) when ``clip_norm > 0``.
 
 The state (``u``, ``v``, ``U``) lives in the compressor's name-keyed
-:class:`~commpress.compressors.memory.ErrorMemory`; the hooks hand the momentum of
+:class:`~commpress.compressors.wire.memory.ErrorMemory`; the hooks hand the momentum of
 ``torch.optim.SGD`` over to the compressors that apply it
 (:func:`commpress.hooks.optimizer.hand_over_momentum`).
 """
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from commpress.compressors.base import ParamSlot
-from commpress.compressors.memory import ErrorMemory, Piece
+from commpress.compressors.wire.memory import ErrorMemory, Piece
 
 __all__ = ["clip_local", "correct", "dense_momentum", "mask", "owed_velocity"]
 

@@ -21,9 +21,9 @@ from commpress.compressors import host
 from commpress.compressors.base import Bucket, Compressor, Context, ParamSlot, Reduction, Setting
 from commpress.compressors.ladder import pool
 from commpress.compressors.lowrank_plan import LowRankPlan, matrix_shape, orthonormalize
-from commpress.compressors.memory import ErrorMemory, Piece
-from commpress.compressors.seeding import check_seed, shared_normal, stream_starts, tensor_key
 from commpress.compressors.tensor_stats import TensorStats
+from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.seeding import check_seed, shared_normal, stream_starts, tensor_key
 from commpress.errors import ConfigError
 
 __all__ = ["LowRankCompressor"]

@@ -33,12 +33,12 @@ import torch
 
 from commpress.compressors import host
 from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, over_tensors
-from commpress.compressors.framing import frame, unframe
-from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import tensor_key
 from commpress.compressors.tensor_stats import TensorStats, runs
-from commpress.compressors.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
+from commpress.compressors.wire.framing import frame, unframe
+from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.seeding import tensor_key
+from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
 from commpress.kernels import packed_size, sign_pack_many, sign_unpack_accumulate_many
 

@@ -15,7 +15,7 @@ value, added to the next step's gradient (what rounding drops is delayed, not lo
 sent value is then no longer unbiased on its own).
 
 Tensors of fewer than ``min_numel`` elements are sent whole in float32, in the same
-all-gather, and averaged exactly (:mod:`commpress.compressors.whole`).
+all-gather, and averaged exactly (:mod:`commpress.compressors.wire.whole`).
 
 Wire bytes per rank and bucket: Σ over quantized tensors of ⌈n·b/8⌉ + 8·⌈n/bucket_size⌉,
 plus 4·d for the d elements of the tensors sent whole.
@@ -31,12 +31,12 @@ import torch
 
 from commpress.compressors import host
 from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, over_tensors
-from commpress.compressors.framing import frame, unframe
-from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import check_seed, tensor_key, tensor_seeds
 from commpress.compressors.tensor_stats import TensorStats, runs
-from commpress.compressors.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
+from commpress.compressors.wire.framing import frame, unframe
+from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.seeding import check_seed, tensor_key, tensor_seeds
+from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
 from commpress.kernels import add_error, dequantize, packed_size, quantize_pack, unpack_accumulate, update_error
 

@@ -31,11 +31,11 @@ from commpress.compressors.base import (
     Transfer,
     over_tensors,
 )
-from commpress.compressors.framing import frame, unframe
 from commpress.compressors.ladder import pool
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import check_seed, tensor_seeds
 from commpress.compressors.tensor_stats import TensorStats
+from commpress.compressors.wire.framing import frame, unframe
+from commpress.compressors.wire.seeding import check_seed, tensor_seeds
 from commpress.errors import ConfigError
 from commpress.kernels import packed_size, span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
 

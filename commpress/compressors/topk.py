@@ -16,11 +16,11 @@ ones, and the result does not depend on how DDP groups parameters into buckets (
 rebuild after the first step, ``bucket_cap_mb``, a resumed run's fresh buckets).
 
 With ``value_bits`` the values travel as b-bit stochastic codes, one (min, scale) per
-tensor's selection (:mod:`commpress.compressors.sparse_values`), and what the codes drop
+tensor's selection (:mod:`commpress.compressors.wire.sparse_values`), and what the codes drop
 goes back into the residual too.
 
 Tensors of fewer than ``min_numel`` elements (biases, norms) are sent whole in float32,
-in the same all-gather, and averaged exactly (:mod:`commpress.compressors.whole`).
+in the same all-gather, and averaged exactly (:mod:`commpress.compressors.wire.whole`).
 
 Wire bytes per rank and bucket: k·(value bytes + 4) + 4·d, k the sum of the compressed
 tensors' k, d the elements of the tensors sent whole; with ``value_bits`` = b,
@@ -48,14 +48,14 @@ from commpress.compressors.base import (
     over_tensors,
 )
 from commpress.compressors.dgc import clip_local, correct, dense_momentum, mask, owed_velocity
-from commpress.compressors.framing import frame, unframe
 from commpress.compressors.ladder import pool
-from commpress.compressors.memory import ErrorMemory, Piece
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import check_seed, tensor_key, tensor_seeds
-from commpress.compressors.sparse_values import ValueCodec
 from commpress.compressors.tensor_stats import TensorStats
-from commpress.compressors.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
+from commpress.compressors.wire.framing import frame, unframe
+from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.seeding import check_seed, tensor_key, tensor_seeds
+from commpress.compressors.wire.sparse_values import ValueCodec
+from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
 from commpress.kernels import derive_seed, scatter_add_decode, topk_select_many
 
