@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
-from commpress.adaptive.layerwise import LayerPlan
+from commpress.adaptive.layer_plan import LayerPlan
 from commpress.comm import Traffic
 from commpress.config import Config
 from commpress.errors import ConfigError

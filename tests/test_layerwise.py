@@ -12,7 +12,8 @@ import torch
 
 from commpress.adaptive.knapsack import solve
 from commpress.adaptive.layer_errors import candidates, tensor_errors
-from commpress.adaptive.layerwise import LayerPlan, LayerwiseGroups, label
+from commpress.adaptive.layer_plan import LayerPlan, label
+from commpress.adaptive.layerwise import LayerwiseGroups
 from commpress.bench.quality import train
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, Context, build

@@ -20,7 +20,8 @@ from test_compressor_wire import test_transfers_are_the_sum_of_every_slots_own a
 
 import commpress
 from commpress.adaptive.layer_errors import candidates
-from commpress.adaptive.layerwise import LayerwiseGroups, label
+from commpress.adaptive.layer_plan import label
+from commpress.adaptive.layerwise import LayerwiseGroups
 from commpress.bench.quality import train
 from commpress.comm import SimulatedWorld
 from commpress.compressors import (

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.distributed
 
-from commpress.adaptive.layerwise import LayerPlan, LayerwiseGroups, method_groups
+from commpress.adaptive.layer_plan import LayerPlan
+from commpress.adaptive.layerwise import LayerwiseGroups, method_groups
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
