@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from commpress.adaptive.layerwise import LayerPlan
+from commpress.adaptive.layer_plan import LayerPlan
 from commpress.comm import Traffic
 from commpress.comm.averager import ParameterAverager
 from commpress.config import Config

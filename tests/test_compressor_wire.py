@@ -24,10 +24,10 @@ from commpress.compressors import (
     build,
     compressor_class,
 )
-from commpress.compressors.collectives import ReduceScatter
 from commpress.compressors.lowrank import LowRankCompressor
 from commpress.compressors.quant import QuantCompressor
 from commpress.compressors.topk import TopKCompressor
+from commpress.compressors.wire.collectives import ReduceScatter
 
 # other test modules register test-only compressors; these are the package's own
 METHODS = [m for m in available() if not m.startswith("test-")]

@@ -287,7 +287,7 @@ def test_hand_over_with_a_separate_group_for_other_parameters():
     ("make", "kwargs", "message"),
     [
         (None, {}, r"applies momentum itself: pass optimizer= \(the torch.optim.SGD"),
-        (torch.optim.Adam, {"lr": 1e-3}, r"optimizer Adam is not accepted .* use method 'topk' without dgc, or a low-rank"),
+        (torch.optim.Adam, {"lr": 1e-3}, r"optimizer Adam is not accepted .* turn DGC's momentum correction off"),
         (torch.optim.AdamW, {"lr": 1e-3}, r"optimizer AdamW is not accepted"),
         (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}, r"nesterov = True, dampening = 0 are not accepted"),
         (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1}, r"dampening = 0.1 are not accepted"),
@@ -310,7 +310,7 @@ def test_hand_over_refuses_mixed_groups_conflicts_and_start_iter():
     assert opt.param_groups[0]["momentum"] == 0.9  # nothing changed
     with pytest.raises(ConfigError, match=r"momentum = 0.5 is configured, the optimizer's is 0.9"):
         hand_over_momentum(opt, model.named_parameters(), _compressors(model, {"momentum": 0.5}))
-    with pytest.raises(ConfigError, match=r"start_iter = 3 is not accepted with method 'topk' with dgc = true"):
+    with pytest.raises(ConfigError, match=r"start_iter = 3 is not accepted with method 'topk' with DGC's momentum correction"):
         hand_over_momentum(opt, model.named_parameters(), _compressors(model), start_iter=3)
     weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
     biases = [p for n, p in model.named_parameters() if n.endswith("bias")]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from commpress.compressors import host
-from commpress.compressors.memory import ErrorMemory
+from commpress.compressors.wire.memory import ErrorMemory
 
 CPU = torch.device("cpu")
 PIECES = [("a", 0, (2, 3)), ("b", 6, (4,))]

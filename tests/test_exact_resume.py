@@ -15,7 +15,7 @@ from lowrank_helpers import NAMES, SHAPES, one_thread  # noqa: F401  (autouse: o
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, Context, build
 from commpress.compressors.lowrank_plan import LowRankPlan
-from commpress.compressors.seeding import mix64, shared_normal, stream_starts
+from commpress.compressors.wire.seeding import mix64, shared_normal, stream_starts
 
 WORLD = 3
 # DDP's initial layout (one bucket, parameters in order) and its rebuilt one (three

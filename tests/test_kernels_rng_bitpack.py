@@ -107,7 +107,7 @@ def test_every_splitmix64_agrees_with_the_definition():
     keys of derive_seed), in CUDA (``common.cuh``: test_kernels_host.py and test_cuda_kernels.py
     compare its uniforms and sample indices with the CPU's) and in torch integer ops (the
     low-rank methods' shared factors). Each agrees with the definition in Python integers."""
-    from commpress.compressors.seeding import mix64 as torch_mix64
+    from commpress.compressors.wire.seeding import mix64 as torch_mix64
     from commpress.kernels.cpu import rng as cpu_rng
 
     gen = np.random.default_rng(5)

@@ -12,7 +12,7 @@ from commpress import Config, ConfigError
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, Context, build
 from commpress.compressors.quant import DEFAULT_BUCKET_SIZE
-from commpress.compressors.whole import DEFAULT_MIN_NUMEL
+from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL
 
 SIZES = (640, 192, 7)
 NAMES = ("w", "v", "b")

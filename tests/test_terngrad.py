@@ -10,7 +10,7 @@ import torch
 from commpress import ConfigError
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, build
-from commpress.compressors.framing import frame, framed_nbytes, unframe
+from commpress.compressors.wire.framing import frame, framed_nbytes, unframe
 
 
 def _grads(seed: int = 0, sizes=(200, 37)) -> list[torch.Tensor]:

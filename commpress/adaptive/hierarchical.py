@@ -33,7 +33,7 @@ import torch
 
 from commpress.adaptive.hierarchy import Hierarchy
 from commpress.compressors.base import Bucket, Context, ParamSlot
-from commpress.compressors.collectives import AllGather, ReduceScatter, Reduction, in_scope
+from commpress.compressors.wire.collectives import AllGather, ReduceScatter, Reduction, in_scope
 
 __all__ = ["Place", "hierarchical_reduction", "hierarchy_scopes", "shard_ranges", "shard_slots"]
 

@@ -42,19 +42,19 @@ import torch
 from torch import nn
 
 from commpress.adaptive.knapsack import cheapest, solve
-from commpress.adaptive.layer_errors import Setting, candidates, owed, tensor_errors
+from commpress.adaptive.layer_errors import candidates, tensor_errors
+from commpress.adaptive.layer_plan import LayerPlan, PlanningCost, label
 from commpress.comm import Backend
 from commpress.comm.checkpoint import sum_entries
-from commpress.compressors import AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, build
-from commpress.compressors.collectives import in_scope
+from commpress.compressors import EXACT, AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, Setting, build
 from commpress.compressors.composite import Composite
-from commpress.config import Config, digest_of
+from commpress.compressors.wire.collectives import in_scope
+from commpress.config import Config
 from commpress.config.groups import MAIN, MethodGroups
 from commpress.config.tables import LayerwiseConfig
 from commpress.errors import ConfigError
-from commpress.terminal import format_table
 
-__all__ = ["LayerPlan", "LayerwiseGroups", "PlanningCost", "label", "method_groups"]
+__all__ = ["LayerwiseGroups", "method_groups"]
 
 log = logging.getLogger("commpress.layerwise")
 
@@ -65,81 +65,6 @@ def method_groups(config: Config, model: nn.Module | None = None, last_layer: It
     if settings is not None and settings.enabled:
         return LayerwiseGroups(config, model, last_layer)
     return MethodGroups(config, model, last_layer)
-
-
-def label(setting: Setting) -> str:
-    """``"topk ratio=0.02"``, ``"powersgd rank=8"``, ``"none"``: a setting by its knob."""
-    method, params = setting
-    knob = {"topk": "ratio", "powersgd": "rank", "acpsgd": "rank", "quant": "bits"}.get(method)
-    return f"{method} {knob}={params[knob]:g}" if knob in params else method
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """Each planned tensor's setting (its group key and label) and bytes per step, the
-    budget, the summed measured error, the step the plan took effect, and the ranks that
-    hold it (a cross group of the bandwidth layer; empty: every rank)."""
-
-    step: int
-    keys: dict[str, str]
-    labels: dict[str, str]
-    nbytes: dict[str, float]
-    budget: float
-    error: float
-    ranks: tuple[int, ...] = ()
-
-    @property
-    def total_bytes(self) -> float:
-        return sum(self.nbytes.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data, for digests and checkpoints."""
-        return {
-            "step": self.step,
-            "keys": dict(self.keys),
-            "labels": dict(self.labels),
-            "nbytes": dict(self.nbytes),
-            "budget": self.budget,
-            "error": self.error,
-            "ranks": list(self.ranks),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LayerPlan:
-        return cls(
-            int(data["step"]),
-            dict(data["keys"]),
-            dict(data["labels"]),
-            {k: float(v) for k, v in data["nbytes"].items()},
-            float(data["budget"]),
-            float(data["error"]),
-            tuple(int(r) for r in data.get("ranks", ())),
-        )
-
-    def digest(self) -> str:
-        return digest_of(self.to_dict())
-
-    def __str__(self) -> str:
-        rows = [[name, self.labels[name], f"{self.nbytes[name]:,.0f}"] for name in self.keys]
-        where = f" of ranks {' '.join(map(str, self.ranks))}" if self.ranks else ""
-        head = f"layer-wise plan{where} from step {self.step}: {self.total_bytes:,.0f} of {self.budget:,.0f} bytes per step"
-        return head + "\n" + format_table(["tensor", "setting", "bytes/step"], rows)
-
-
-@dataclass
-class PlanningCost:
-    """What layer-wise planning has cost this rank so far, in wall seconds: measuring the
-    candidates' errors on measured steps, and making plans (the two collectives, waiting
-    for the other ranks included, the solve and the switch). A diagnostic for ``commpress
-    bench``, like the traffic counters: not training state, so not in ``state_dict()``."""
-
-    measured_steps: int = 0
-    measure_seconds: float = 0.0
-    plans: int = 0
-    plan_seconds: float = 0.0
-
-    def snapshot(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -193,7 +118,7 @@ class LayerwiseGroups(MethodGroups):
         """Whether ``step``'s gradients are measured for the next plan (never while the
         bandwidth layer sends this link exactly)."""
         start = self.config.start_iter
-        exact = self.compressors[MAIN].name == "none"
+        exact = self.compressors[MAIN].name == EXACT
         return step >= start and (step - start) % self.settings.every == 0 and not exact
 
     def replace(self, key: str, compressor: Compressor, spec: Setting) -> None:
@@ -215,9 +140,9 @@ class LayerwiseGroups(MethodGroups):
     def prepare(self, bucket: Bucket, ctx: Context) -> None:
         """Before a bucket is reduced: add what moved tensors owe to their gradients, and
         measure the candidates on a measured step."""
-        momentum = getattr(self.compressors[MAIN], "momentum", None)
-        for c in self.compressors.values():  # DGC's momentum is handed over to the configured group
-            if getattr(c, "dgc", False) and c.momentum is None:
+        momentum = self.compressors[MAIN].momentum
+        for c in self.compressors.values():  # the momentum handed over to the configured group
+            if c.applies_momentum and c.momentum is None:
                 c.momentum = momentum
         for slot in bucket.slots:
             carry = self._carry.get(slot.name)
@@ -237,7 +162,7 @@ class LayerwiseGroups(MethodGroups):
                 continue
             acc = bucket.buffer.narrow(0, slot.offset, slot.numel).to(torch.float32, copy=True)
             key = self.key_for(slot.name)
-            extra = owed(self.compressors[key], _entries(self._states[key], slot.name))
+            extra = self.compressors[key].owed(_entries(self._states[key], slot.name))
             if extra is not None:
                 acc.add_(extra.to(acc.device).reshape(-1))
             errors = tensor_errors(order, tuple(slot.shape), acc)
@@ -334,12 +259,12 @@ class LayerwiseGroups(MethodGroups):
         for name, (old, new) in sorted(moves.items()):
             entries = {sk: d.pop(name) for sk, d in states[old].items() if isinstance(d, dict) and name in d}
             source, target = self.compressors[old], self.compressors[new]
-            if entries and type(source) is type(target) and getattr(source, "dgc", False) == getattr(target, "dgc", False):
+            if entries and target.takes_state_of(source):
                 adapted = target.adapt_state({sk: {name: v} for sk, v in entries.items()}, source)
                 for sk, d in adapted.items():
                     states[new].setdefault(sk, {}).update(d)
                 continue
-            debt = owed(source, entries)
+            debt = source.owed(entries)
             if debt is not None:
                 debt = debt.detach().to(torch.float32, copy=True).cpu()
                 self._carry[name] = self._carry[name] + debt if name in self._carry else debt

@@ -33,6 +33,7 @@ from commpress.adaptive.hierarchy import Hierarchy
 from commpress.adaptive.ratios import method_for_ratio
 from commpress.adaptive.topology import Topology
 from commpress.adaptive.traffic import GroupTraffic, Methods, ModelLayout, cross_traffic, domain_traffic, group_shapes
+from commpress.compressors import EXACT
 from commpress.config.tables import BandwidthConfig
 from commpress.terminal import format_table
 
@@ -66,7 +67,7 @@ class HierarchyPlan(Hierarchy):
         }
 
     def __str__(self) -> str:
-        methods = [describe(m) for m in self.methods] + ["none"] * len(self.domains)
+        methods = [describe(m) for m in self.methods] + [EXACT] * len(self.domains)
         ratios = [*self.ratio, *[1.0] * len(self.domains)]
         rows = [
             [

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from commpress.compressors import ParamSlot, build
+from commpress.compressors import EXACT, ParamSlot, build
 
 __all__ = ["adapt_state", "method_for_ratio"]
 
@@ -36,6 +36,6 @@ def method_for_ratio(method: str, params: Mapping[str, Any], ratio: float, shape
     """(method, params) at nominal ``ratio`` for gradient tensors of ``shapes`` (a group's
     shards); ``params`` are the configured ones, other keys kept."""
     if ratio >= 1.0:
-        return "none", {}
+        return EXACT, {}
     slots = [ParamSlot(f"t{i}", torch.Size(shape), 0) for i, shape in enumerate(shapes)]
     return method, {**params, **build(method, params).params_for_ratio(ratio, slots)}

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commpress.adaptive.hierarchy import Hierarchy
-from commpress.compressors.collectives import Reduction
+from commpress.compressors.wire.collectives import Reduction
 
 __all__ = ["CollectiveLog", "Measured", "Record", "active", "measured", "recording"]
 

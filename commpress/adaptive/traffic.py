@@ -39,7 +39,7 @@ from commpress.adaptive.hierarchical import Place, shard_ranges, shard_slots
 from commpress.adaptive.hierarchy import Hierarchy
 from commpress.adaptive.topology import Topology
 from commpress.comm.simulated import SimulatedWorld
-from commpress.compressors import Bucket, Context, ParamSlot, Reduction, Transfer, build
+from commpress.compressors import EXACT, Bucket, Context, ParamSlot, Reduction, Transfer, build
 from commpress.config.groups import MAIN
 
 __all__ = [
@@ -286,7 +286,7 @@ def cross_traffic(topology: Topology, hierarchy: Hierarchy, layout: ModelLayout,
         if not slots:
             continue
         for key, part in layout.parts(_shard(slots, place)):
-            method, params = methods.get(key, ("none", {}))
+            method, params = methods.get(key, (EXACT, {}))
             transfers += method_transfers(method, params, part, layout.element_size, len(ranks))
     return GroupTraffic(f"cross {group}", "cross", ranks, tuple(transfers), cross_link(topology, hierarchy, group))
 

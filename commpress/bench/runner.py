@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from commpress.adaptive.layerwise import PlanningCost
+from commpress.adaptive.layer_plan import PlanningCost
 from commpress.bench.attach import Counting, attach, bucket_cap
 from commpress.bench.methods import BenchMethod
 from commpress.bench.workloads import make_workload

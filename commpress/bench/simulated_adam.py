@@ -8,7 +8,7 @@ from __future__ import annotations
 from commpress.bench.simulated_training import WORLD, _set_grads
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
-from commpress.compressors import Bucket, Context, build
+from commpress.compressors import EXACT, Bucket, Context, build
 from commpress.config import Config
 from commpress.optim import OneBitAdam
 
@@ -23,7 +23,7 @@ class OneBitAdamRanks:
         warmup = cfg.section("onebit_adam").warmup_steps(steps)
         self.models, self.opts, self.sim = models, opts, sim
         self.names = [n for n, _ in models[0].named_parameters()]
-        self.exact = build("none")
+        self.exact = build(EXACT)
         self.ranks = [
             OneBitAdam(opt, model.named_parameters(), ParameterAverager(cfg.method, cfg.params, backend=backend), warmup)
             for model, opt, backend in zip(models, opts, sim.backends)

@@ -18,8 +18,8 @@ import torch
 from commpress.adaptive.layerwise import LayerwiseGroups, method_groups
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
-from commpress.compressors import Bucket, Context, build
-from commpress.compressors.collectives import sum_rows
+from commpress.compressors import EXACT, Bucket, Context, build
+from commpress.compressors.wire.collectives import sum_rows
 from commpress.config import Config
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.fsdp2 import Unit
@@ -95,7 +95,7 @@ def data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) ->
     groups = [method_groups(cfg, model) for model in models]
     for g, model, opt in zip(groups, models, opts):
         hand_over_momentum(opt, model.named_parameters(), lambda n, g=g: g.compressors[g.key_for(n)], cfg.start_iter)
-    warmup = build("none")
+    warmup = build(EXACT)
 
     def step_fn(step: int, grads: list) -> None:
         buckets = [Bucket.from_tensors(0, list(g), names) for g in grads]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from commpress.comm.counters import Traffic
-from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction
+from commpress.compressors.wire.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction
 from commpress.errors import CollectiveError
 
 __all__ = ["Backend", "Channel", "OnBackend", "describe"]

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
 from commpress.comm.backend import Backend, Channel
-from commpress.compressors.collectives import AllGather, AllReduce, Collective, Finite, Reduction
+from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, Finite, Reduction
 from commpress.errors import CollectiveError
 
 __all__ = ["ManagerBackend", "replay"]

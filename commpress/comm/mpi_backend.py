@@ -29,7 +29,7 @@ import torch
 from commpress.comm.backend import Backend, Channel
 from commpress.comm.from_env import detect_launcher
 from commpress.comm.torch_backend import group_timeout
-from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter, sum_rows
+from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, ReduceScatter, sum_rows
 from commpress.errors import CollectiveError
 
 __all__ = ["MPIBackend", "cuda_aware"]

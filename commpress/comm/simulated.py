@@ -16,7 +16,16 @@ import torch
 from commpress.comm.backend import Backend, Channel
 from commpress.comm.counters import Traffic
 from commpress.compressors.base import Bucket, Compressor, Context
-from commpress.compressors.collectives import SCOPES, AllGather, AllReduce, Collective, Finite, ReduceScatter, Reduction, sum_rows
+from commpress.compressors.wire.collectives import (
+    SCOPES,
+    AllGather,
+    AllReduce,
+    Collective,
+    Finite,
+    ReduceScatter,
+    Reduction,
+    sum_rows,
+)
 
 __all__ = ["SimulatedBackend", "SimulatedWorld"]
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from commpress.comm.backend import Channel
 from commpress.comm.links import Links, MeasurableBackend
-from commpress.compressors.collectives import AllGather, AllReduce, Collective, ReduceScatter, sum_rows
+from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, ReduceScatter, sum_rows
 from commpress.torch_compat import all_gather_single
 
 __all__ = ["TorchBackend", "TorchLinks", "group_timeout", "require_initialized"]

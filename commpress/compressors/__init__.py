@@ -2,6 +2,9 @@
 
 Every module of this package is imported here, so a compressor registers itself
 (``@register_compressor``) by being a file of the package: adding one touches that file only.
+The rest of the package never names a method: it asks the class what it needs
+(:class:`~commpress.compressors.base.Compressor` lists what may be asked), and names only
+:data:`EXACT`, the exact average every layer falls back to.
 """
 
 import importlib as _importlib
@@ -16,14 +19,17 @@ from commpress.compressors.base import (
     Context,
     ParamSlot,
     Reduction,
+    Setting,
     Transfer,
+    lay_out,
 )
-from commpress.compressors.registry import available, build, check_params, compressor_class, register_compressor
+from commpress.compressors.registry import EXACT, available, build, check_params, compressor_class, register_compressor
 
 for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
     _importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = [
+    "EXACT",
     "AllGather",
     "AllReduce",
     "Bucket",
@@ -32,10 +38,12 @@ __all__ = [
     "Context",
     "ParamSlot",
     "Reduction",
+    "Setting",
     "Transfer",
     "available",
     "build",
     "check_params",
     "compressor_class",
+    "lay_out",
     "register_compressor",
 ]

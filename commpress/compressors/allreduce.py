@@ -7,12 +7,14 @@ parameters of one, through an override) trains with them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
 from commpress.compressors.base import AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer
-from commpress.compressors.registry import register_compressor
+from commpress.compressors.registry import EXACT, register_compressor
+from commpress.compressors.tensor_stats import TensorStats
 
 __all__ = ["BF16Compressor", "FP16Compressor", "NoneCompressor"]
 
@@ -22,7 +24,7 @@ class NoneCompressor(Compressor):
     """Plain averaging all-reduce, the reference: divides by the world size first, then
     sums, exactly like DDP without a hook, so parameters stay bit-identical."""
 
-    name: ClassVar[str] = "none"
+    name: ClassVar[str] = EXACT
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (*Compressor.dtypes, torch.float64)
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
@@ -37,6 +39,10 @@ class NoneCompressor(Compressor):
     def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
         """Every element in the gradients' own dtype, in one all-reduce."""
         return (Transfer("all_reduce", slot.numel * element_size),)
+
+    def error_model(self, tensor: TensorStats) -> Callable[[], float]:
+        """Exact: nothing lost."""
+        return lambda: 0.0
 
 
 class _CastCompressor(Compressor):
@@ -56,6 +62,15 @@ class _CastCompressor(Compressor):
     def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
         """Every element in the wire dtype, in one all-reduce."""
         return (Transfer("all_reduce", slot.numel * self.wire_dtype.itemsize),)
+
+    def error_model(self, tensor: TensorStats) -> Callable[[], float]:
+        """The rounding error of the cast (the difference is exact in float32)."""
+
+        def error() -> float:
+            wire = tensor.rows.to(self.wire_dtype).float()
+            return tensor.factor * float((tensor.rows - wire).square().sum(dtype=torch.float64))
+
+        return error
 
 
 @register_compressor

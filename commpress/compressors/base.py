@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from commpress.compressors.collectives import AllGather, AllReduce, Collective, Finite, ReduceScatter, Reduction, Transfer
+from commpress.compressors.tensor_stats import TensorStats
+from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, Finite, ReduceScatter, Reduction, Transfer
 
 __all__ = [
     "AllGather",
@@ -30,9 +31,14 @@ __all__ = [
     "ParamSlot",
     "ReduceScatter",
     "Reduction",
+    "Setting",
     "Transfer",
-    "on_dense_copy",
+    "lay_out",
+    "over_tensors",
 ]
+
+#: (method, params): one setting of a method, as a config names it.
+Setting = tuple[str, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -84,22 +90,47 @@ class Bucket:
     def from_tensors(cls, index: int, tensors: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> Bucket:
         """Copy ``tensors`` into a new flat buffer (tests and simulations use this)."""
         names = list(names) if names is not None else [f"p{i}" for i in range(len(tensors))]
-        slots, offset = [], 0
-        for name, t in zip(names, tensors, strict=True):
-            slots.append(ParamSlot(name, t.shape, offset))
-            offset += t.numel()
+        slots, _ = lay_out((name, t.shape) for name, t in zip(names, tensors, strict=True))
         dtype = tensors[0].dtype if tensors else torch.float32
         flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=dtype)
-        return cls(index, flat, tuple(slots))
+        return cls(index, flat, slots)
 
 
-def on_dense_copy(reduce: Callable[[Bucket, Context], Reduction], bucket: Bucket, ctx: Context) -> Reduction:
-    """Run ``reduce`` on a contiguous copy of a strided ``bucket`` and write the average back
-    (for compressors whose kernels need dense memory)."""
-    dense = Bucket(bucket.index, bucket.buffer.contiguous(), bucket.slots)
-    finite = yield from reduce(dense, ctx)
-    bucket.buffer.copy_(dense.buffer)
-    return finite
+def lay_out(named: Iterable[tuple[str, Sequence[int]]]) -> tuple[tuple[ParamSlot, ...], int]:
+    """The slots of tensors (name, shape) laid end to end in a flat buffer, in order from
+    offset 0, and the elements they hold: a bucket's layout, a flat model's."""
+    slots: list[ParamSlot] = []
+    offset = 0
+    for name, shape in named:
+        slots.append(ParamSlot(name, torch.Size(shape), offset))
+        offset += slots[-1].numel
+    return tuple(slots), offset
+
+
+TensorReduce = Callable[[Any, "Bucket", "Context", list[ParamSlot]], Reduction]
+
+
+def over_tensors(reduce: TensorReduce) -> Callable[[Any, Bucket, Context], Reduction]:
+    """A compressor's ``reduce`` from one over a bucket's non-empty tensors: the decorated
+    method is called as ``reduce(self, bucket, ctx, slots)`` with the slots that hold
+    elements, after the gradient dtype is checked (:meth:`Compressor.check_dtype`); a
+    bucket without elements is left as it is, and a strided one is reduced on a contiguous
+    copy whose average is written back (for kernels that need dense memory)."""
+
+    @functools.wraps(reduce)
+    def wrapper(self: Compressor, bucket: Bucket, ctx: Context) -> Reduction:
+        self.check_dtype(bucket)
+        if not bucket.buffer.is_contiguous():
+            dense = Bucket(bucket.index, bucket.buffer.contiguous(), bucket.slots)
+            finite = yield from wrapper(self, dense, ctx)
+            bucket.buffer.copy_(dense.buffer)
+            return finite
+        slots = [s for s in bucket.slots if s.numel]
+        if not slots:
+            return None
+        return (yield from reduce(self, bucket, ctx, slots))
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -117,6 +148,16 @@ class Compressor(ABC):
     Constructor keyword arguments are the method's config parameters; the registry
     validates names and types from the signature, the constructor checks ranges and
     raises :class:`commpress.config.ConfigError`.
+
+    What the rest of the package may ask a compressor, and nothing else (it never names a
+    method): ``rounds``, ``dtypes`` and ``per_rank_state`` (backends, hooks, checkpoints);
+    :meth:`end_step`, :meth:`state_dict` and :meth:`load_state_dict` (the step's commit,
+    checkpoints); what it sends, its knob and its state when the knob moves
+    (:meth:`transfers`, :attr:`knob`, :meth:`params_for_ratio`, :meth:`adapt_state`: the
+    bandwidth layer); the settings and errors a layer-wise plan weighs (:meth:`ladder`,
+    :meth:`error_model`, :meth:`owed`, :meth:`takes_state_of`); whether the optimizer hands
+    it its momentum (:attr:`applies_momentum`, :attr:`momentum`); whether it leaves the
+    model's last layer to exact averaging (:attr:`skip_last_layer`: the method groups).
     """
 
     name: ClassVar[str]
@@ -129,6 +170,15 @@ class Compressor(ABC):
     #: local momentum); every other entry is the same on every rank. Checkpoints use it to
     #: refuse another rank's state and to carry state to a job of another world size.
     per_rank_state: ClassVar[tuple[str, ...]] = ()
+    #: The parameter a target ratio sets (the key :meth:`params_for_ratio` returns: Top-k's
+    #: ``ratio``, the low-rank ``rank``), by which a layer-wise setting is labelled; None: no knob.
+    knob: ClassVar[str | None] = None
+    #: The momentum this compressor applies (:attr:`applies_momentum`): configured, or
+    #: handed over from the optimizer by the hooks; None until then, and for every other.
+    momentum: float | None = None
+    #: Whether the model's last layer is left out of this compressor, to an exact average
+    #: (the method groups find that layer, so they need the model).
+    skip_last_layer: bool = False
 
     @abstractmethod
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
@@ -204,3 +254,41 @@ class Compressor(ABC):
         loadable by this instance. The default: unchanged (state that does not depend on
         the parameters)."""
         return state
+
+    # ---- the optimizer's momentum ------------------------------------------------------
+
+    @property
+    def applies_momentum(self) -> bool:
+        """Whether this compressor applies the optimizer's momentum itself, before it
+        compresses (DGC's momentum correction): the optimizer then runs without momentum,
+        and the hooks hand the optimizer's over (:attr:`momentum`). The default: False."""
+        return False
+
+    # ---- what a layer-wise plan weighs -------------------------------------------------
+
+    def ladder(self, params: Mapping[str, Any]) -> list[Setting] | None:
+        """The settings a layer-wise plan may give a tensor of this method, configured with
+        ``params`` (those this instance was built with), the configured one first: its own
+        knob around it, and other methods' settings (:func:`commpress.compressors.ladder.pool`).
+        The default, None: ``[layerwise]`` does not plan this method's tensors."""
+        return None
+
+    def error_model(self, tensor: TensorStats) -> Callable[[], float] | None:
+        """What this setting loses on one tensor, as a function to call once every
+        candidate's model has been made: the squared L2 distance between what the tensor
+        owes (its gradient, plus what :meth:`owed` returns) and what this setting sends of
+        it, on this rank, read off ``tensor``'s shared statistics (a model asks there first
+        for the counts and ranks it will read). The default, None: no error model."""
+        return None
+
+    def owed(self, entries: Mapping[str, Any]) -> torch.Tensor | None:
+        """What one tensor owes beyond its next gradient, from its entries of
+        :meth:`state_dict` (state key -> tensor): the residual that error feedback carries,
+        added to its next gradient when a plan moves it to another method. The default:
+        None (it owes nothing)."""
+        return None
+
+    def takes_state_of(self, previous: Compressor) -> bool:
+        """Whether :meth:`adapt_state` converts the state of ``previous`` (a plan then moves
+        a tensor's entries rather than what it owes). The default: the same class."""
+        return type(previous) is type(self)

@@ -14,7 +14,7 @@ same on every rank, and ``U`` is delivered. ``g`` is first clipped per tensor to
 ``clip_norm / sqrt(world)`` (DGC's local gradient clipping) when ``clip_norm > 0``.
 
 The state (``u``, ``v``, ``U``) lives in the compressor's name-keyed
-:class:`~commpress.compressors.memory.ErrorMemory`; the hooks hand the momentum of
+:class:`~commpress.compressors.wire.memory.ErrorMemory`; the hooks hand the momentum of
 ``torch.optim.SGD`` over to the compressors that apply it
 (:func:`commpress.hooks.optimizer.hand_over_momentum`).
 """
@@ -22,14 +22,15 @@ The state (``u``, ``v``, ``U``) lives in the compressor's name-keyed
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from commpress.compressors.base import ParamSlot
-from commpress.compressors.memory import ErrorMemory, Piece
+from commpress.compressors.wire.memory import ErrorMemory, Piece
 
-__all__ = ["clip_local", "correct", "dense_momentum", "mask"]
+__all__ = ["clip_local", "correct", "dense_momentum", "mask", "owed_velocity"]
 
 
 def clip_local(grad: torch.Tensor, slots: Sequence[ParamSlot], clip_norm: float, world_size: int) -> torch.Tensor:
@@ -66,3 +67,12 @@ def dense_momentum(memory: ErrorMemory, pieces: Sequence[Piece], average: torch.
     """``U = m·U + D`` for the tensors sent whole (``average`` = D, float32, the dense layout)."""
     old, _ = memory.gather("momentum", pieces, average.numel(), average.device)
     return torch.add(average, old.narrow(0, 0, average.numel()), alpha=momentum)
+
+
+def owed_velocity(entries: Mapping[str, Any], momentum: float) -> torch.Tensor | None:
+    """What one tensor owes from its DGC state (``velocity`` v, ``momentum`` u): ``v + m u``,
+    the velocity plus the momentum's next contribution; None without either."""
+    v, u = entries.get("velocity"), entries.get("momentum")
+    if v is None or u is None:
+        return v if u is None else u * momentum
+    return v + u * momentum

@@ -18,15 +18,18 @@ from typing import Any, ClassVar
 import torch
 
 from commpress.compressors import host
-from commpress.compressors.base import Bucket, Compressor, Context, ParamSlot, Reduction
+from commpress.compressors.base import Bucket, Compressor, Context, ParamSlot, Reduction, Setting
+from commpress.compressors.ladder import pool
 from commpress.compressors.lowrank_plan import LowRankPlan, matrix_shape, orthonormalize
-from commpress.compressors.memory import ErrorMemory, Piece
-from commpress.compressors.seeding import check_seed, shared_normal, stream_starts, tensor_key
+from commpress.compressors.tensor_stats import TensorStats
+from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.seeding import check_seed, shared_normal, stream_starts, tensor_key
 from commpress.errors import ConfigError
 
 __all__ = ["LowRankCompressor"]
 
 _STATE_KEYS = ("error", "p", "q", "steps")
+_RANK_STEPS = range(-2, 4)  # a layer-wise plan's ranks: the configured rank * 2**j
 
 
 @dataclass(eq=False)
@@ -66,6 +69,7 @@ class LowRankCompressor(Compressor):
     """
 
     per_rank_state: ClassVar[tuple[str, ...]] = ("error",)  # the factors are all-reduced: the same everywhere
+    knob: ClassVar[str | None] = "rank"
 
     def __init__(
         self,
@@ -239,6 +243,34 @@ class LowRankCompressor(Compressor):
         full = sum(n * m for n, m in mats)
         per_rank = sum(sent(n, m) for n, m in mats)
         return {"rank": max(1, math.floor(ratio * full / per_rank)) if per_rank else 1}
+
+    def ladder(self, params: Mapping[str, Any]) -> list[Setting]:
+        """Ranks from 1/4 to 8 times the configured rank, then the pool (no other low rank)."""
+        ranks = sorted({max(1, int(self.rank * 2.0**j)) for j in _RANK_STEPS})
+        own = [(self.name, {**params, "rank": r}) for r in ranks if r != self.rank]
+        return [(self.name, dict(params)), *own, *pool(self.name, params)]
+
+    def error_model(self, tensor: TensorStats) -> Callable[[], float]:
+        """The squared singular values beyond the rank of the tensor as a matrix (the best
+        rank-r approximation, which the warm-started power iteration approaches): its energy
+        less that of the top r, on the whole tensor (the top singular values of fewer rows
+        take a larger share of the tail); 0 where the tensor is sent uncompressed."""
+        tensor.want_rank(self.rank)
+
+        def error() -> float:
+            shape = matrix_shape(ParamSlot("t", torch.Size(tensor.shape), 0), self.rank, self.min_compression_rate)
+            if shape is None:
+                return 0.0
+            s = tensor.singular(*shape)
+            if len(s) == min(shape):  # every singular value: the tail itself
+                return float(s[self.rank :].square().sum())
+            return max(0.0, tensor.whole_energy - float(s[: self.rank].square().sum()))
+
+        return error
+
+    def owed(self, entries: Mapping[str, Any]) -> torch.Tensor | None:
+        """With error feedback, the error ``M - P Q^T``."""
+        return entries.get("error")
 
     def adapt_state(self, state: dict[str, Any], previous: Compressor) -> dict[str, Any]:
         """A new rank keeps every parameter's error buffer (error feedback) and restarts the

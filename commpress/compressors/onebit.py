@@ -25,19 +25,20 @@ element of the tensors sent whole.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from commpress.compressors import host
-from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, on_dense_copy
-from commpress.compressors.collectives import sum_rows
-from commpress.compressors.framing import frame, unframe
-from commpress.compressors.memory import ErrorMemory, Piece
+from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, over_tensors
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import tensor_key
-from commpress.compressors.topk import DEFAULT_MIN_NUMEL
+from commpress.compressors.tensor_stats import TensorStats, runs
+from commpress.compressors.wire.framing import frame, unframe
+from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.seeding import tensor_key
+from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
 from commpress.kernels import packed_size, sign_pack_many, sign_unpack_accumulate_many
 
@@ -98,6 +99,23 @@ class OneBitCompressor(Compressor):
         nbytes = full * (4 + packed_size(run, 1)) + (4 + packed_size(rest, 1) if rest else 0)
         return (Transfer("all_gather", nbytes),)
 
+    def error_model(self, tensor: TensorStats) -> Callable[[], float]:
+        """What the mean magnitude times the sign misses, ``sum a^2 - n s^2`` per run of n
+        elements with scale s = mean |a| (0 for a tensor sent whole)."""
+
+        def error() -> float:
+            if tensor.numel < self.min_numel:
+                return 0.0
+            chunks = runs(tensor.double, self.chunk or tensor.rows.numel())
+            kept = sum(float(r.abs().mean(1).square().sum() * r.shape[1]) for r in chunks)  # what a scaled sign keeps
+            return tensor.factor * max(0.0, tensor.energy - kept)
+
+        return error
+
+    def owed(self, entries: Mapping[str, Any]) -> torch.Tensor | None:
+        """With error feedback, the residual."""
+        return entries.get("residuals")
+
     def _span_array(self, layout: tuple[tuple[int, int], ...]) -> np.ndarray:
         """Every scale run of the tensors at ``layout`` as an int64 ``[T, 2]`` array, built
         once per bucket layout (a scale per 64 elements makes hundreds of thousands)."""
@@ -113,31 +131,22 @@ class OneBitCompressor(Compressor):
             return [(offset, numel)] if numel else []
         return [(offset + at, min(self.chunk, numel - at)) for at in range(0, numel, self.chunk)]
 
-    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        self.check_dtype(bucket)
-        if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
-            return (yield from on_dense_copy(self.reduce, bucket, ctx))
-        slots = [s for s in bucket.slots if s.numel]
-        if not slots:
-            return
+    @over_tensors
+    def reduce(self, bucket: Bucket, ctx: Context, slots: list[ParamSlot]) -> Reduction:
         grad = bucket.buffer
-        signed = [s for s in slots if s.numel >= self.min_numel]
-        whole = [s for s in slots if s.numel < self.min_numel]
+        signed, whole = split_whole(slots, self.min_numel)
         pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in signed]
         spans = self._span_array(tuple((s.offset, s.numel) for s in signed))
         error, acc = self._feedback(grad, pieces)
         packed, scales = sign_pack_many(grad, spans, error, acc)
-        dense = torch.cat([grad.narrow(0, s.offset, s.numel) for s in whole]).float() if whole else grad.new_empty(0).float()
+        dense, dense_pieces = whole_part(grad, bucket, whole)
         gathered = yield AllGather(frame([scales, packed, dense]))
         all_scales, all_packed, all_dense = unframe(
             gathered, [(torch.float32, len(spans)), (torch.uint8, packed.numel()), (torch.float32, dense.numel())]
         )
         sign_unpack_accumulate_many(all_packed, all_scales, spans, grad, acc, ctx.rank)  # acc becomes the residual
-        average = sum_rows(all_dense).div_(ctx.world_size)
-        at = 0
-        for s in whole:
-            grad.narrow(0, s.offset, s.numel).copy_(average.narrow(0, at, s.numel))
-            at += s.numel
+        average = average_whole(all_dense)
+        write_whole(grad, whole, dense_pieces, average)
         # decoded values are at most the largest scale in magnitude: with every scale and the
         # dense average within the bucket dtype's range over the world, no sum overflows
         limit = torch.finfo(grad.dtype).max

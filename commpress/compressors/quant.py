@@ -15,7 +15,7 @@ value, added to the next step's gradient (what rounding drops is delayed, not lo
 sent value is then no longer unbiased on its own).
 
 Tensors of fewer than ``min_numel`` elements are sent whole in float32, in the same
-all-gather, and averaged exactly (:mod:`commpress.compressors.whole`).
+all-gather, and averaged exactly (:mod:`commpress.compressors.wire.whole`).
 
 Wire bytes per rank and bucket: Σ over quantized tensors of ⌈n·b/8⌉ + 8·⌈n/bucket_size⌉,
 plus 4·d for the d elements of the tensors sent whole.
@@ -24,18 +24,19 @@ plus 4·d for the d elements of the tensors sent whole.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from commpress.compressors import host
-from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, on_dense_copy
-from commpress.compressors.framing import frame, unframe
-from commpress.compressors.memory import ErrorMemory, Piece
+from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, over_tensors
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import check_seed, tensor_key, tensor_seeds
-from commpress.compressors.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
+from commpress.compressors.tensor_stats import TensorStats, runs
+from commpress.compressors.wire.framing import frame, unframe
+from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.seeding import check_seed, tensor_key, tensor_seeds
+from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
 from commpress.kernels import add_error, dequantize, packed_size, quantize_pack, unpack_accumulate, update_error
 
@@ -77,6 +78,7 @@ class QuantCompressor(Compressor):
     name: ClassVar[str] = "quant"
     rounds: ClassVar[int] = 1
     per_rank_state: ClassVar[tuple[str, ...]] = ("residuals",)
+    knob: ClassVar[str | None] = "bits"
 
     def __init__(
         self,
@@ -103,13 +105,8 @@ class QuantCompressor(Compressor):
         self.seed = seed
         self._memory = ErrorMemory()
 
-    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        self.check_dtype(bucket)
-        if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
-            return (yield from on_dense_copy(self.reduce, bucket, ctx))
-        slots = [s for s in bucket.slots if s.numel]
-        if not slots:
-            return
+    @over_tensors
+    def reduce(self, bucket: Bucket, ctx: Context, slots: list[ParamSlot]) -> Reduction:
         quantized, whole = split_whole(slots, self.min_numel)
         pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in quantized]
         x = self._accumulate(bucket.buffer, pieces)
@@ -183,6 +180,27 @@ class QuantCompressor(Compressor):
         target = ratio * 4 * sum(s.numel for s in slots)
         fits = [b for b in BITS if sum(self._nbytes(s.numel, b) for s in slots) <= target]
         return {"bits": max(fits, default=BITS[0])}
+
+    def error_model(self, tensor: TensorStats) -> Callable[[], float]:
+        """The variance of stochastic rounding, ``step^2 f (1 - f)`` per element, f its
+        fraction of a step above its bucket's minimum (0 for a tensor sent whole)."""
+
+        def error() -> float:
+            if tensor.numel < self.min_numel:
+                return 0.0
+            total = 0.0
+            for rows in runs(tensor.double, self.bucket_size):
+                lo = rows.min(1, keepdim=True).values
+                step = (rows.max(1, keepdim=True).values - lo) / (2**self.bits - 1)
+                f = ((rows - lo) / step.clamp(min=torch.finfo(rows.dtype).tiny)).frac()
+                total += float((f * (1 - f) * step.square()).sum())
+            return tensor.factor * total
+
+        return error
+
+    def owed(self, entries: Mapping[str, Any]) -> torch.Tensor | None:
+        """With error feedback, the residual."""
+        return entries.get("residuals")
 
     def end_step(self, commit: bool) -> None:
         """Apply (``commit``) or drop the residuals the step staged."""

@@ -11,7 +11,11 @@ from commpress.compressors.base import Compressor
 from commpress.errors import ConfigError
 from commpress.schema import check_kwargs, signature_fields
 
-__all__ = ["available", "build", "check_params", "compressor_class", "register_compressor"]
+__all__ = ["EXACT", "available", "build", "check_params", "compressor_class", "register_compressor"]
+
+#: The method that averages exactly, the reference: what a link or a layer sends when it is
+#: not compressed, and the steps before ``start_iter``.
+EXACT = "none"
 
 _REGISTRY: dict[str, type[Compressor]] = {}
 C = TypeVar("C", bound=type[Compressor])
@@ -31,9 +35,9 @@ def available() -> list[str]:
 
 
 def methods_taking(dtype: torch.dtype) -> list[str]:
-    """The registered methods whose compressors take gradients of ``dtype``: ``none``
-    (exact) first, then by name; what error messages about a refused dtype suggest."""
-    return sorted((m for m in available() if dtype in _REGISTRY[m].dtypes), key=lambda m: (m != "none", m))
+    """The registered methods whose compressors take gradients of ``dtype``: :data:`EXACT`
+    first, then by name; what error messages about a refused dtype suggest."""
+    return sorted((m for m in available() if dtype in _REGISTRY[m].dtypes), key=lambda m: (m != EXACT, m))
 
 
 def compressor_class(method: str) -> type[Compressor]:

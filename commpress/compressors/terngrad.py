@@ -14,15 +14,28 @@ Wire bytes per rank and bucket: sum over tensors of ceil(n/4) + 4 bytes per tens
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
 from commpress.compressors import host
-from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, on_dense_copy
-from commpress.compressors.framing import frame, unframe
+from commpress.compressors.base import (
+    AllGather,
+    Bucket,
+    Compressor,
+    Context,
+    ParamSlot,
+    Reduction,
+    Setting,
+    Transfer,
+    over_tensors,
+)
+from commpress.compressors.ladder import pool
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import check_seed, tensor_seeds
+from commpress.compressors.tensor_stats import TensorStats
+from commpress.compressors.wire.framing import frame, unframe
+from commpress.compressors.wire.seeding import check_seed, tensor_seeds
 from commpress.errors import ConfigError
 from commpress.kernels import packed_size, span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
 
@@ -69,13 +82,8 @@ class TernGradCompressor(Compressor):
         self.seed = seed
         self.skip_last_layer = skip_last_layer
 
-    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        self.check_dtype(bucket)
-        if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
-            return (yield from on_dense_copy(self.reduce, bucket, ctx))
-        slots = [s for s in bucket.slots if s.numel]
-        if not slots:
-            return
+    @over_tensors
+    def reduce(self, bucket: Bucket, ctx: Context, slots: list[ParamSlot]) -> Reduction:
         spans = [(s.offset, s.numel) for s in slots]
         scales = self._local_scales(bucket.buffer, spans)
         seeds = tensor_seeds(self.seed, ctx.rank, ctx.step, bucket, slots)
@@ -99,6 +107,26 @@ class TernGradCompressor(Compressor):
     def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
         """One all-gather: the tensor's float32 scale and its 2-bit codes (none for an empty tensor)."""
         return (Transfer("all_gather", 4 + packed_size(slot.numel, 2) if slot.numel else 0),)
+
+    def ladder(self, params: Mapping[str, Any]) -> list[Setting]:
+        """No knob: the configured setting, then the pool with PowerSGD at ranks 4 and 8
+        (ranks 1 and 2 took TernGrad's place on matrices it sends well and cost it 2.8
+        points on the transformer and 26 on resnet under AdamW: docs/choosing.md)."""
+        return [(self.name, dict(params)), *pool(self.name, params, (4, 8))]
+
+    def error_model(self, tensor: TensorStats) -> Callable[[], float]:
+        """The clipping error plus the variance of stochastic rounding, ``s|c| - c^2`` per
+        clipped element c with the tensor's scale s."""
+
+        def error() -> float:
+            a = tensor.double.abs()
+            scale = float(tensor.whole.abs().max())  # the tensor's scale, not the rows'
+            if self.clip_sigma:
+                scale = min(scale, self.clip_sigma * math.sqrt(tensor.whole_energy / tensor.numel))
+            clipped = a.clamp(max=scale)
+            return tensor.factor * float((a - clipped).square().sum() + (scale * clipped - clipped.square()).sum())
+
+        return error
 
     def _local_scales(self, buffer: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
         """Per tensor (``spans`` of ``buffer``) on this rank, float32[T]: the scale, max|g|

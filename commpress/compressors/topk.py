@@ -16,11 +16,11 @@ ones, and the result does not depend on how DDP groups parameters into buckets (
 rebuild after the first step, ``bucket_cap_mb``, a resumed run's fresh buckets).
 
 With ``value_bits`` the values travel as b-bit stochastic codes, one (min, scale) per
-tensor's selection (:mod:`commpress.compressors.sparse_values`), and what the codes drop
+tensor's selection (:mod:`commpress.compressors.wire.sparse_values`), and what the codes drop
 goes back into the residual too.
 
 Tensors of fewer than ``min_numel`` elements (biases, norms) are sent whole in float32,
-in the same all-gather, and averaged exactly (:mod:`commpress.compressors.whole`).
+in the same all-gather, and averaged exactly (:mod:`commpress.compressors.wire.whole`).
 
 Wire bytes per rank and bucket: k·(value bytes + 4) + 4·d, k the sum of the compressed
 tensors' k, d the elements of the tensors sent whole; with ``value_bits`` = b,
@@ -30,20 +30,32 @@ tensors' k, d the elements of the tensors sent whole; with ``value_bits`` = b,
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from commpress.compressors import host
-from commpress.compressors.base import AllGather, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, on_dense_copy
-from commpress.compressors.dgc import clip_local, correct, dense_momentum, mask
-from commpress.compressors.framing import frame, unframe
-from commpress.compressors.memory import ErrorMemory, Piece
+from commpress.compressors.base import (
+    AllGather,
+    Bucket,
+    Compressor,
+    Context,
+    ParamSlot,
+    Reduction,
+    Setting,
+    Transfer,
+    over_tensors,
+)
+from commpress.compressors.dgc import clip_local, correct, dense_momentum, mask, owed_velocity
+from commpress.compressors.ladder import pool
 from commpress.compressors.registry import register_compressor
-from commpress.compressors.seeding import check_seed, tensor_key, tensor_seeds
-from commpress.compressors.sparse_values import ValueCodec
-from commpress.compressors.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
+from commpress.compressors.tensor_stats import TensorStats
+from commpress.compressors.wire.framing import frame, unframe
+from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.seeding import check_seed, tensor_key, tensor_seeds
+from commpress.compressors.wire.sparse_values import ValueCodec
+from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
 from commpress.kernels import derive_seed, scatter_add_decode, topk_select_many
 
@@ -57,6 +69,7 @@ EXACT_MAX_NUMEL = 1 << 16
 #: sampled selection's (both are keyed by seed, rank, step and parameter name).
 _VALUE_STREAM = 0x76616C75
 _FP16_MAX = torch.finfo(torch.float16).max
+_DENSITY_STEPS = range(-3, 7)  # a layer-wise plan's densities: the configured ratio * 2**j
 
 
 def topk_count(ratio: float, numel: int) -> int:
@@ -111,6 +124,7 @@ class TopKCompressor(Compressor):
     name: ClassVar[str] = "topk"
     rounds: ClassVar[int] = 1
     per_rank_state: ClassVar[tuple[str, ...]] = ("residuals", "momentum", "velocity")
+    knob: ClassVar[str | None] = "ratio"
 
     def __init__(
         self,
@@ -195,14 +209,49 @@ class TopKCompressor(Compressor):
         value_bytes = self.value_bits / 8 if self.value_bits is not None else self.value_dtype.itemsize
         return {"ratio": min(1.0, ratio * 4 / (value_bytes + 4))}
 
-    def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        self.check_dtype(bucket)
-        if not bucket.buffer.is_contiguous():  # a strided view: work on a dense copy
-            return (yield from on_dense_copy(self.reduce, bucket, ctx))
+    def ladder(self, params: Mapping[str, Any]) -> list[Setting]:
+        """Densities from 1/8 to 64 times the configured ratio, below 1/2 (from half the
+        entries on, (index, value) pairs send more than the tensor), then the pool with
+        PowerSGD at ranks 1 to 8. With DGC, which applies the optimizer's momentum, a
+        tensor keeps it: densities only, up to 1 (every entry sent)."""
+        ratio, top = float(self.ratio), 1.0 if self.dgc else 0.5
+        densities = sorted({min(top, ratio * 2.0**j) for j in _DENSITY_STEPS} | ({1.0} if self.dgc else set()))
+        own = [(self.name, self._at(params, d)) for d in densities if d != ratio and (d < top or self.dgc)]
+        return [(self.name, dict(params)), *own, *([] if self.dgc else pool(self.name, params, (1, 2, 4, 8)))]
+
+    def _at(self, params: Mapping[str, Any], ratio: float) -> dict[str, Any]:
+        """``params`` at ``ratio`` (a warm-up starts at least there)."""
+        warmup = {"warmup_ratio": max(float(self.warmup_ratio), ratio)} if self.warmup_steps else {}
+        return {**params, "ratio": ratio, **warmup}
+
+    def error_model(self, tensor: TensorStats) -> Callable[[], float]:
+        """The squares of every entry but the k largest (0 for a tensor sent whole)."""
+        k = topk_count(self.ratio, tensor.rows.numel())
+        tensor.want_top(k)
+
+        def error() -> float:
+            if tensor.numel < self.min_numel or topk_count(self.ratio, tensor.numel) == tensor.numel:
+                return 0.0  # sent whole, or every entry sent: exact
+            return tensor.factor * max(0.0, tensor.energy - tensor.top_kept(k))
+
+        return error
+
+    def owed(self, entries: Mapping[str, Any]) -> torch.Tensor | None:
+        """The residual, with DGC the velocity plus the momentum's next contribution."""
+        return owed_velocity(entries, self.momentum or 0.0) if self.dgc else entries.get("residuals")
+
+    def takes_state_of(self, previous: Compressor) -> bool:
+        """Top-k's state converts to another ratio, not between DGC and error feedback."""
+        return super().takes_state_of(previous) and previous.applies_momentum == self.dgc
+
+    @property
+    def applies_momentum(self) -> bool:
+        """With ``dgc``: DGC's momentum correction applies the optimizer's momentum."""
+        return self.dgc
+
+    @over_tensors
+    def reduce(self, bucket: Bucket, ctx: Context, slots: list[ParamSlot]) -> Reduction:
         n = bucket.buffer.numel()
-        slots = [s for s in bucket.slots if s.numel]
-        if not slots:
-            return
         if n >= 2**31:
             raise ValueError(f"compressor 'topk' sends int32 indices: a bucket holds at most 2**31 - 1 elements, got {n}")
         if self.dgc and self.momentum is None:
@@ -257,7 +306,6 @@ class TopKCompressor(Compressor):
         residual, _ = self._memory.gather("residual", pieces, grad.numel(), grad.device)
         out = self._memory.spare((tuple(pieces), grad.numel(), grad.device), grad.numel(), grad.device)
         return out, None, residual.narrow(0, 0, grad.numel())  # the spare itself: the memory tracks buffers by identity
-
 
     def _decode_whole(self, gathered: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
         """The average of the tensors sent whole (summed in rank order); with DGC, their

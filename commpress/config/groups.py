@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from commpress.compressors import Compressor, build
+from commpress.compressors import EXACT, Compressor, build
 from commpress.compressors.composite import Composite
 from commpress.config import Config
 from commpress.errors import ConfigError
@@ -48,7 +48,7 @@ class MethodGroups:
             self.specs[f"override{i}"] = (ov.method, dict(ov.method_params))
         self.compressors: dict[str, Compressor] = {key: build(m, p) for key, (m, p) in self.specs.items()}
         #: the groups whose method leaves the last layer out, and that layer's parameter names
-        self.skipping = frozenset(key for key, c in self.compressors.items() if getattr(c, "skip_last_layer", False))
+        self.skipping = frozenset(key for key, c in self.compressors.items() if c.skip_last_layer)
         self.last_layer: frozenset[str] = frozenset()
         if self.skipping:
             if model is None and last_layer is None:
@@ -58,8 +58,8 @@ class MethodGroups:
                     "model= to CommState (commpress.register does); Local SGD averages one flat vector and cannot use it"
                 )
             self.last_layer = frozenset(last_layer_names(model) if model is not None else last_layer)
-            self.specs[LAST_LAYER] = ("none", {})
-            self.compressors[LAST_LAYER] = build("none")
+            self.specs[LAST_LAYER] = (EXACT, {})
+            self.compressors[LAST_LAYER] = build(EXACT)
         #: the reduction of a bucket whose parameters fall into several of these groups
         self.composite = Composite(self.key_for, self.compressors)
 

@@ -1,7 +1,8 @@
 """The hand-over of an optimizer's momentum to the compressors that apply it themselves.
 
-Top-k with ``dgc = true`` (DGC's momentum correction, :mod:`commpress.compressors.dgc`)
-applies momentum before it sparsifies, so the optimizer must run without it:
+A compressor that applies momentum before it compresses
+(:attr:`~commpress.compressors.base.Compressor.applies_momentum`: DGC's momentum
+correction, :mod:`commpress.compressors.dgc`) needs the optimizer to run without it:
 :func:`hand_over_momentum` gives each such compressor the momentum of the
 ``torch.optim.SGD`` param groups holding its parameters, sets those groups' momentum to 0,
 and guards the optimizer against getting it back. The DDP hook's ``register`` and the
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from commpress.compressors import Compressor
 from commpress.errors import ConfigError
 
 __all__ = ["HANDED_OVER", "hand_over_momentum"]
@@ -22,18 +24,23 @@ __all__ = ["HANDED_OVER", "hand_over_momentum"]
 #: The optimizer param-group key that records the momentum handed over (saved with the
 #: optimizer's state, so a resumed run finds it even after loading that state first).
 HANDED_OVER = "commpress_dgc_momentum"
-_WHERE = "method 'topk' with dgc = true"
+
+
+def _where(c: Compressor) -> str:
+    """How messages name a compressor that applies momentum itself."""
+    return f"method {c.name!r} with DGC's momentum correction"
 
 
 def hand_over_momentum(
     optimizer: torch.optim.Optimizer | None,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-    compressor_of: Callable[[str], Any],
+    compressor_of: Callable[[str], Compressor],
     start_iter: int = 0,
 ) -> Callable[[], None]:
-    """Give each DGC compressor the momentum of the SGD param groups holding its
-    parameters, and set those groups' momentum to 0 (recorded under :data:`HANDED_OVER`).
-    Returns the call that gives it back (the groups' momentum restored, the guard removed).
+    """Give each compressor that applies momentum itself the momentum of the SGD param
+    groups holding its parameters, and set those groups' momentum to 0 (recorded under
+    :data:`HANDED_OVER`). Returns the call that gives it back (the groups' momentum
+    restored, the guard removed).
 
     ``compressor_of(name)`` is the compressor of the parameter called ``name``. A no-op
     when no compressor applies momentum itself. Raises :class:`ConfigError`, before
@@ -42,24 +49,24 @@ def hand_over_momentum(
     parameters with others, a configured momentum that differs, ``start_iter > 0``. A
     later ``optimizer.step()`` raises if a handed-over group has momentum again.
     """
-    owners: dict[int, tuple[str, Any]] = {}
+    owners: dict[int, tuple[str, Compressor]] = {}
     for name, p in named_parameters:
         c = compressor_of(name)
-        if getattr(c, "dgc", False):
+        if c.applies_momentum:
             owners[id(p)] = (name, c)
     if not owners:
         return lambda: None
-    _check_optimizer(optimizer, start_iter)
+    _check_optimizer(optimizer, start_iter, _where(next(iter(owners.values()))[1]))
     taken, handed = _momenta(optimizer, owners)
     for c, m in taken.values():
         if m and c.momentum is not None and c.momentum != m:
             raise ConfigError(
-                f"{_WHERE}: momentum = {c.momentum} is configured, the optimizer's is {m}; set them equal, or leave "
+                f"{_where(c)}: momentum = {c.momentum} is configured, the optimizer's is {m}; set them equal, or leave "
                 "momentum out of the config to take the optimizer's"
             )
     for _, c in owners.values():
         if c.momentum is None and id(c) not in taken:
-            raise ConfigError(f"{_WHERE}: no optimizer param group holds its parameters; set params.momentum")
+            raise ConfigError(f"{_where(c)}: no optimizer param group holds its parameters; set params.momentum")
     for c, m in taken.values():
         if m or c.momentum is None:  # an optimizer without momentum leaves a configured one in place
             c.momentum = m
@@ -77,32 +84,33 @@ def hand_over_momentum(
     return give_back
 
 
-def _check_optimizer(optimizer: torch.optim.Optimizer | None, start_iter: int) -> None:
-    """Refuse an optimizer (or a start) whose momentum DGC cannot take over."""
+def _check_optimizer(optimizer: torch.optim.Optimizer | None, start_iter: int, where: str) -> None:
+    """Refuse an optimizer (or a start) whose momentum DGC cannot take over (``where``:
+    the compressor, as messages name it)."""
     if start_iter:
         raise ConfigError(
-            f"start_iter = {start_iter} is not accepted with {_WHERE}: the plain steps before it would run without "
+            f"start_iter = {start_iter} is not accepted with {where}: the plain steps before it would run without "
             "momentum (DGC applies it); use the method's warmup_steps instead"
         )
     if optimizer is None:
         raise ConfigError(
-            f"{_WHERE} applies momentum itself: pass optimizer= (the torch.optim.SGD of these parameters) to "
+            f"{where} applies momentum itself: pass optimizer= (the torch.optim.SGD of these parameters) to "
             "commpress.register, which hands the optimizer's momentum over to it"
         )
     if not isinstance(optimizer, torch.optim.SGD):
         raise ConfigError(
-            f"optimizer {type(optimizer).__name__} is not accepted with {_WHERE}: DGC's momentum correction replaces "
-            "the momentum of torch.optim.SGD; with Adam, AdamW or other adaptive optimizers use method 'topk' "
-            "without dgc, or a low-rank method ('powersgd')"
+            f"optimizer {type(optimizer).__name__} is not accepted with {where}: it replaces the momentum of "
+            "torch.optim.SGD; with Adam, AdamW or other adaptive optimizers turn DGC's momentum correction off, or "
+            "use a method that leaves the momentum to the optimizer"
         )
 
 
 def _momenta(
-    optimizer: torch.optim.Optimizer, owners: dict[int, tuple[str, Any]]
-) -> tuple[dict[int, tuple[Any, float]], list[tuple[int, float]]]:
+    optimizer: torch.optim.Optimizer, owners: dict[int, tuple[str, Compressor]]
+) -> tuple[dict[int, tuple[Compressor, float]], list[tuple[int, float]]]:
     """({id(compressor): (compressor, momentum of its groups)}, [(group index, momentum)
     of the groups to hand over]), checking every group that holds DGC parameters."""
-    taken: dict[int, tuple[Any, float]] = {}
+    taken: dict[int, tuple[Compressor, float]] = {}
     handed = []
     for i, group in enumerate(optimizer.param_groups):
         mine = [owners[id(p)] for p in group["params"] if id(p) in owners]
@@ -117,7 +125,7 @@ def _momenta(
         if group.get("nesterov") or group.get("dampening"):
             raise ConfigError(
                 f"optimizer param group {i}: nesterov = {group.get('nesterov')}, dampening = {group.get('dampening')} "
-                f"are not accepted with {_WHERE}; accepted: nesterov = False, dampening = 0"
+                f"are not accepted with {_where(mine[0][1])}; accepted: nesterov = False, dampening = 0"
             )
         others = sum(1 for p in group["params"] if id(p) not in owners)
         if others and m:

@@ -10,12 +10,13 @@ from typing import Any
 import torch
 import torch.distributed
 
-from commpress.adaptive.layerwise import LayerPlan, LayerwiseGroups, method_groups
+from commpress.adaptive.layer_plan import LayerPlan
+from commpress.adaptive.layerwise import LayerwiseGroups, method_groups
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
 from commpress.comm.pickling import check_default_group
-from commpress.compressors import Bucket, Context, ParamSlot, build, compressor_class, host
+from commpress.compressors import Bucket, Context, ParamSlot, build, compressor_class, host, lay_out
 from commpress.compressors.registry import methods_taking
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
@@ -219,14 +220,10 @@ class CommState(OnBackend):
     def _slots(self, buffer: torch.Tensor, params: Sequence[torch.Tensor] | None) -> tuple[ParamSlot, ...]:
         if params is None:
             return (ParamSlot("flat", buffer.shape, 0),)
-        slots, offset = [], 0
-        for p in params:
-            name = self._name_of(p)
-            slots.append(ParamSlot(name, p.shape, offset))
-            offset += p.numel()
-        if offset != buffer.numel():
-            raise ValueError(f"bucket parameters hold {offset} elements, its buffer {buffer.numel()}")
-        return tuple(slots)
+        slots, numel = lay_out((self._name_of(p), p.shape) for p in params)
+        if numel != buffer.numel():
+            raise ValueError(f"bucket parameters hold {numel} elements, its buffer {buffer.numel()}")
+        return slots
 
     def _name_of(self, p: torch.Tensor) -> str:
         """The model's name of ``p``; without a model, a name by order of first appearance

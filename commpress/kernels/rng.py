@@ -16,7 +16,7 @@ A key is derived from integers by folding them in one at a time, starting from
 
 It is written once per runtime: compiled for the CPU (:mod:`commpress.kernels.cpu.rng`, which
 also folds the keys), in CUDA (``cuda/common.cuh``) and in torch integer ops
-(:func:`commpress.compressors.seeding.mix64`, for the low-rank methods' shared factors); the
+(:func:`commpress.compressors.wire.seeding.mix64`, for the low-rank methods' shared factors); the
 tests check the three against this definition.
 
 Why not Philox4x32-10: it needs 32x32->64 multiplies over ten rounds, about 5x the work of

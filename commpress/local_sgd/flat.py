@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from commpress.compressors import Bucket, ParamSlot
+from commpress.compressors import Bucket, lay_out
 
 __all__ = ["FlatModel", "unwrap"]
 
@@ -33,12 +33,7 @@ class FlatModel:
             raise TypeError(f"Local SGD averages one flat vector: all parameters must share a dtype, found {found}")
         self.names = [n for n, _ in named]
         self.tensors = [t for _, t in named]
-        slots, offset = [], 0
-        for name, t in named:
-            slots.append(ParamSlot(name, t.shape, offset))
-            offset += t.numel()
-        self.slots = tuple(slots)
-        self.numel = offset
+        self.slots, self.numel = lay_out((name, t.shape) for name, t in named)
         self.dtype = self.tensors[0].dtype
         self.device = self.tensors[0].device
 

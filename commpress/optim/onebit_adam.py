@@ -45,7 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from commpress.comm import Traffic, checkpoint
 from commpress.comm.averager import ParameterAverager
 from commpress.comm.pickling import BoundToProcess
-from commpress.compressors import AllReduce, Bucket, ParamSlot, Reduction
+from commpress.compressors import AllReduce, Bucket, Reduction, lay_out
 from commpress.config import digest_of
 from commpress.errors import ConfigError
 from commpress.hooks.removable import CommHookSwitch, register_removable_hook
@@ -148,12 +148,8 @@ class OneBitAdam(BoundToProcess):
         self.warmup_steps = warmup_steps
         self.steps = 0
         self.params = [p for _, p in named]
-        slots, offset = [], 0
-        for n, p in named:
-            slots.append(ParamSlot(n, p.shape, offset))
-            offset += p.numel()
-        self.slots = tuple(slots)
-        self._flat = torch.empty(offset, dtype=torch.float32, device=self.params[0].device)
+        self.slots, numel = lay_out((n, p.shape) for n, p in named)
+        self._flat = torch.empty(numel, dtype=torch.float32, device=self.params[0].device)
         self._group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         #: what every rank must share, and a checkpoint must have been saved with
         self.settings = {

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from commpress.compressors.base import Bucket, ParamSlot
-from commpress.compressors.collectives import sum_rows
-from commpress.compressors.memory import Piece
-from commpress.compressors.seeding import tensor_key
+from commpress.compressors.wire.collectives import sum_rows
+from commpress.compressors.wire.memory import Piece
+from commpress.compressors.wire.seeding import tensor_key
 
 __all__ = ["DEFAULT_MIN_NUMEL", "average_whole", "split_whole", "whole_part", "write_whole"]
 
