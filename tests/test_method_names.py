@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1] / "commpress"
 #: file -> why it may name methods
 CONFIGURATION = {
     "bench/catalog.py": "the quality rows, by name",
+    "bench/gpucheck/ddp.py": "the methods the GPU check trains, each with its parameters",
+    "bench/gpucheck/lowrank.py": "the low-rank rows the GPU check times",
     "bench/quality.py": "what each quality row runs",
     "bench/throughput.py": "the rows `commpress bench` times by default",
     "cli/bandwidth.py": "the settings `commpress bandwidth` compares by default",
