@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar
 
 from commpress.errors import ConfigError
 
-__all__ = ["Bounds", "check_fields", "check_keys", "check_kwargs", "parse_dataclass", "signature_fields"]
+__all__ = ["Bounds", "check_arguments", "check_fields", "check_keys", "check_kwargs", "parse_dataclass", "signature_fields"]
 
 T = TypeVar("T")
 
@@ -46,18 +46,26 @@ class Bounds:
             and (self.lt is None or value < self.lt)
         )
 
-    def describe(self, tp: Any) -> str:
-        kind = "an integer" if tp is int else "a number"
+    def describe(self, tp: Any, finite: bool = False) -> str:
+        """What a value must be (``finite``: say so of a float, for a value refused by type)."""
+        kind = "an integer" if tp is int else "a finite number" if finite else "a number"
         low = ("[", ">=", self.ge) if self.ge is not None else ("(", ">", self.gt) if self.gt is not None else None
         high = ("]", "<=", self.le) if self.le is not None else (")", "<", self.lt) if self.lt is not None else None
         if low and high:
-            text = f"{kind} in {low[0]}{low[2]:g}, {high[2]:g}{high[0]}"
+            text = f"{kind} in {low[0]}{_number(low[2])}, {_number(high[2])}{high[0]}"
         elif low or high:
             _, op, bound = low or high
-            text = f"{kind} {op} {bound:g}"
+            text = f"{kind} {op} {_number(bound)}"
         else:
             text = kind
         return f"{text} ({self.note})" if self.note else text
+
+
+def _number(bound: float) -> str:
+    """A bound as written: a large power of two as ``2**n`` (a seed's ``2**63``)."""
+    if isinstance(bound, int) and bound >= 2**32 and bound & (bound - 1) == 0:
+        return f"2**{bound.bit_length() - 1}"
+    return f"{bound:g}"
 
 
 def _bounds(tp: Any, value: Any) -> tuple[Any, Bounds] | None:
@@ -75,19 +83,24 @@ def _bounds(tp: Any, value: Any) -> tuple[Any, Bounds] | None:
     return None
 
 
-def _describe(tp: Any) -> str:
+def _describe(tp: Any, ranged: bool = True) -> str:
+    """What type ``tp`` accepts; with ``ranged``, a number's declared range too (not said
+    of a union's members: ``a finite number or none``)."""
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
-        return _describe(typing.get_args(tp)[0])
+        inner, *extras = typing.get_args(tp)
+        found = [e for e in extras if isinstance(e, Bounds)]
+        return found[0].describe(inner, finite=True) if found and ranged else _describe(inner)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (types.UnionType, typing.Union):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        return " or ".join(_describe(a, ranged=False) for a in typing.get_args(tp))
     if origin in (tuple, list):
         return f"a list of {_describe(typing.get_args(tp)[0])}"
     if tp is type(None):
         return "none"
-    return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+    names = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
@@ -172,8 +185,9 @@ def check_kwargs(
 
 
 def signature_fields(fn: Callable[..., Any]) -> dict[str, tuple[Any, bool]]:
-    """The keyword parameters of ``fn`` as ``check_kwargs`` fields (from its type hints)."""
-    hints = typing.get_type_hints(fn)
+    """The keyword parameters of ``fn`` as ``check_kwargs`` fields (from its type hints,
+    a number's :class:`Bounds` kept)."""
+    hints = typing.get_type_hints(fn, include_extras=True)
     fields = {}
     for p in inspect.signature(fn).parameters.values():
         if p.name == "self" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
@@ -198,21 +212,39 @@ def parse_dataclass(where: str, cls: type[T], data: Mapping[str, Any], belongs: 
     return cls(**check_kwargs(where, data, _dataclass_fields(cls), belongs))
 
 
-def check_fields(where: str, obj: Any, key: str = "{where}: {key}") -> None:
-    """Check every field of the (frozen) dataclass instance ``obj`` against its type hint and
-    store the converted value (lists become tuples, integers floats), then check the
-    declared :class:`Bounds`: called from ``__post_init__`` so a table built directly is
-    held to the same rules as one parsed. ``key``: how a range error names the key."""
-    fields = _dataclass_fields(type(obj))
-    for name, (tp, _) in fields.items():
-        value = getattr(obj, name)
-        ok, conv = _coerce(value, tp)
+def check_fields(where: str, obj: Any, key: str = "{where}: {key}", names: tuple[str, ...] | None = None) -> None:
+    """Check every field of the (frozen) dataclass instance ``obj`` (or those in ``names``)
+    against its type hint and store the converted value (lists become tuples, integers
+    floats), then check the declared :class:`Bounds`: called from ``__post_init__`` so a
+    table built directly is held to the same rules as one parsed. ``key``: how a range
+    error names the key."""
+    fields = {k: tp for k, (tp, _) in _dataclass_fields(type(obj)).items() if names is None or k in names}
+    for name, value in _check_values(where, fields, {k: getattr(obj, k) for k in fields}, key).items():
+        object.__setattr__(obj, name, value)
+
+
+def check_arguments(where: str, fn: Callable[..., Any], arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """``arguments`` (parameter name -> value) of a call to ``fn`` checked as
+    :func:`check_fields` checks a dataclass: against ``fn``'s type hints, then their
+    :class:`Bounds`; returned converted. Names without a hint (``self``) pass unchecked."""
+    fields = {k: tp for k, (tp, _) in signature_fields(fn).items() if k in arguments}
+    return {**arguments, **_check_values(where, fields, {k: arguments[k] for k in fields})}
+
+
+def _check_values(
+    where: str, fields: Mapping[str, Any], values: Mapping[str, Any], key: str = "{where}: {key}"
+) -> dict[str, Any]:
+    """``values`` converted to their ``fields`` types (name -> type hint), every type checked
+    before any range, so a wrong type is named as such."""
+    out = {}
+    for name, tp in fields.items():
+        ok, conv = _coerce(values[name], tp)
         if not ok:
-            raise ConfigError(f"{where}: {name} = {value!r} is not accepted; expected {_describe(tp)}")
-        object.__setattr__(obj, name, conv)
-    for name, (tp, _) in fields.items():
-        value = getattr(obj, name)
-        found = _bounds(tp, value)
-        if found is not None and not found[1].holds(value):
+            raise ConfigError(f"{where}: {name} = {values[name]!r} is not accepted; expected {_describe(tp)}")
+        out[name] = conv
+    for name, tp in fields.items():
+        found = _bounds(tp, out[name])
+        if found is not None and not found[1].holds(out[name]):
             named = key.format(where=where, key=name)
-            raise ConfigError(f"{named} = {value!r} is not accepted; expected {found[1].describe(found[0])}")
+            raise ConfigError(f"{named} = {out[name]!r} is not accepted; expected {found[1].describe(found[0])}")
+    return out

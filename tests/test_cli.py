@@ -44,7 +44,7 @@ BAD = [
     (["demo", "--bogus"], "unrecognized arguments: --bogus"),
     (["bench", "--local", "0"], "argument --local: '0' is not accepted"),
     (["bench", "--local", "2", "--methods", "nosuch"], "--methods 'nosuch': 'nosuch' is neither a baseline nor"),
-    (["bench", "--local", "2", "--methods", "powersgd:rank=0"], "--methods 'powersgd:rank=0': powersgd: rank = 0"),
+    (["bench", "--local", "2", "--methods", "powersgd:rank=0"], "--methods 'powersgd:rank=0': method 'powersgd': rank = 0"),
     (["bench", "--local", "2", "--methods", "torch-powersgd:rank=x"], "--methods 'torch-powersgd:rank=x': baseline"),
     (["bench", "--local", "2", "--scale", "nan"], "argument --scale: 'nan' is not accepted; expected a number in (0, 1]"),
     (["bench", "--local", "2", "--scale", "2"], "argument --scale: '2' is not accepted; expected a number in (0, 1]"),

@@ -23,7 +23,7 @@ def test_defaults_and_round_trip():
         ({"metod": "none"}, "unknown config key 'metod'; accepted keys: method"),
         ({"start_iter": -1}, "start_iter = -1"),
         ({"start_iter": 1.5}, "start_iter = 1.5"),
-        ({"backend": "nccl"}, "backend = 'nccl' is not accepted; accepted: torch, mpi"),
+        ({"backend": "nccl"}, "backend = 'nccl' is not accepted; expected one of 'torch', 'mpi'"),
         (
             {"method": "none", "params": {"rank": 4}},
             "unknown key 'rank': it belongs in [params] of method acpsgd or powersgd; accepted keys: none",
@@ -171,7 +171,7 @@ INF = float("inf")
         ({"overrides": [{"params": ["*"], "method": ["fp16"]}]}, "overrides[0]: method = ['fp16'] is not accepted"),
         (
             {"overrides": [{"params": ["*"], "method": "powersgd", "method_params": {"rank": 0}}]},
-            "overrides[0]: powersgd: rank = 0 is not accepted",
+            "overrides[0]: method 'powersgd': rank = 0 is not accepted",
         ),
         (
             {"overrides": [{"params": ["*"], "method": "topk", "method_params": {"ratio": INF}}]},

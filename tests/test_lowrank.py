@@ -57,7 +57,7 @@ def test_without_error_feedback_no_error_is_kept(method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_bad_parameters_are_config_errors(method):
-    with pytest.raises(ConfigError, match=rf"{method}: rank = 0 is not accepted; expected an integer >= 1"):
+    with pytest.raises(ConfigError, match=rf"method '{method}': rank = 0 is not accepted; expected an integer >= 1"):
         build(method, {"rank": 0})
     with pytest.raises(ConfigError, match=r"min_compression_rate = -1.0 is not accepted"):
         build(method, {"min_compression_rate": -1})

@@ -13,7 +13,7 @@ import math
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 
@@ -23,8 +23,8 @@ from commpress.compressors.ladder import pool
 from commpress.compressors.lowrank_plan import LowRankPlan, matrix_shape, orthonormalize
 from commpress.compressors.tensor_stats import TensorStats
 from commpress.compressors.wire.memory import ErrorMemory, Piece
-from commpress.compressors.wire.seeding import check_seed, shared_normal, stream_starts, tensor_key
-from commpress.errors import ConfigError
+from commpress.compressors.wire.seeding import Seed, shared_normal, stream_starts, tensor_key
+from commpress.schema import Bounds
 
 __all__ = ["LowRankCompressor"]
 
@@ -73,21 +73,15 @@ class LowRankCompressor(Compressor):
 
     def __init__(
         self,
-        rank: int = 4,
-        min_compression_rate: float = 2.0,
+        rank: Annotated[int, Bounds(ge=1)] = 4,
+        min_compression_rate: Annotated[float, Bounds(ge=0)] = 2.0,
         error_feedback: bool = True,
         warm_start: bool = True,
-        seed: int = 0,
+        seed: Seed = 0,
     ) -> None:
-        if rank < 1:
-            raise ConfigError(f"{self.name}: rank = {rank!r} is not accepted; expected an integer >= 1")
-        if not (min_compression_rate >= 0 and math.isfinite(min_compression_rate)):
-            raise ConfigError(
-                f"{self.name}: min_compression_rate = {min_compression_rate!r} is not accepted; expected a finite number >= 0"
-            )
-        check_seed(self.name, seed)
+        # types and ranges: declared above, checked before this runs (a registered subclass's)
         self.rank = rank
-        self.min_compression_rate = float(min_compression_rate)
+        self.min_compression_rate = min_compression_rate
         self.error_feedback = error_feedback
         self.warm_start = warm_start
         self.seed = seed

@@ -38,7 +38,7 @@ from commpress.compressors.tensor_stats import TensorStats, runs
 from commpress.compressors.wire.framing import frame, unframe
 from commpress.compressors.wire.memory import ErrorMemory, Piece
 from commpress.compressors.wire.seeding import tensor_key
-from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
+from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, MinNumel, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
 from commpress.kernels import packed_size, sign_pack_many, sign_unpack_accumulate_many
 
@@ -70,21 +70,15 @@ class OneBitCompressor(Compressor):
     rounds: ClassVar[int] = 1
     per_rank_state: ClassVar[tuple[str, ...]] = ("residuals",)
 
-    def __init__(self, min_numel: int = DEFAULT_MIN_NUMEL, error_feedback: bool = True, chunk: int = 0) -> None:
-        where = "method 'onebit'"
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0 or chunk % 8:
+    def __init__(self, min_numel: MinNumel = DEFAULT_MIN_NUMEL, error_feedback: bool = True, chunk: int = 0) -> None:
+        # types and ranges: declared above, checked before this runs (registry); a multiple is no range
+        if chunk < 0 or chunk % 8:
             raise ConfigError(
-                f"{where}: chunk = {chunk!r} is not accepted; expected 0 (one scale per tensor) or a multiple of 8 "
+                f"method 'onebit': chunk = {chunk!r} is not accepted; expected 0 (one scale per tensor) or a multiple of 8 "
                 "(one scale per that many elements)"
             )
         self.chunk = chunk
         self._layouts: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
-        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
-            raise ConfigError(
-                f"{where}: min_numel = {min_numel!r} is not accepted; expected an integer >= 0 (0: compress every tensor)"
-            )
-        if not isinstance(error_feedback, bool):
-            raise ConfigError(f"{where}: error_feedback = {error_feedback!r} is not accepted; expected true or false")
         self.min_numel = min_numel
         self.error_feedback = error_feedback
         self._memory = ErrorMemory()

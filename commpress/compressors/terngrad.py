@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 
@@ -35,9 +35,9 @@ from commpress.compressors.ladder import pool
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.tensor_stats import TensorStats
 from commpress.compressors.wire.framing import frame, unframe
-from commpress.compressors.wire.seeding import check_seed, tensor_seeds
-from commpress.errors import ConfigError
+from commpress.compressors.wire.seeding import Seed, tensor_seeds
 from commpress.kernels import packed_size, span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
+from commpress.schema import Bounds
 
 __all__ = ["TernGradCompressor"]
 
@@ -70,14 +70,13 @@ class TernGradCompressor(Compressor):
     name: ClassVar[str] = "terngrad"
     rounds: ClassVar[int] = 1
 
-    def __init__(self, clip_sigma: float = 2.5, seed: int = 0, skip_last_layer: bool = False) -> None:
-        if not (math.isfinite(clip_sigma) and clip_sigma >= 0):
-            raise ConfigError(
-                f"method 'terngrad': clip_sigma = {clip_sigma!r} is not accepted; expected a finite number >= 0 (0 = no clipping)"
-            )
-        check_seed("method 'terngrad'", seed)
-        if not isinstance(skip_last_layer, bool):
-            raise ConfigError(f"method 'terngrad': skip_last_layer = {skip_last_layer!r} is not accepted; expected true or false")
+    def __init__(
+        self,
+        clip_sigma: Annotated[float, Bounds(ge=0, note="0 = no clipping")] = 2.5,
+        seed: Seed = 0,
+        skip_last_layer: bool = False,
+    ) -> None:
+        # types and ranges: declared above, checked before this runs (registry)
         self.clip_sigma = clip_sigma
         self.seed = seed
         self.skip_last_layer = skip_last_layer

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 
@@ -53,11 +53,12 @@ from commpress.compressors.registry import register_compressor
 from commpress.compressors.tensor_stats import TensorStats
 from commpress.compressors.wire.framing import frame, unframe
 from commpress.compressors.wire.memory import ErrorMemory, Piece
-from commpress.compressors.wire.seeding import check_seed, tensor_key, tensor_seeds
+from commpress.compressors.wire.seeding import Seed, tensor_key, tensor_seeds
 from commpress.compressors.wire.sparse_values import ValueCodec
-from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, average_whole, split_whole, whole_part, write_whole
+from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, MinNumel, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
 from commpress.kernels import derive_seed, scatter_add_decode, topk_select_many
+from commpress.schema import Bounds
 
 __all__ = ["DEFAULT_MIN_NUMEL", "TopKCompressor", "topk_count"]
 
@@ -128,46 +129,33 @@ class TopKCompressor(Compressor):
 
     def __init__(
         self,
-        ratio: float = 0.01,
+        ratio: Annotated[float, Bounds(gt=0, le=1)] = 0.01,
         value_dtype: Literal["float32", "float16", "bfloat16"] = "float32",
         value_bits: Literal[2, 4, 8] | None = None,
         selection: Literal["auto", "exact", "sampled"] = "auto",
-        warmup_steps: int = 0,
+        warmup_steps: Annotated[int, Bounds(ge=0)] = 0,
         warmup_ratio: float = 0.25,
-        min_numel: int = DEFAULT_MIN_NUMEL,
+        min_numel: MinNumel = DEFAULT_MIN_NUMEL,
         dgc: bool = False,
-        momentum: float | None = None,
+        momentum: Annotated[float, Bounds(ge=0, lt=1)] | None = None,
         momentum_masking: bool = False,
-        clip_norm: float = 0.0,
-        seed: int = 0,
+        clip_norm: Annotated[float, Bounds(ge=0, note="0: off")] = 0.0,
+        seed: Seed = 0,
     ) -> None:
-        where = "method 'topk'"
-        if not (math.isfinite(ratio) and 0 < ratio <= 1):
-            raise ConfigError(f"{where}: ratio = {ratio!r} is not accepted; expected a number in (0, 1]")
-        if warmup_steps < 0:
-            raise ConfigError(f"{where}: warmup_steps = {warmup_steps!r} is not accepted; expected an integer >= 0")
-        if warmup_steps and not (math.isfinite(warmup_ratio) and ratio <= warmup_ratio <= 1):
+        where = "method 'topk'"  # types and ranges: declared above, checked before this runs (registry)
+        if warmup_steps and not ratio <= warmup_ratio <= 1:
             raise ConfigError(
                 f"{where}: warmup_ratio = {warmup_ratio!r} is not accepted; expected a number in [ratio, 1] = [{ratio}, 1]"
             )
-        if min_numel < 0:
-            raise ConfigError(f"{where}: min_numel = {min_numel!r} is not accepted; expected an integer >= 0")
         if momentum is not None and not dgc:
             raise ConfigError(f"{where}: momentum = {momentum!r} is not accepted without dgc = true (only DGC applies momentum)")
         if momentum_masking and not dgc:
             raise ConfigError(f"{where}: momentum_masking = true is not accepted without dgc = true")
-        if momentum is not None and not (math.isfinite(momentum) and 0 <= momentum < 1):
-            raise ConfigError(f"{where}: momentum = {momentum!r} is not accepted; expected a number in [0, 1)")
-        if not (math.isfinite(clip_norm) and clip_norm >= 0):
-            raise ConfigError(f"{where}: clip_norm = {clip_norm!r} is not accepted; expected a number >= 0 (0: off)")
-        if value_bits not in (None, 2, 4, 8):
-            raise ConfigError(f"{where}: value_bits = {value_bits!r} is not accepted; expected one of 2, 4, 8 (or leave it out)")
         if value_bits is not None and value_dtype != "float32":
             raise ConfigError(
                 f"{where}: value_bits = {value_bits!r} is not accepted with value_dtype = {value_dtype!r}; "
                 "quantized values replace value_dtype: leave value_dtype at 'float32'"
             )
-        check_seed(where, seed)
         self.ratio = ratio
         self.value_dtype = _VALUE_DTYPES[value_dtype]
         self.value_bits = value_bits

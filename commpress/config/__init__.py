@@ -25,9 +25,10 @@ import functools
 import hashlib
 import json
 import os
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Annotated, Any, Literal, overload
 
 from commpress.cmdline import parse_method_spec, parse_settings
 from commpress.compressors import build, check_params
@@ -44,11 +45,13 @@ from commpress.config.tables import (
     parse_table,
 )
 from commpress.errors import ConfigError
-from commpress.schema import check_keys
+from commpress.schema import Bounds, check_fields, check_keys
 
 __all__ = ["BACKENDS", "Config", "ConfigError", "Override", "config_diff", "digest_of", "parse_method_spec", "parse_settings"]
 
-BACKENDS = ("torch", "mpi")
+#: Where the collectives run: torch.distributed or MPI (mpi4py).
+Backend = Literal["torch", "mpi"]
+BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,8 @@ class Config:
 
     method: str = "none"
     params: Mapping[str, Any] = field(default_factory=dict)
-    start_iter: int = 0
-    backend: str = "torch"
+    start_iter: Annotated[int, Bounds(ge=0)] = 0
+    backend: Backend = "torch"
     overrides: tuple[Override, ...] = ()
     sections: Mapping[str, Table] = field(default_factory=dict)
 
@@ -90,10 +93,7 @@ class Config:
             raise ConfigError(f"params = {self.params!r} is not accepted; expected a table of the method's parameters")
         check_keys("params", self.params)
         object.__setattr__(self, "params", check_params(self.method, self.params, belongs))
-        if isinstance(self.start_iter, bool) or not isinstance(self.start_iter, int) or self.start_iter < 0:
-            raise ConfigError(f"start_iter = {self.start_iter!r} is not accepted; expected an integer >= 0")
-        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
-            raise ConfigError(f"backend = {self.backend!r} is not accepted; accepted: {', '.join(BACKENDS)}")
+        check_fields("config", self, names=("start_iter", "backend"))  # the rest: parsed by their own rules
         build(self.method, self.params)  # range checks happen in the compressor
         if not isinstance(self.overrides, (list, tuple)) or not all(isinstance(o, Override) for o in self.overrides):
             raise ConfigError(f"overrides = {self.overrides!r} is not accepted; expected a list of Override")

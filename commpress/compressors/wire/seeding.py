@@ -17,15 +17,19 @@ import functools
 import math
 import zlib
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 
 from commpress.compressors.base import Bucket, ParamSlot
-from commpress.errors import ConfigError
 from commpress.kernels import derive_seed
 from commpress.kernels.rng import GAMMA, MIX1, MIX2, derive_seeds
+from commpress.schema import Bounds
 
-__all__ = ["check_seed", "shared_normal", "stream_starts", "tensor_key", "tensor_seeds"]
+__all__ = ["Seed", "shared_normal", "stream_starts", "tensor_key", "tensor_seeds"]
+
+#: A compressor's ``seed`` parameter: a 63-bit non-negative integer (mixed into a 64-bit key).
+Seed = Annotated[int, Bounds(ge=0, lt=2**63)]
 
 
 def tensor_key(bucket: Bucket, slot: ParamSlot) -> str:
@@ -44,12 +48,6 @@ def tensor_seeds(seed: int, rank: int, step: int, bucket: Bucket, slots: Sequenc
 def _crc(name: str) -> int:
     """A tensor name's CRC-32 (names repeat every step)."""
     return zlib.crc32(name.encode())
-
-
-def check_seed(where: str, seed: int) -> None:
-    """Seeds are 63-bit non-negative integers (they are mixed into a 64-bit key)."""
-    if not 0 <= seed < 2**63:
-        raise ConfigError(f"{where}: seed = {seed!r} is not accepted; expected an integer in [0, 2**63)")
 
 
 def _signed(v: int) -> int:

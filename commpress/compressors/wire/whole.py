@@ -9,6 +9,7 @@ average it exactly (docs/quantization.md, "Small tensors", measured the default)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 
@@ -16,11 +17,14 @@ from commpress.compressors.base import Bucket, ParamSlot
 from commpress.compressors.wire.collectives import sum_rows
 from commpress.compressors.wire.memory import Piece
 from commpress.compressors.wire.seeding import tensor_key
+from commpress.schema import Bounds
 
-__all__ = ["DEFAULT_MIN_NUMEL", "average_whole", "split_whole", "whole_part", "write_whole"]
+__all__ = ["DEFAULT_MIN_NUMEL", "MinNumel", "average_whole", "split_whole", "whole_part", "write_whole"]
 
 #: Tensors smaller than this are sent whole by default.
 DEFAULT_MIN_NUMEL = 1024
+#: A compressor's ``min_numel`` parameter: tensors of fewer elements are sent whole.
+MinNumel = Annotated[int, Bounds(ge=0, note="0: compress every tensor")]
 
 
 def split_whole(slots: Sequence[ParamSlot], min_numel: int) -> tuple[list[ParamSlot], list[ParamSlot]]:
