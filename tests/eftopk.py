@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, Transfer, register_compressor
-from commpress.errors import ConfigError
+from commpress.schema import Bounds
 
 
 @register_compressor
 class EFTopK(Compressor):
     name: ClassVar[str] = "test-eftopk"
 
-    def __init__(self, ratio: float = 0.1) -> None:
-        if not 0 < ratio <= 1:
-            raise ConfigError(f"ratio = {ratio!r} is not accepted; expected a number in (0, 1]")
+    def __init__(self, ratio: Annotated[float, Bounds(gt=0, le=1)] = 0.1) -> None:
         self.ratio = ratio
         self.residuals: dict[int, torch.Tensor] = {}
 

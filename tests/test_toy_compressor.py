@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import pytest
 import torch
@@ -40,6 +40,7 @@ from commpress.compressors import (
 )
 from commpress.compressors.tensor_stats import TensorStats
 from commpress.config import Config, ConfigError
+from commpress.schema import Bounds
 
 TOY = "test-toy-prefix"
 
@@ -52,9 +53,7 @@ class PrefixCompressor(Compressor):
     per_rank_state: ClassVar[tuple[str, ...]] = ("residuals",)
     knob: ClassVar[str | None] = "keep"
 
-    def __init__(self, keep: float = 0.5) -> None:
-        if not (math.isfinite(keep) and 0 < keep <= 1):
-            raise ConfigError(f"method {TOY!r}: keep = {keep!r} is not accepted; expected a number in (0, 1]")
+    def __init__(self, keep: Annotated[float, Bounds(gt=0, le=1)] = 0.5) -> None:  # registering checks it
         self.keep = keep
         self.residuals: dict[str, torch.Tensor] = {}
         self._staged: dict[str, torch.Tensor] = {}
@@ -111,6 +110,8 @@ def test_the_registry_builds_it_and_checks_its_parameters():
     assert TOY in available() and isinstance(build(TOY, {"keep": 0.25}), PrefixCompressor)
     with pytest.raises(ConfigError, match=r"keep = 2.0 is not accepted; expected a number in \(0, 1\]"):
         build(TOY, {"keep": 2.0})
+    with pytest.raises(ConfigError, match=rf"method '{TOY}': keep = 0.0 is not accepted; expected a number in \(0, 1\]"):
+        PrefixCompressor(0)  # built directly: the same declared check
     with pytest.raises(ConfigError, match=r"unknown key 'ratio'"):
         build(TOY, {"ratio": 0.1})
 

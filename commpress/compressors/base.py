@@ -145,9 +145,11 @@ class Context:
 class Compressor(ABC):
     """A gradient compressor. Subclasses set ``name`` and implement :meth:`reduce`.
 
-    Constructor keyword arguments are the method's config parameters; the registry
-    validates names and types from the signature, the constructor checks ranges and
-    raises :class:`commpress.config.ConfigError`.
+    Constructor keyword arguments are the method's config parameters, their type hints
+    what each accepts, a number's range included (``ratio: Annotated[float, Bounds(gt=0,
+    le=1)]``): the registry checks names, types and ranges from the signature before the
+    constructor runs, which checks only rules between parameters; every refusal is a
+    :class:`commpress.config.ConfigError`.
 
     What the rest of the package may ask a compressor, and nothing else (it never names a
     method): ``rounds``, ``dtypes`` and ``per_rank_state`` (backends, hooks, checkpoints);
