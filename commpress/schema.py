@@ -184,9 +184,10 @@ def check_kwargs(
     return out
 
 
+@functools.cache
 def signature_fields(fn: Callable[..., Any]) -> dict[str, tuple[Any, bool]]:
     """The keyword parameters of ``fn`` as ``check_kwargs`` fields (from its type hints,
-    a number's :class:`Bounds` kept)."""
+    a number's :class:`Bounds` kept); computed once per function (read it, do not change it)."""
     hints = typing.get_type_hints(fn, include_extras=True)
     fields = {}
     for p in inspect.signature(fn).parameters.values():
