@@ -65,7 +65,7 @@ def test_every_method_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path)
         lighthouse.shutdown()
     for replica in (0, 1):
         seen = json.loads((tmp_path / f"same{replica}.json").read_text())
-        assert sorted(seen) == available()
+        assert sorted(seen) == [m for m in available() if not m.startswith("test-")]  # the tests' own methods aside
         for method, s in seen.items():
             assert s == {"committed": True, "participants": 2, "model": True, "state": True, "changed": True}, (method, s)
 
