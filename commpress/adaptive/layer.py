@@ -176,7 +176,7 @@ class AdaptiveLayer:
         reduction = hierarchical_reduction(bucket, step, self.place, self._groups.composite.reduce)
         if self.log is not None:
             reduction = self.log.wrap(reduction, step, bucket.index)
-        return self.backend.run(reduction)
+        return self.backend.run(reduction, bucket.buffer.device)
 
     def state_dict(self) -> dict[str, Any]:
         """The topology the plan came from, the active methods, the parked states."""

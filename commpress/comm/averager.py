@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_settings
-from commpress.comm.backend import OnBackend
+from commpress.comm.backend import OnBackend, future_on
 from commpress.comm.pickling import BoundToProcess
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction
 from commpress.config import Config
@@ -94,7 +94,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
         Keep the buffer untouched until then. Call in the same order on every rank."""
         ctx = Context(rank=self.rank, world_size=self.world_size, step=self.calls)
         self.calls += 1
-        done: torch.futures.Future = torch.futures.Future()
+        done = future_on(bucket.buffer.device)
 
         def commit(fut: torch.futures.Future) -> None:
             try:
@@ -105,7 +105,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
                 return
             done.set_result(bucket.buffer)
 
-        self.backend.run(self.groups.composite.reduce(bucket, ctx)).add_done_callback(commit)
+        self.backend.run(self.groups.composite.reduce(bucket, ctx), bucket.buffer.device).add_done_callback(commit)
         return done
 
     def average(self, bucket: Bucket) -> torch.Tensor:
@@ -114,7 +114,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place in full precision (small set-up values)."""
-        self.backend.run(_exact_sum(tensor)).wait()
+        self.backend.run(_exact_sum(tensor), tensor.device).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

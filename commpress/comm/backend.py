@@ -11,6 +11,11 @@ using a channel releasing its turn there. So bucket ``i``'s second collective ca
 while bucket ``i+1`` is still compressing, and every rank still issues the same sequence
 on every communicator.
 
+On CUDA every wait is ordered by events: a request queued for its turn carries an event of
+the stream that produced its tensor, and the collective, wherever it is issued from, waits
+for it; a reduction's future is CUDA-aware, so whoever waits on it (DDP's reducer, the
+optimizer step) waits for the streams the last callback ran on.
+
 Failures are loud: a failed collective fails the reduction's future with a
 :class:`~commpress.errors.CollectiveError` naming the collective, the channel and its
 ranks, and every later reduction on this backend fails at once with the same cause.
@@ -31,7 +36,7 @@ from commpress.comm.counters import Traffic
 from commpress.compressors.wire.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction
 from commpress.errors import CollectiveError
 
-__all__ = ["Backend", "Channel", "OnBackend", "describe"]
+__all__ = ["Backend", "Channel", "OnBackend", "describe", "future_on"]
 
 #: A channel: (scope, ordinal of the collective within that scope in one reduction).
 Channel = tuple[str, int]
@@ -49,7 +54,7 @@ class _Task:
 @dataclass
 class _Queue:
     next_seq: int = 0
-    pending: dict[int, tuple[_Task, Collective]] = field(default_factory=dict)
+    pending: dict[int, tuple[_Task, Collective, torch.cuda.Event | None]] = field(default_factory=dict)
     released: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -109,13 +114,15 @@ class Backend(ABC):
         """Start ``request`` on ``channel``'s communicator; the future gives the result (a
         tensor for AllReduce and ReduceScatter, a list of tensors for AllGather) or fails."""
 
-    def run(self, reduction: Reduction) -> torch.futures.Future:
+    def run(self, reduction: Reduction, device: torch.device | None = None) -> torch.futures.Future:
         """Run ``reduction``; the returned future completes with what it returns (whether
         its average is known finite) when it ends.
 
+        ``device`` is where its tensors live (default: the current CUDA device once CUDA is
+        initialized); on CUDA the future makes its waiters wait for the reduction's streams.
         Must be called in the same order on every rank (DDP calls hooks in bucket order).
         """
-        task = _Task(self._seq, reduction, torch.futures.Future())
+        task = _Task(self._seq, reduction, future_on(device))
         self._seq += 1
         self._advance(task, None)
         return task.result
@@ -150,7 +157,7 @@ class Backend(ABC):
         task.used[request.scope] = channel[1] + 1
         queue = self._queues[channel]
         with queue.lock:
-            queue.pending[task.seq] = (task, request)
+            queue.pending[task.seq] = (task, request, _ready(request.tensor))
         self._pump(channel)
 
     def _finish(self, task: _Task, error: BaseException | None, returned: Any = None) -> None:
@@ -175,7 +182,9 @@ class Backend(ABC):
                 if seq in queue.released:
                     queue.released.discard(seq)
                 elif seq in queue.pending:
-                    task, request = queue.pending.pop(seq)
+                    task, request, ready = queue.pending.pop(seq)
+                    if ready is not None:  # issued from another thread or stream than it was made on
+                        torch.cuda.current_stream(request.tensor.device).wait_event(ready)
                     started.append((task, request, self._issue(channel, request)))
                 else:
                     break
@@ -212,6 +221,27 @@ class Backend(ABC):
             self._advance(task, result)
 
         return on_done
+
+
+def future_on(device: torch.device | None = None) -> torch.futures.Future:
+    """A future for results made on ``device``'s streams (default: the current CUDA device
+    once CUDA is initialized): on CUDA, completing it records events on the current streams
+    and waiting on it (or a callback of it) waits for them; on the CPU a plain future."""
+    if device is None and torch.cuda.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():  # (fake CUDA tensors in tests)
+        return torch.futures.Future()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.futures.Future(devices=[torch.device("cuda", index)])
+
+
+def _ready(tensor: torch.Tensor) -> torch.cuda.Event | None:
+    """An event on the current stream of a CUDA ``tensor``'s device (None on the CPU)."""
+    if not tensor.is_cuda or not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
 
 
 class OnBackend:

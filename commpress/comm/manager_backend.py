@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
-from commpress.comm.backend import Backend, Channel
+from commpress.comm.backend import Backend, Channel, future_on
 from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, Finite, Reduction
 from commpress.errors import CollectiveError
 
@@ -68,18 +68,18 @@ class ManagerBackend(Backend):
             "(not full=True); a rejoining replica gets the shared state from a healthy peer"
         )
 
-    def run(self, reduction: Reduction) -> torch.futures.Future:
+    def run(self, reduction: Reduction, device: torch.device | None = None) -> torch.futures.Future:
         """:meth:`Backend.run`, started once the previous reduction has ended."""
         if self.log is not None:
             entry: list[Any] = []
             self.log.append(entry)
             reduction = _recorded(reduction, entry)
-        out: torch.futures.Future = torch.futures.Future()
+        out = future_on(device)
         with self._lock:
             previous, self._tail = self._tail, out
 
         def start(_: Any = None) -> None:
-            Backend.run(self, reduction).add_done_callback(functools.partial(_forward, out))
+            Backend.run(self, reduction, device).add_done_callback(functools.partial(_forward, out))
 
         if previous is None:
             start()

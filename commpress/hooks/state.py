@@ -170,11 +170,11 @@ class CommState(OnBackend):
         bucket = Bucket(index, buffer, slots)
         ctx = Context(rank=self.rank, world_size=self.world_size, step=step)
         if step < self.config.start_iter:
-            fut = self._backend.run(self._warmup.reduce(bucket, ctx))
+            fut = self._backend.run(self._warmup.reduce(bucket, ctx), buffer.device)
         elif self.adaptive is not None:
             fut = self.adaptive.run(bucket, step)
         else:
-            fut = self._backend.run(self.groups.composite.reduce(bucket, ctx))
+            fut = self._backend.run(self.groups.composite.reduce(bucket, ctx), buffer.device)
         with self._done:  # counted once started (a hook that raised has nothing in flight)
             self._in_flight += 1
         return fut.then(functools.partial(self._record_finite, buffer))

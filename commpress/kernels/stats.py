@@ -12,7 +12,8 @@ of the tensor sums its chunks' lanes in chunk order, and the total sums the lane
 order. Squares of float32 values are exact in float64 and no sum of them can overflow, so
 the total is finite exactly when the tensor is. The largest magnitude is order-free: the
 maximum of ``bits & 0x7FFFFFFF`` over the elements, as a float32 (NaN if the tensor holds
-one: a NaN's bits exceed +inf's).
+one: a NaN's bits exceed +inf's). A NaN's payload is not specified: CUDA's conversions and
+arithmetic return their own canonical NaN, the CPU's keep the input's.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def topk_select(
 
     Returns ``(values, indices)``: ``values`` in acc's dtype, ``indices`` int32, both of length
     ``k``, in increasing index order. ``acc`` becomes the residual (error-feedback buffer).
-    ``exact=True`` skips the sampled estimate (a full ``kthvalue``); ``sample`` is how many
+    ``exact=True`` skips the sampled estimate (a selection over the whole tensor); ``sample`` is how many
     entries the estimate looks at (None: :func:`default_sample`) and ``seed`` where it
     looks; neither changes the result.
     """

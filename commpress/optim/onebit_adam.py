@@ -105,7 +105,7 @@ def comm_hook(state: "OneBitAdam", bucket: dist.GradBucket) -> torch.futures.Fut
     local gradient (with the finiteness flag)."""
     buffer = bucket.buffer()
     reduction = _spread_non_finite(buffer) if state.frozen else _mean(buffer, state.averager.world_size)
-    return state.averager.backend.run(reduction).then(lambda fut: (fut.value(), buffer)[1])
+    return state.averager.backend.run(reduction, buffer.device).then(lambda fut: (fut.value(), buffer)[1])
 
 
 class OneBitAdam(BoundToProcess):

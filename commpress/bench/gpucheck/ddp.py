@@ -9,7 +9,14 @@ each rank sends is a function of the method alone, and the bytes TernGrad and To
 the wire must equal the CPU run's bit for bit (their kernels give the same bits on both
 devices); every collective's input is hashed per channel, in issue order
 (:class:`WireDigest`). Losses and a sample of the final weights must agree with the CPU
-run within float tolerance (weights differ by the rounding of the forward's sums).
+run within float tolerance (weights differ by the rounding of the forward's sums), and the
+ranks of a run must hold the same weights bit for bit (replicas in sync).
+
+Low-rank methods are compared over their first :data:`EARLY` steps: one power iteration per
+step, on an error that gains a direction every step, amplifies rounding wherever two
+singular values come close, so later steps differ between any two machines, not only between
+CPU and GPU: PowerSGD's sixth loss on one rank was 89.37 on one CPU, 87.59 on another and
+95.41 on an H200, and after 3 steps its weights were already 1.5x the tolerance apart.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ METHODS = {
     "onebit": {},
 }
 WIRE_EXACT = ("terngrad", "topk")
+LOW_RANK = ("powersgd", "acpsgd")
+EARLY = 2  # steps over which low-rank runs are compared: a P and a Q step of ACP-SGD, a warm start
 RTOL = 1e-3  # of the largest magnitude in the run: losses and weights
 #: (GPT-2 scale, steps) on the GPU (False) and in a dry run (True)
 SIZES = {False: (0.02, 8), True: (0.002, 3)}
@@ -103,7 +112,7 @@ def _train(method: str, rank: int, world: int, device: torch.device, scale: floa
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     register_ddp_hook(ddp, {"method": method, "params": METHODS[method]}, optimizer=opt)
     digest = WireDigest()
-    losses = []
+    losses, early = [], []
     with recording(digest):
         for step in range(steps):
             loss = task.loss(ddp, step, rank, world)
@@ -111,9 +120,15 @@ def _train(method: str, rank: int, world: int, device: torch.device, scale: floa
             loss.backward()
             opt.step()
             losses.append(loss.item())
+            if step + 1 == min(EARLY, steps):
+                early = _sample(model)
+    return {"losses": losses, "wire": digest.digests(), "wire_bytes": digest.nbytes, "sample": _sample(model), "early": early}
+
+
+def _sample(model: torch.nn.Module) -> list[float]:
+    """About 4096 of the model's weights, evenly spaced."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-    sample = flat[:: max(1, flat.numel() // 4096)]
-    return {"losses": losses, "wire": digest.digests(), "wire_bytes": digest.nbytes, "sample": sample.tolist()}
+    return flat[:: max(1, flat.numel() // 4096)].tolist()
 
 
 def train_all(rank: int, world: int, device_type: str, scale: float, steps: int) -> dict[str, Any]:
@@ -157,17 +172,24 @@ def _judge_run(report: Report, name: str, ranks: list[dict[str, Any]]) -> None:
         errors = [r[method]["error"] for r in ranks if "error" in r[method]]
         finite = not errors and all(math.isfinite(x) for r in ranks for x in r[method]["losses"] + r[method]["sample"])
         report.check(f"{name}: {method} trains (finite losses and weights)", finite, errors=errors)
+        if not errors and len(ranks) > 1:
+            same = all(r[method]["sample"] == ranks[0][method]["sample"] for r in ranks)
+            report.check(f"{name}: {method} replicas hold the same weights, bit for bit", same)
 
 
 def _compare(report: Report, name: str, ranks: list[dict[str, Any]], ref: list[dict[str, Any]]) -> None:
     for method in METHODS:
         if any("error" in r[method] for r in ranks + ref):
             continue  # already failed in _judge_run
+        early = method in LOW_RANK
+        losses = slice(0, EARLY if early else None)
+        weights, when = ("early", f"after {EARLY} steps") if early else ("sample", "at the end")
         for rank, (mine, theirs) in enumerate(zip(ranks, ref)):
-            ok, worst = _close(theirs[method]["losses"], mine[method]["losses"])
-            report.check(f"{name} rank {rank}: {method} losses = {REFERENCE[name]}'s", ok, largest_difference=worst)
-            ok, worst = _close(theirs[method]["sample"], mine[method]["sample"])
-            report.check(f"{name} rank {rank}: {method} weights = {REFERENCE[name]}'s", ok, largest_difference=worst)
+            ok, worst = _close(theirs[method]["losses"][losses], mine[method]["losses"][losses])
+            what = f"first {EARLY} losses" if early else "losses"
+            report.check(f"{name} rank {rank}: {method} {what} = {REFERENCE[name]}'s", ok, largest_difference=worst)
+            ok, worst = _close(theirs[method][weights], mine[method][weights])
+            report.check(f"{name} rank {rank}: {method} weights {when} = {REFERENCE[name]}'s", ok, largest_difference=worst)
             same = mine[method]["wire"] == theirs[method]["wire"]
             if method in WIRE_EXACT:
                 report.check(f"{name} rank {rank}: {method} wire bytes = {REFERENCE[name]}'s, bit for bit", same)

@@ -1,9 +1,10 @@
 """Loading CuPy and the kernel sources; the only module that imports CuPy.
 
 Kernels are compiled by NVRTC on first use (CuPy caches the binaries on disk), with
-``--fmad=false`` so no multiply-add is contracted. Tensors travel to CuPy through DLPack
-(no copies) and kernels run on torch's current CUDA stream, so they are ordered with the
-torch work around them.
+``--fmad=false`` so no multiply-add is contracted. Tensors travel as their device
+pointers (no copies, and none of DLPack's per-tensor cost in a launch) and kernels run on
+torch's current CUDA stream, so they are ordered with the torch work around them (the
+caching allocator reuses a freed tensor's memory only after that stream's earlier work).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import re
 from importlib import resources
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["as_cupy", "kernel", "launch", "require_cupy"]
+__all__ = ["kernel", "launch", "pointer", "require_cupy"]
 
 OPTIONS = ("--std=c++17", "--fmad=false")
 THREADS = 256
@@ -69,15 +71,12 @@ def kernel(module: str, function: str, device: torch.device) -> Any:
     return _module(module, device.index if device.index is not None else torch.cuda.current_device()).get_function(function)
 
 
-def as_cupy(t: torch.Tensor) -> Any:
-    """A zero-copy CuPy view of contiguous CUDA tensor ``t`` (through DLPack).
-
-    bfloat16 travels as int16 (CuPy has no bfloat16); the kernels take it as raw 16-bit words.
-    """
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return require_cupy().from_dlpack(t)
+def pointer(t: torch.Tensor) -> np.uint64:
+    """The device address of contiguous CUDA tensor ``t``, as a kernel's pointer argument
+    (a 64-bit value; bfloat16 and the other 16-bit types are raw words to the kernels)."""
+    if not t.is_contiguous():
+        raise ValueError(f"a kernel argument of shape {tuple(t.shape)} is not contiguous")
+    return np.uint64(t.data_ptr())
 
 
 def launch(
@@ -85,8 +84,8 @@ def launch(
 ) -> None:
     """Run ``function`` over ``work`` items (grid-stride) on torch's current stream of ``device``.
 
-    Tensors in ``args`` are passed through DLPack; other arguments must already be numpy
-    scalars of the kernel's parameter types.
+    Tensors in ``args`` are passed as their device pointers; other arguments must already
+    be numpy scalars of the kernel's parameter types.
     """
     if work <= 0:
         return
@@ -94,8 +93,13 @@ def launch(
     if grid is None:
         grid = min(-(-work // block), 65535 * 8)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    with cupy.cuda.Device(index):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index)
-        with stream:  # DLPack exchange and launch both on torch's stream: no extra synchronization
-            converted = tuple(as_cupy(a) if isinstance(a, torch.Tensor) else a for a in args)
-            kernel(module, function, device)((grid,), (block,), converted)
+    converted = tuple(pointer(a) if isinstance(a, torch.Tensor) else a for a in args)
+    function_ = kernel(module, function, device)
+    with cupy.cuda.Device(index), _stream(torch.cuda.current_stream(index).cuda_stream, index):
+        function_((grid,), (block,), converted)
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int, index: int) -> Any:
+    """CuPy's view of torch's stream ``handle`` on device ``index`` (made once per stream)."""
+    return require_cupy().cuda.ExternalStream(handle, index)

@@ -180,16 +180,24 @@ def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num_(mag, nan=math.inf, posinf=math.inf)
 
 
+def _kth_largest(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k``-th largest of ``mag`` (NaN-free): the smallest of its top ``k``. Not
+    ``torch.kthvalue``, which on CUDA works on a slice within one thread block: with it,
+    selecting 1% of 25M entries took 179 ms on an H200, where ``torch.topk`` of the same
+    tensor takes under 1 ms."""
+    return torch.topk(mag, k, sorted=False).values.min()
+
+
 def exact_threshold(flat: torch.Tensor, k: int) -> float:
     """The ``k``-th largest magnitude of ``flat``."""
-    return torch.kthvalue(_magnitudes(flat), flat.numel() - k + 1).values.item()
+    return _kth_largest(_magnitudes(flat), k).item()
 
 
 def sample_threshold(flat: torch.Tensor, seed: int, sample: int, rank: int) -> float:
     """The ``rank``-th largest magnitude among ``sample`` entries of ``flat``: entry ``j`` is
     ``floor(draw_j * n / 2**32)``, with draw ``j`` of stream ``seed``."""
     idx = sample_indices(seed, sample, flat.numel(), flat.device)
-    return torch.kthvalue(_magnitudes(flat[idx]), sample - rank + 1).values.item()
+    return _kth_largest(_magnitudes(flat[idx]), rank).item()
 
 
 def select_candidates(flat: torch.Tensor, threshold: float, expect: int) -> tuple[torch.Tensor, None]:
@@ -203,7 +211,7 @@ def take_top(flat: torch.Tensor, candidates: torch.Tensor, cvalues: None, k: int
     cmag = _magnitudes(flat[candidates])
     chosen = candidates
     if cmag.numel() > k:
-        kth = torch.kthvalue(cmag, cmag.numel() - k + 1).values
+        kth = _kth_largest(cmag, k)
         above = cmag > kth
         ties = cmag == kth
         need = k - int(above.sum())
