@@ -120,4 +120,3 @@ def test_multi_round_compressor_over_gloo_with_many_buckets(world):
         # divide-then-sum vs DDP's own divide-then-sum on the same values: equal up to
         # summation order inside gloo (a few ulps of ~1e-2 gradients).
         assert max(errors) < 1e-6
-
