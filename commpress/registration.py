@@ -198,11 +198,13 @@ def register(
     the optimizer's SGD groups. ``process_group``: the group the DDP hook or Local SGD
     communicates in (default: the model's, or the world; FSDP uses its own mesh).
     ``total_steps``: lets QSR cap the last round. ``manager``: a ``torchft.Manager`` every
-    collective of the DDP hook goes through (docs/fault_tolerance.md; the model wrapped by
-    :func:`commpress.hooks.managed_ddp`).
+    collective goes through (docs/fault_tolerance.md): the DDP hook's (the model wrapped by
+    :func:`commpress.hooks.managed_ddp`), or DiLoCo's syncs with ``[local_sgd]``.
     """
     cfg = Config.load(config)
     if manager is not None:
+        if cfg.section("local_sgd") is not None:
+            return Registration(cfg, local_sgd=_managed_diloco(model, cfg, optimizer, manager, total_steps))
         state, remove = attach_ddp_hook(model, cfg, process_group, optimizer, manager)
         return Registration(cfg, hook=state, remove_hook=remove)
     part = part_for(cfg, model_kind(model, cfg.backend))
@@ -236,6 +238,21 @@ def _local_sgd(
             "it wraps (optimizer.optimizer)"
         )
     trainer = from_config(model, optimizer, cfg, total_steps=total_steps, process_group=process_group)
+    trainer.register_optimizer_hooks()
+    return trainer
+
+
+def _managed_diloco(
+    model: torch.nn.Module, cfg: Config, optimizer: torch.optim.Optimizer | None, manager: Any, total_steps: int | None
+) -> LocalSGD:
+    """DiLoCo of ``[local_sgd]`` whose syncs go through the torchft ``manager``."""
+    from commpress.hooks.manager import check_managed
+    from commpress.local_sgd.managed import managed_from_config
+
+    if optimizer is None:
+        raise TypeError("the config's [local_sgd] table runs at the optimizer's step: pass register(..., optimizer=optimizer)")
+    check_managed(cfg)
+    trainer = managed_from_config(model, optimizer, cfg, manager, total_steps)
     trainer.register_optimizer_hooks()
     return trainer
 

@@ -56,6 +56,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
         if self._backend is not None and self._backend.rounds.get("world", 0) < self.groups.rounds:
             raise ValueError(f"backend has {self._backend.rounds} rounds, method {method!r} needs {self.groups.rounds}")
         self.calls = 0
+        self.last_context: Context | None = None  # of the last start(): what a replay of it needs
 
     @property
     def backend(self) -> Backend:
@@ -76,7 +77,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
         and params at once (``entry`` names the caller in the error; ``process_group``: the
         group to agree in when the averager was handed a backend), then the backend named
         at construction opens. Ranks that cannot block skip the exchange."""
-        if self.can_block:
+        if self.can_block and (self._backend is None or self._backend.fixed_members):
             name = self._backend_name or ("torch" if dist.is_initialized() else "mpi")
             group = self.process_group if self._backend_name else process_group
             agreed = {**(settings or {}), "averaging": self.groups.config.to_dict()}
@@ -89,24 +90,31 @@ class ParameterAverager(OnBackend, BoundToProcess):
     def compressor(self) -> Compressor:
         return self.groups.compressors[MAIN]
 
-    def start(self, bucket: Bucket) -> torch.futures.Future:
+    def start(self, bucket: Bucket, commit: bool = True) -> torch.futures.Future:
         """Start averaging ``bucket.buffer`` in place; the future completes with the buffer.
-        Keep the buffer untouched until then. Call in the same order on every rank."""
-        ctx = Context(rank=self.rank, world_size=self.world_size, step=self.calls)
+        Keep the buffer untouched until then. Call in the same order on every rank.
+        ``commit=False``: the compressor's state changes stay staged until :meth:`settle`
+        (a torchft Manager decides at ``should_commit`` whether the step counts)."""
+        self.last_context = ctx = Context(rank=self.rank, world_size=self.world_size, step=self.calls)
         self.calls += 1
         done = future_on(bucket.buffer.device)
 
-        def commit(fut: torch.futures.Future) -> None:
+        def settled(fut: torch.futures.Future) -> None:
             try:
                 fut.value()  # raises the reduction's error
-                self.groups.end_step(commit=True)
+                if commit:
+                    self.groups.end_step(commit=True)
             except BaseException as exc:  # the CollectiveError itself, not a RuntimeError around it
                 done.set_exception(exc)
                 return
             done.set_result(bucket.buffer)
 
-        self.backend.run(self.groups.composite.reduce(bucket, ctx), bucket.buffer.device).add_done_callback(commit)
+        self.backend.run(self.groups.composite.reduce(bucket, ctx), bucket.buffer.device).add_done_callback(settled)
         return done
+
+    def settle(self, commit: bool) -> None:
+        """Commit (or drop) the compressor state a ``start(..., commit=False)`` staged."""
+        self.groups.end_step(commit=commit)
 
     def average(self, bucket: Bucket) -> torch.Tensor:
         """Average ``bucket.buffer`` in place and wait for it."""

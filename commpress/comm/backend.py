@@ -87,6 +87,10 @@ class Backend(ABC):
     #: whether this rank may block on a collective until its peers join it (False when
     #: every rank of the world runs in this thread: a blocking call would wait forever)
     can_block: bool = True
+    #: whether the ranks stay the same for the backend's life, so they can agree on settings
+    #: and take rank 0's model once at set-up (False under a torchft Manager: replicas come
+    #: and go, and a joining one heals from a peer)
+    fixed_members: bool = True
 
     @property
     def rounds(self) -> dict[str, int]:

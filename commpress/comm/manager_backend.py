@@ -40,6 +40,8 @@ class ManagerBackend(Backend):
     """Runs reductions over ``manager`` (a ``torchft.Manager``). Call :meth:`begin_step`
     before a step's first reduction: it reads the step's quorum."""
 
+    fixed_members = False
+
     def __init__(self, manager: Any, rounds: int) -> None:
         super().__init__(0, 1, rounds)
         self.manager = manager

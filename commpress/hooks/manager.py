@@ -29,9 +29,9 @@ from commpress.hooks.state import CommState
 
 __all__ = ["ManagedCommState", "check_managed", "managed_ddp"]
 
-#: tables that do not run under a Manager (yet), and why
+#: tables that do not run under a Manager (yet), and why ([local_sgd]: DiLoCo runs,
+#: :mod:`commpress.local_sgd.managed`)
 _REFUSED = {
-    "local_sgd": "Local SGD / CO2 / DiLoCo",
     "onebit_adam": "1-bit Adam",
     "fsdp": "FSDP",
     "bandwidth": "the bandwidth layer (it measures links between fixed ranks)",
@@ -41,12 +41,12 @@ _REFUSED = {
 
 def check_managed(config: Config) -> None:
     """Refuse what does not run under a torchft Manager: the tables of :data:`_REFUSED`
-    and ``backend = "mpi"``."""
+    and ``backend = "mpi"``; ``[local_sgd]`` is checked by the trainer it makes."""
     for table, what in _REFUSED.items():
         if config.section(table) is not None:
             raise ConfigError(
                 f"the config's [{table}] table ({what}) does not run under a torchft Manager yet: remove it; the DDP "
-                "hook's method, params, overrides and start_iter do"
+                "hook's method, params, overrides and start_iter do, and [local_sgd] with algorithm = \"diloco\""
             )
     if config.backend != "torch":
         raise ConfigError(
@@ -76,7 +76,13 @@ class ManagedCommState(CommState):
         manager: Any,
         key: str = "commpress",
     ) -> None:
-        check_managed(Config.load(config))
+        cfg = Config.load(config)
+        check_managed(cfg)
+        if cfg.section("local_sgd") is not None:
+            raise ConfigError(
+                "the config's [local_sgd] table runs from the optimizer's step, not from the DDP hook: pass it to "
+                "commpress.register(model, config, optimizer=..., manager=...)"
+            )
         self.manager = manager
         self._settling = threading.RLock()  # the manager reads the shared state from its quorum thread
         super().__init__(config, model)

@@ -152,7 +152,8 @@ class LocalSGD(BoundToProcess):
             )
         #: what keeps DDP's gradients local (None for a plain module)
         self.ddp_switch = skip_gradient_allreduce(model) if is_ddp else None  # DDP broadcast rank 0's model
-        if not is_ddp and self.averager.can_block:  # ranks in one thread start from identical models (class docstring)
+        fixed = self.averager.backend.fixed_members  # under a torchft Manager a replica heals from a peer instead
+        if not is_ddp and self.averager.can_block and fixed:  # ranks in one thread start from identical models (class docstring)
             self.averager.broadcast(self.anchor)
             self.flat.write(self.anchor)
         self._average: Average | None = None

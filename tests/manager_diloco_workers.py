@@ -1,0 +1,141 @@
+"""Replica groups (one process each) for tests/test_manager_diloco.py: Streaming DiLoCo
+under a torchft Manager, the lighthouse in the test process.
+
+Run as ``python manager_diloco_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA``:
+
+- ``same``: for each method of :data:`METHODS`, DiLoCo over a plain gloo group
+  (``init_process_group`` on STORE_PORT) and through the manager, in the same process;
+  writes whether the models and anchors came out bit for bit equal.
+- ``survivor`` / ``killed`` / ``joiner``: replica 1 dies inside the average of sync
+  :data:`KILL_SYNC`; replica 0 checks that the sync left its anchor, outer state and
+  compressor state as they were and the fragment back at its anchor, syncs alone, and
+  when the restarted replica 1 (``joiner``, another model init) has healed, both sync
+  :data:`TOGETHER` more times, finish, and write their model, anchor and shared state.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from manager_workers import batch, make_manager, model, same
+from torch import nn
+
+import commpress
+from commpress.config import Config
+from commpress.local_sgd.managed import managed_from_config
+
+#: the methods compared with the plain run, and their parameters
+METHODS: dict[str, dict[str, Any]] = {"none": {}, "terngrad": {}, "topk": {"ratio": 0.3}}
+STEPS = 9  # inner steps of the comparison (a round in progress at the end: finish() syncs it)
+KILL_SYNC = 3
+TOGETHER = 3
+
+
+def config(method: str, sync_delay: int) -> dict[str, Any]:
+    table = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": sync_delay, "merge_alpha": 0.5}
+    return {"method": method, "params": METHODS[method], "local_sgd": {**table, "outer_lr": 0.8, "outer_momentum": 0.2}}
+
+
+def inner_step(net: nn.Module, opt: torch.optim.Optimizer, replica: int, step: int) -> None:
+    x, y = batch(replica, step)
+    nn.functional.mse_loss(net(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
+    manager = make_manager(replica, lighthouse, min_size=2)
+    seen: dict[str, Any] = {}
+    for method in METHODS:
+        cfg = config(method, sync_delay=1)
+        plain = model(0)
+        opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+        reg = commpress.register(plain, cfg, optimizer=opt)
+        for step in range(STEPS):
+            inner_step(plain, opt, replica, step)
+        reg.finish()
+        managed = model(0)
+        mopt = torch.optim.AdamW(managed.parameters(), lr=0.01)
+        trainer = managed_from_config(managed, mopt, Config.load(cfg), manager, key=method)  # a key per run
+        trainer.register_optimizer_hooks()
+        for step in range(STEPS):
+            inner_step(managed, mopt, replica, step)
+        trainer.finish()
+        seen[method] = {
+            "commits": trainer.commits,
+            "model": all(torch.equal(a, b) for a, b in zip(plain.parameters(), managed.parameters())),
+            "anchor": torch.equal(reg.local_sgd.anchor, trainer.anchor),
+            "changed": not torch.equal(next(model(0).parameters()), next(managed.parameters())),
+        }
+    (out / f"same{replica}.json").write_text(json.dumps(seen))
+    manager.shutdown(wait=False)
+
+
+def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
+    meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
+    manager = make_manager(replica, lighthouse)
+    net = model(7 if scenario == "joiner" else 0)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    manager.register_state_dict_fn("model", net.load_state_dict, net.state_dict)
+    manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
+    trainer = commpress.register(net, config("topk", sync_delay=0), optimizer=opt, manager=manager).local_sgd
+    if scenario == "killed":
+        start = trainer.averager.start
+        trainer.averager.start = lambda *a, **k: os._exit(0) if manager.current_step() == KILL_SYNC else start(*a, **k)
+    if scenario != "joiner":
+        meet.add("ready", 1)
+        while int(meet.add("ready", 0)) < 2:
+            time.sleep(0.05)
+    seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": []}
+    deadline, step = time.monotonic() + 150, 0
+    while time.monotonic() < deadline:
+        outer, compressor = trainer.outer_optimizer.state_dict(), trainer.averager.compressor.state_dict()
+        before = (trainer.anchor.clone(), copy.deepcopy(outer), copy.deepcopy(compressor))
+        syncs = len(trainer.commits)
+        inner_step(net, opt, replica, step)
+        step += 1
+        if len(trainer.commits) == syncs:
+            continue
+        seen["participants"].append(trainer.backend.world_size)
+        if not trainer.backend.participating:
+            seen["healed"] = True
+        if scenario == "survivor" and not trainer.commits[-1] and "failed_sync" not in seen:
+            fragment = trainer.fragments[KILL_SYNC % len(trainer.fragments)]
+            seen["failed_sync"] = syncs
+            seen["kept"] = [
+                torch.equal(before[0], trainer.anchor),
+                same(before[1], trainer.outer_optimizer.state_dict()),
+                same(before[2], trainer.averager.compressor.state_dict()),
+                torch.equal(trainer.flat.read(tensors=fragment.tensors), trainer.anchor[fragment.where]),
+            ]
+        if scenario == "survivor" and "failed_sync" in seen and trainer.commits[-1]:
+            if trainer.backend.world_size == 1:
+                seen["alone"] += 1
+                time.sleep(0.3)  # leave the restarted replica time to join
+            elif not meet.check(["stop"]):
+                meet.set("stop", str(manager.current_step() + TOGETHER))
+        if meet.check(["stop"]) and manager.current_step() >= int(meet.get("stop")):
+            break
+    trainer.finish()
+    seen["step"] = manager.current_step()
+    shared = trainer.shared_state_dict()
+    torch.save({"model": net.state_dict(), "shared": shared}, out / f"{scenario}.pt")
+    (out / f"{scenario}.json").write_text(json.dumps(seen))
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    scenario, outdir, lighthouse, port, replica = sys.argv[1:6]
+    if scenario == "same":
+        same_runs(Path(outdir), lighthouse, int(port), int(replica))
+    else:
+        failing(scenario, Path(outdir), lighthouse, int(port), int(replica))

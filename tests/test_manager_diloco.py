@@ -1,0 +1,76 @@
+"""Streaming DiLoCo under a torchft Manager (CPU, gloo, the lighthouse in this process,
+replica groups as processes: tests/manager_diloco_workers.py).
+
+Without failures the syncs through the manager are the plain gloo run's, bit for bit (both
+sum two replicas' contributions once and divide by two; the fragment and the compressors'
+step come from the manager's committed syncs, the plain run's rounds). A replica killed
+inside a sync's average leaves the survivor's anchor, outer state and compressor state as
+they were and that fragment back at its anchor; the restarted replica heals at its first
+sync and ends with the survivor's model, anchor and shared state, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+
+from test_manager import _finish, _port, _same, _start
+from torch.distributed import TCPStore
+from torchft.coordination import LighthouseServer
+
+from commpress.config import Config
+from commpress.errors import ConfigError
+from commpress.hooks.manager import ManagedCommState
+from commpress.local_sgd.managed import managed_from_config
+
+pytestmark = pytest.mark.multiproc
+WORKERS = "manager_diloco_workers.py"
+
+
+def test_diloco_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        port = _port()
+        _finish([_start("same", tmp_path, lighthouse.address(), port, r, WORKERS) for r in (0, 1)])
+    finally:
+        lighthouse.shutdown()
+    for replica in (0, 1):
+        seen = json.loads((tmp_path / f"same{replica}.json").read_text())
+        assert sorted(seen) == ["none", "terngrad", "topk"]
+        for method, s in seen.items():
+            assert s["commits"] and all(s["commits"]), (method, s)
+            assert (s["model"], s["anchor"], s["changed"]) == (True, True, True), (method, s)
+
+
+def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bit(tmp_path):
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30000, heartbeat_timeout_ms=2000)
+    meet = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    try:
+        addr = lighthouse.address()
+        survivor = _start("survivor", tmp_path, addr, meet.port, 0, WORKERS)
+        killed = _start("killed", tmp_path, addr, meet.port, 1, WORKERS)
+        _finish([killed])
+        assert not (tmp_path / "killed.json").exists()
+        _finish([survivor, _start("joiner", tmp_path, addr, meet.port, 1, WORKERS)])
+    finally:
+        lighthouse.shutdown()
+    s, j = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("survivor", "joiner"))
+    assert s["kept"] == [True, True, True, True], s  # anchor, outer state, compressor state, fragment at its anchor
+    assert s["alone"] >= 1 and not s["healed"], s
+    assert j["healed"] and j["step"] == s["step"], (s, j)
+    a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("survivor", "joiner"))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert _same(a["shared"], b["shared"])
+
+
+def test_what_does_not_run_under_a_manager_is_refused():
+    for table, match in (({"algorithm": "co2"}, "co2"), ({"algorithm": "diloco", "qsr_alpha": 0.2}, "QSR")):
+        cfg = Config.load({"local_sgd": table})
+        with pytest.raises(ConfigError, match=rf"{match}.*torchft Manager"):
+            managed_from_config(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()), cfg, object())
+    with pytest.raises(ConfigError, match=r"\[local_sgd\].*register"):
+        ManagedCommState({"local_sgd": {"algorithm": "diloco"}}, None, object())
