@@ -53,6 +53,7 @@ def test_flat_commands_limit_both_ends_of_each_rank_link():
     assert "ip -n t-r1 addr add 10.213.0.2/16 dev eth0" in cmds
     env = t.rank_env(1, 1234)
     assert env["MASTER_ADDR"] == "10.213.0.1" and env["GLOO_SOCKET_IFNAME"] == "eth0" and env["RANK"] == "1"
+    assert env["COMMPRESS_LINKEMU_ADDR"] == "10.213.0.2"
 
 
 def test_two_level_commands_limit_only_the_trunks():

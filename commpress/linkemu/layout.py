@@ -175,6 +175,7 @@ class LinkLayout:
             "LOCAL_WORLD_SIZE": str(self.world_size),  # all share this machine's cores
             "MASTER_ADDR": self.address(0),
             "MASTER_PORT": str(port),
+            "COMMPRESS_LINKEMU_ADDR": self.address(rank),  # this rank's own address (a store others reach)
             "GLOO_SOCKET_IFNAME": IFACE,
             "COMMPRESS_LINKEMU_NODE": str(self.node_of(rank)),
             "COMMPRESS_LINK": self.label,
