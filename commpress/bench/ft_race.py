@@ -265,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--mode commpress needs --config")
     if args.trainer:
         train(args)
-        return 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # past the manager's and gloo's threads, whose teardown at exit can abort the process
     return supervise(args, argv)
 
 
