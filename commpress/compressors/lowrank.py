@@ -129,8 +129,9 @@ class LowRankCompressor(Compressor):
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         """Start the step (:meth:`_begin`), then the method's collectives (:meth:`_rounds`)."""
         step = self._begin(bucket)
-        if step is not None:
-            yield from self._rounds(bucket, ctx, step)
+        if step is None:
+            return None
+        return (yield from self._rounds(bucket, ctx, step))
 
     @abstractmethod
     def _rounds(self, bucket: Bucket, ctx: Context, step: _Step) -> Reduction:
