@@ -52,6 +52,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-every", type=int, default=0, help="victim steps between kills (0: no failures)")
     p.add_argument("--victim", type=int, default=None, help="the replica killed (default the last)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=5000,
+        help="the lighthouse's wait for every heartbeating replica to join a quorum (default 5000)",
+    )
     p.add_argument("--json", help="rank 0 writes the result here")
     p.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -76,7 +82,9 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
     if rank == 0:
         from torchft.coordination import LighthouseServer
 
-        lighthouse = LighthouseServer(bind=f"[::]:{port}", min_replicas=1, join_timeout_ms=5000, heartbeat_timeout_ms=2000)
+        lighthouse = LighthouseServer(
+            bind=f"[::]:{port}", min_replicas=1, join_timeout_ms=args.join_timeout_ms, heartbeat_timeout_ms=2000
+        )
     store = _store(master, port, hold=rank == 0)
     progress = f"/tmp/ft_race_progress_{os.getpid()}"
     command = [sys.executable, "-m", "commpress.bench.ft_race", *argv, "--trainer"]
@@ -245,6 +253,7 @@ def _report(args: argparse.Namespace, curve: list[tuple[int, float, float, int]]
         "replicas": int(os.environ["WORLD_SIZE"]),
         "target": args.target,
         "kill_every": args.kill_every,
+        "join_timeout_ms": args.join_timeout_ms,
         "kills": kills,
         "reached": bool(reached),
         "seconds_to_target": reached[0][1] if reached else None,
