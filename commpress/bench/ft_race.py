@@ -213,16 +213,16 @@ def _attach(args: argparse.Namespace, module: torch.nn.Module, manager: Any) -> 
         from torchft.ddp import DistributedDataParallel
 
         return _managed_step(DistributedDataParallel(manager, module), OptimizerWrapper(manager, inner)), lambda: None
-    import commpress
     from commpress.config import Config
     from commpress.hooks import managed_ddp
+    from commpress.registration import register
 
     cfg = Config.load(args.config)
     if cfg.section("local_sgd") is not None:
-        reg = commpress.register(module, cfg, optimizer=inner, manager=manager)
+        reg = register(module, cfg, optimizer=inner, manager=manager)
         return _plain_step(module, inner), reg.finish
     ddp = managed_ddp(module)
-    commpress.register(ddp, cfg, optimizer=inner, manager=manager)
+    register(ddp, cfg, optimizer=inner, manager=manager)
     return _managed_step(ddp, OptimizerWrapper(manager, inner)), lambda: None
 
 
