@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from manager_workers import batch, make_manager, model, same
+from manager_workers import batch, make_manager, model, run, same
 from torch import nn
 
 import commpress
@@ -134,8 +134,4 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
 
 
 if __name__ == "__main__":
-    scenario, outdir, lighthouse, port, replica = sys.argv[1:6]
-    if scenario == "same":
-        same_runs(Path(outdir), lighthouse, int(port), int(replica))
-    else:
-        failing(scenario, Path(outdir), lighthouse, int(port), int(replica))
+    run(same_runs, failing, sys.argv[1:])

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -195,9 +196,14 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     manager.shutdown(wait=False)
 
 
-if __name__ == "__main__":
-    scenario, outdir, lighthouse, port, replica = sys.argv[1:6]
+def run(same_runs: Callable[..., None], failing: Callable[..., None], argv: list[str]) -> None:
+    """A worker's entry: ``SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA`` (``same`` or a failure scenario)."""
+    scenario, outdir, lighthouse, port, replica = argv[:5]
     if scenario == "same":
         same_runs(Path(outdir), lighthouse, int(port), int(replica))
     else:
         failing(scenario, Path(outdir), lighthouse, int(port), int(replica))
+
+
+if __name__ == "__main__":
+    run(same_runs, failing, sys.argv[1:])

@@ -133,14 +133,13 @@ def _taken(progress: str) -> int:
 def train(args: argparse.Namespace) -> None:
     """One replica group's training under a torchft Manager until rank 0 says done."""
     from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing.pg_transport import PGTransport
 
     rank, world, master, port = _env()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     task = RaceTask()
     data = task.data()
     module = data.model()
-    from torchft.checkpointing.pg_transport import PGTransport
-
     own = torch.distributed.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
     address = os.environ.get("COMMPRESS_LINKEMU_ADDR", "localhost")  # what the other replicas reach
     pg = ProcessGroupGloo(timeout=timedelta(seconds=30))

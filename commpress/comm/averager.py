@@ -56,7 +56,6 @@ class ParameterAverager(OnBackend, BoundToProcess):
         if self._backend is not None and self._backend.rounds.get("world", 0) < self.groups.rounds:
             raise ValueError(f"backend has {self._backend.rounds} rounds, method {method!r} needs {self.groups.rounds}")
         self.calls = 0
-        self.last_context: Context | None = None  # of the last start(): what a replay of it needs
 
     @property
     def backend(self) -> Backend:
@@ -95,7 +94,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
         Keep the buffer untouched until then. Call in the same order on every rank.
         ``commit=False``: the compressor's state changes stay staged until :meth:`settle`
         (a torchft Manager decides at ``should_commit`` whether the step counts)."""
-        self.last_context = ctx = Context(rank=self.rank, world_size=self.world_size, step=self.calls)
+        ctx = self.next_context()
         self.calls += 1
         done = future_on(bucket.buffer.device)
 
@@ -111,6 +110,10 @@ class ParameterAverager(OnBackend, BoundToProcess):
 
         self.backend.run(self.groups.composite.reduce(bucket, ctx), bucket.buffer.device).add_done_callback(settled)
         return done
+
+    def next_context(self) -> Context:
+        """The context the next :meth:`start` reduces in (a replay of it needs the same)."""
+        return Context(rank=self.rank, world_size=self.world_size, step=self.calls)
 
     def settle(self, commit: bool) -> None:
         """Commit (or drop) the compressor state a ``start(..., commit=False)`` staged."""

@@ -157,17 +157,24 @@ class DiLoCo(LocalSGD):
         self._in_flight.append(_InFlight(started, fragment, due, replace))
 
     def _land_one(self, flight: _InFlight) -> None:
+        self._apply(flight, self._wait(flight.average))
+
+    def _apply(self, flight: _InFlight, average: torch.Tensor) -> None:
         """The outer step with the averaged pseudo-gradient, then the merge of the local values."""
         fragment = flight.fragment
-        self.outer_step(fragment.index, self._wait(flight.average))
-        where, tensors = fragment.where, fragment.tensors
+        self.outer_step(fragment.index, average)
         if flight.replace or self.merge_alpha == 0:
-            self.flat.write(self.anchor[where], tensors)
-            self.fresh[fragment.index] = self.clock.step
+            self._to_anchor(fragment)
         else:
+            where, tensors = fragment.where, fragment.tensors
             local = self.flat.read(tensors=tensors)
             self.flat.write(local.mul_(self.merge_alpha).add_(self.anchor[where], alpha=1 - self.merge_alpha), tensors)
             self.fresh[fragment.index] = -1
+
+    def _to_anchor(self, fragment: Fragment) -> None:
+        """The fragment's local values become its anchor's."""
+        self.flat.write(self.anchor[fragment.where], fragment.tensors)
+        self.fresh[fragment.index] = self.clock.step
 
     def _part(self) -> dict[str, Any]:
         """Adds each fragment's last sync step and the averages in flight (waited for, so a

@@ -109,6 +109,9 @@ class LocalSGD(BoundToProcess):
     name = "local SGD"
     #: the ``[local_sgd]`` table's algorithm, whose defaults fill the arguments left None
     algorithm = "local_sgd"
+    #: whether the compressor's state changes commit when an average lands (False: the
+    #: trainer settles them itself, as under a torchft Manager)
+    commits_when_averaged = True
 
     def __init__(
         self,
@@ -273,7 +276,7 @@ class LocalSGD(BoundToProcess):
     def _start(self, anchor: torch.Tensor, local: torch.Tensor, bucket: Callable[[torch.Tensor], Any]) -> Average:
         """Start averaging ``anchor - local`` (computed into ``local``), as ``bucket`` wraps it."""
         torch.sub(anchor, local, out=local)
-        return Average(self.averager.start(bucket(local)), local, self.clock.rounds)
+        return Average(self.averager.start(bucket(local), self.commits_when_averaged), local, self.clock.rounds)
 
     def _wait(self, average: Average) -> torch.Tensor:
         """The averaged pseudo-gradient, once it is there and finite (the wait recorded)."""

@@ -38,7 +38,6 @@ from commpress.config.groups import MethodGroups
 from commpress.errors import ConfigError
 from commpress.local_sgd.diloco import DiLoCo, _InFlight
 from commpress.local_sgd.fragments import Fragment
-from commpress.local_sgd.local_sgd import Average, check_finite
 from commpress.local_sgd.periods import Constant, Period
 
 __all__ = ["ManagedDiLoCo", "managed_from_config"]
@@ -50,6 +49,7 @@ class ManagedDiLoCo(DiLoCo):
     pseudo-gradients; the other arguments are :class:`DiLoCo`'s (a constant period)."""
 
     name = "DiLoCo under a torchft Manager"
+    commits_when_averaged = False  # the manager's should_commit() decides
 
     def __init__(
         self,
@@ -121,14 +121,9 @@ class ManagedDiLoCo(DiLoCo):
         self._start_fragment(fragment, self.clock.step + self.sync_delay)
 
     def _start_fragment(self, fragment: Fragment, due: int, replace: bool = False) -> None:
-        local = self.flat.read(tensors=fragment.tensors)
-        torch.sub(self.anchor[fragment.where], local, out=local)
         self.averager.calls = self.syncs  # the compressors' step: the same on every replica
-        started = self.averager.start(fragment.bucket(local), commit=False)
-        context = self.averager.last_context
-        assert context is not None
-        self._replays.append((fragment, context))
-        self._in_flight.append(_InFlight(Average(started, local, self.clock.rounds), fragment, due, replace))
+        self._replays.append((fragment, self.averager.next_context()))
+        super()._start_fragment(fragment, due, replace)
 
     def _land_one(self, flight: _InFlight) -> None:
         """Wait for the average, ask the manager whether the sync counts, then the outer step
@@ -142,20 +137,11 @@ class ManagedDiLoCo(DiLoCo):
         committed = self.manager.should_commit()  # a healing replica takes its peer's state here
         self.commits.append(committed)
         with self._settling:
-            fragment = flight.fragment
+            self.averager.settle(committed and average is not None)
             if committed and average is not None:
-                self.averager.settle(True)
-                super()._land_one(flight)
+                self._apply(flight, average)
             else:
-                self.averager.settle(False)
-                self.flat.write(self.anchor[fragment.where], fragment.tensors)
-                self.fresh[fragment.index] = self.clock.step
-
-    def _wait(self, average: Average) -> torch.Tensor:
-        """The averaged pseudo-gradient once it is there; raises if it failed or is not finite."""
-        average.future.wait()
-        check_finite(average.buffer, self.name, average.round)
-        return average.buffer
+                self._to_anchor(flight.fragment)
 
     # ---- live recovery -----------------------------------------------------------------
 
