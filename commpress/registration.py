@@ -13,6 +13,9 @@ DistributedDataParallel model                 the DDP hook, with method, overrid
                                               [layerwise] needs method; backend = 'mpi'
                                               and [bandwidth] do not combine
 model sharded with fully_shard (FSDP2)        [fsdp] (required) alone
+model sharded with fully_shard inside         the cross-group hook, with method;
+replica groups (register(..., mesh=) with a   [local_sgd] instead, with method
+2-D mesh)
 FSDP1 root (FullyShardedDataParallel)         [fsdp] (required) alone
 plain module (neither                         [local_sgd] (required), with method, backend
 DistributedDataParallel nor sharded) in a     = 'mpi'
@@ -38,10 +41,13 @@ from torch.nn.parallel import DistributedDataParallel
 from commpress.adaptive.layer_plan import LayerPlan
 from commpress.comm import Traffic
 from commpress.comm.averager import ParameterAverager
+from commpress.comm.mesh import replica_groups
 from commpress.config import Config
 from commpress.config.matrix import model_kind, part_for
+from commpress.dcp_state import DCPState
 from commpress.errors import ConfigError
 from commpress.fsdp import FSDP2State, QuantizedState, apply
+from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks import CommState
 from commpress.hooks.ddp import attach_ddp_hook
 from commpress.local_sgd import LocalSGD, from_config
@@ -67,7 +73,8 @@ class Registration:
     (``"ddp_hook"``, ``"local_sgd"``, ``"onebit_adam"``, ``"fsdp"``); ``full=True`` gathers every rank's parts
     (a collective: call it on every rank) for a checkpoint saved on rank 0 only, and
     :meth:`load_state_dict` hands each part its own, as the parts do
-    (:mod:`commpress.comm.checkpoint`).
+    (:mod:`commpress.comm.checkpoint`). With torch.distributed.checkpoint, save
+    :meth:`stateful` (every rank's state, under its rank).
     """
 
     def __init__(
@@ -78,6 +85,7 @@ class Registration:
         local_sgd: LocalSGD | None = None,
         onebit_adam: OneBitAdam | None = None,
         fsdp: FSDP2State | QuantizedState | None = None,
+        groups_hook: CrossGroupHook | None = None,
         remove_hook: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
@@ -86,6 +94,7 @@ class Registration:
         self.local_sgd = local_sgd
         self.onebit_adam = onebit_adam
         self.fsdp = fsdp
+        self.groups_hook = groups_hook
 
     def parts(self) -> dict[str, Any]:
         """The applied parts by name, as :meth:`state_dict` keys them."""
@@ -94,6 +103,7 @@ class Registration:
             ("local_sgd", self.local_sgd),
             ("onebit_adam", self.onebit_adam),
             ("fsdp", self.fsdp),
+            ("groups_hook", self.groups_hook),
         )
         return {name: part for name, part in named if part is not None}
 
@@ -108,6 +118,8 @@ class Registration:
             return self.local_sgd.traffic
         if self.onebit_adam is not None:
             return self.onebit_adam.traffic
+        if self.groups_hook is not None:
+            return self.groups_hook.traffic
         if isinstance(self.fsdp, FSDP2State):
             sides = self.fsdp.traffic().values()
             return Traffic(
@@ -140,8 +152,8 @@ class Registration:
         optimizer's own step (DGC's momentum given back to it), and nothing more goes
         through commpress. Local SGD leaves each rank's model where it is: call
         :meth:`finish` first for one model on every rank. The FSDP part is not removable."""
-        if self.fsdp is not None:
-            raise RuntimeError("Registration.remove(): the [fsdp] part's hooks cannot be taken off a sharded model")
+        if self.fsdp is not None or self.groups_hook is not None:
+            raise RuntimeError("Registration.remove(): the hooks of a sharded model's collectives cannot be taken off")
         if self._remove_hook is not None:
             self._remove_hook()
             self._remove_hook = None
@@ -160,6 +172,15 @@ class Registration:
         """Each applied part's state under its name; ``full=True``: every rank's (a
         collective, see :meth:`commpress.CommState.state_dict`)."""
         return {name: part.state_dict(full=full) for name, part in self.parts().items()}
+
+    def stateful(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> DCPState:
+        """This registration's state as torch.distributed.checkpoint saves it (a
+        ``Stateful``, :class:`~commpress.dcp_state.DCPState`): every rank's
+        :meth:`state_dict` under its rank, and with ``model`` (and ``optimizer``) their
+        state under each replica's key, as ``[local_sgd]``'s replicas differ between
+        syncs: ``dcp.save({"train": reg.stateful(model, opt)})``, then ``dcp.load`` the
+        same to resume."""
+        return DCPState(self, model, optimizer)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's parts or the whole job's), part by part."""
@@ -186,6 +207,7 @@ def register(
     process_group: Any = None,
     total_steps: int | None = None,
     manager: Any = None,
+    mesh: Any = None,
 ) -> Registration:
     """Apply every table of ``config`` that applies to ``model`` (the module docstring's
     table), on every rank, after wrapping or sharding the model and before the first
@@ -199,21 +221,33 @@ def register(
     communicates in (default: the model's, or the world; FSDP uses its own mesh).
     ``total_steps``: lets QSR cap the last round. ``manager``: a ``torchft.Manager`` every
     collective goes through (docs/fault_tolerance.md): the DDP hook's (the model wrapped by
-    :func:`commpress.hooks.managed_ddp`), or DiLoCo's syncs with ``[local_sgd]``.
+    :func:`commpress.hooks.managed_ddp`), or DiLoCo's syncs with ``[local_sgd]``. ``mesh``:
+    the 2-D ``DeviceMesh`` (``"replicate"``, ``"shard"``) of a model sharded with FSDP2 over
+    ``mesh["shard"]`` inside each replica group (:mod:`commpress.comm.mesh`): ``[local_sgd]``
+    then averages each rank's shard over the groups, and a config without it averages
+    each gradient shard over the groups every step (the cross-group hook).
     """
     cfg = Config.load(config)
+    if mesh is not None and (manager is not None or process_group is not None):
+        given = "manager" if manager is not None else "process_group"
+        raise ConfigError(
+            f"commpress.register(): {given} is not accepted with mesh=; expected neither: the replica groups of "
+            "mesh['replicate'] communicate through torch.distributed"
+        )
     if manager is not None:
         if cfg.section("local_sgd") is not None:
             return Registration(cfg, local_sgd=_managed_diloco(model, cfg, optimizer, manager, total_steps))
         state, remove = attach_ddp_hook(model, cfg, process_group, optimizer, manager)
         return Registration(cfg, hook=state, remove_hook=remove)
-    part = part_for(cfg, model_kind(model, cfg.backend))
+    part = part_for(cfg, model_kind(model, cfg.backend, mesh))
     if part is None:
         return Registration(cfg)  # a single process: nobody to send to, nothing to apply
+    if part.name == "groups_hook":
+        return Registration(cfg, groups_hook=CrossGroupHook(model, replica_groups(mesh, model), cfg.method, cfg.params))
     if part.name == "fsdp":
         return Registration(cfg, fsdp=apply(model, cfg.section("fsdp")))
     if part.name == "local_sgd":
-        return Registration(cfg, local_sgd=_local_sgd(model, cfg, optimizer, process_group, total_steps))
+        return Registration(cfg, local_sgd=_local_sgd(model, cfg, optimizer, process_group, total_steps, mesh))
     if part.name == "onebit_adam":
         return Registration(cfg, onebit_adam=_onebit_adam(model, cfg, optimizer, process_group, total_steps))
     state, remove = attach_ddp_hook(model, cfg, process_group, optimizer)
@@ -226,6 +260,7 @@ def _local_sgd(
     optimizer: torch.optim.Optimizer | None,
     process_group: Any,
     total_steps: int | None,
+    mesh: Any = None,
 ) -> LocalSGD:
     """The Local SGD / CO2 / DiLoCo trainer of ``[local_sgd]``, run by ``optimizer``'s step hooks."""
     if optimizer is None:
@@ -237,7 +272,7 @@ def _local_sgd(
             "does not hold (a wrapper: Accelerate's AcceleratedOptimizer, for one): pass the torch.optim optimizer "
             "it wraps (optimizer.optimizer)"
         )
-    trainer = from_config(model, optimizer, cfg, total_steps=total_steps, process_group=process_group)
+    trainer = from_config(model, optimizer, cfg, total_steps=total_steps, process_group=process_group, mesh=mesh)
     trainer.register_optimizer_hooks()
     return trainer
 

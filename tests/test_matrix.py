@@ -42,7 +42,19 @@ FRAGMENTS = {
     "onebit_adam": {"onebit_adam": {"warmup": 1}},
 }
 COMBOS = [c for n in range(4) for c in itertools.combinations(FRAGMENTS, n)]
-DISTRIBUTED = ("DDP", "FSDP2", "FSDP1", "plain")
+DISTRIBUTED = ("DDP", "FSDP2", "FSDP1", "plain", "groups")
+_MESHES: dict = {}  # the 2-D mesh of the "groups" kind, made once in the gloo group of one
+
+
+def _mesh(kind: str):
+    """The mesh register() is handed for ``kind`` (None but for "groups")."""
+    if kind != "groups":
+        return None
+    if "groups" not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES["groups"] = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    return _MESHES["groups"]
 
 
 def _config(combo: tuple[str, ...]) -> dict:
@@ -61,11 +73,11 @@ def _model(kind: str) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"))
-    if kind == "FSDP2":
+    if kind in ("FSDP2", "groups"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (1,))
+        mesh = init_device_mesh("cpu", (1,)) if kind == "FSDP2" else _mesh(kind)["shard"]
         fully_shard(model[0], mesh=mesh)
         return fully_shard(model, mesh=mesh)
     return model
@@ -79,7 +91,7 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 def _parts_present(reg: commpress.Registration, combo: tuple[str, ...]) -> dict[str, bool]:
     """Each item of ``combo``: whether its part of ``reg`` carries it, after three steps."""
-    hook, averaging = reg.hook, reg.local_sgd or reg.onebit_adam
+    hook, averaging = reg.hook, reg.local_sgd or reg.onebit_adam or reg.groups_hook
     method = hook.compressors["main"].name if hook is not None else averaging.averager.method if averaging else None
     checks = {
         "method": lambda: method == "topk",
@@ -106,7 +118,7 @@ def _case(kind: str, combo: tuple[str, ...]) -> dict:
     model = _model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     try:
-        reg = commpress.register(model, _config(combo), optimizer=opt, total_steps=3)
+        reg = commpress.register(model, _config(combo), optimizer=opt, total_steps=3, mesh=_mesh(kind))
     except ConfigError as exc:
         return {"refused": str(exc)}
     before = _flat(model).clone()
@@ -146,7 +158,8 @@ def _entry_points(kind: str, combo: tuple[str, ...]) -> dict:
         out["register_ddp_hook"] = said(lambda: register_ddp_hook(model, config))
         out["CommState"] = said(lambda: commpress.CommState(config, model=model.module))
     if "local_sgd" in combo:
-        out["from_config"] = said(lambda: from_config(model, torch.optim.SGD(model.parameters(), lr=0.1), config))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        out["from_config"] = said(lambda: from_config(model, optimizer, config, mesh=_mesh(kind)))
     return out
 
 
@@ -160,8 +173,11 @@ def runs(tmp_path_factory) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         register.update({(kind, combo): _case(kind, combo) for kind in DISTRIBUTED for combo in COMBOS})
-        entries = {(kind, combo): _entry_points(kind, combo) for kind in ("DDP", "FSDP2", "plain") for combo in COMBOS}
+        entries = {
+            (kind, combo): _entry_points(kind, combo) for kind in ("DDP", "FSDP2", "plain", "groups") for combo in COMBOS
+        }
     finally:
+        _MESHES.clear()
         dist.destroy_process_group()
     return {"register": register, "entries": entries}
 
@@ -238,6 +254,7 @@ def test_commstate_names_where_another_table_applies():
         ("DDP", ("local_sgd",), False),
         ("DDP", ("onebit_adam",), False),
         ("plain", ("local_sgd",), False),
+        ("groups", ("local_sgd",), True),
         ("DDP", ("method", "bandwidth"), True),
         ("FSDP2", ("fsdp",), True),
         ("FSDP1", ("fsdp",), True),

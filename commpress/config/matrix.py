@@ -4,10 +4,11 @@
 so that no table is dropped without a word.
 
 A config's *items* are its tables and the top-level settings that only some parts take
-(:data:`ITEMS`). A *part* (:data:`PARTS`) is one adapter: the DDP hook, Local SGD / CO2 /
-DiLoCo, 1-bit Adam, FSDP's collectives. Each part is chosen by its own table (the DDP hook
-by none of theirs), applies to some model kinds (:data:`KINDS`) and takes some other items
-along; :data:`NEEDS` and :data:`APART` are the two rules inside a part. Everything else is
+(:data:`ITEMS`). A *part* (:data:`PARTS`) is one adapter: the DDP hook, the cross-group hook
+of a sharded model's replica groups, Local SGD / CO2 / DiLoCo, 1-bit Adam, FSDP's
+collectives. Each part is chosen by its own table (the two hooks by none of theirs),
+applies to some model kinds (:data:`KINDS`) and takes some other items along;
+:data:`NEEDS` and :data:`APART` are the two rules inside a part. Everything else is
 refused with a :class:`~commpress.errors.ConfigError` naming the items, the model kind and
 what to do instead. The docs' tables are rendered from here (:func:`rst_table`,
 :func:`markdown_table`) and a test checks they match.
@@ -32,6 +33,7 @@ __all__ = [
     "ITEMS",
     "KINDS",
     "NEEDS",
+    "NOT_ON",
     "PARTS",
     "Part",
     "check_part",
@@ -48,6 +50,7 @@ __all__ = [
 KINDS: dict[str, str] = {
     "DDP": "a DistributedDataParallel model",
     "FSDP2": "a model sharded with fully_shard (FSDP2)",
+    "groups": "a model sharded with fully_shard inside replica groups (register(..., mesh=) with a 2-D mesh)",
     "FSDP1": "an FSDP1 root (FullyShardedDataParallel)",
     "plain": "a plain module (neither DistributedDataParallel nor sharded) in a job of several processes",
     "single": "a single process (torch.distributed not initialized)",
@@ -56,6 +59,7 @@ KINDS: dict[str, str] = {
 _KIND_ADVICE = {
     "DDP": "the model wrapped in DistributedDataParallel",
     "FSDP2": "the model sharded with fully_shard",
+    "groups": "the model sharded over mesh['shard'] with mesh=mesh",
     "FSDP1": "the FSDP1 root",
     "plain": "the plain module",
 }
@@ -94,7 +98,7 @@ def items_of(config: Config) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Part:
     """One adapter a config reaches: ``name`` is its :class:`~commpress.Registration`
-    attribute's state_dict key; ``table`` chooses it (None: the DDP hook, chosen by no other
+    attribute's state_dict key; ``table`` chooses it (None: a hook, chosen by no other
     part's table); ``kinds`` the models it applies to; ``takes`` the items it applies along;
     ``does`` what it does, in refusals; ``entry`` how to apply it."""
 
@@ -104,10 +108,11 @@ class Part:
     takes: frozenset[str]
     does: str
     entry: str
+    named: str = ""  # how a part chosen by no table is named
 
     @property
     def title(self) -> str:
-        return "the DDP hook" if self.table is None else label(self.table)
+        return self.named or label(self.table or "")
 
 
 #: Every part, the DDP hook first (the one a DDP model gets when no other table chooses).
@@ -121,14 +126,24 @@ PARTS: dict[str, Part] = {
             frozenset({"method", "overrides", "start_iter", "backend", "bandwidth", "layerwise"}),
             "the DDP comm hook compresses the gradient buckets",
             "commpress.register(ddp_model, config) (the DDP hook)",
+            "the DDP hook",
+        ),
+        Part(
+            "groups_hook",
+            None,
+            ("groups",),
+            frozenset({"method"}),
+            "the cross-group hook averages each gradient shard over the replica groups, compressed elementwise",
+            "commpress.register(model, config, mesh=mesh) (the cross-group gradient hook)",
+            "the cross-group hook",
         ),
         Part(
             "local_sgd",
             "local_sgd",
-            ("DDP", "plain"),
+            ("DDP", "plain", "groups"),
             frozenset({"method", "backend"}),
-            "Local SGD / CO2 / DiLoCo keep gradients local and average the whole model as one vector with the "
-            "top-level method, at the optimizer's step",
+            "Local SGD / CO2 / DiLoCo keep gradients local and average the whole model (with mesh=, each rank's "
+            "shard over the replica groups) as one vector with the top-level method, at the optimizer's step",
             "commpress.register(model, config, optimizer=optimizer) (Local SGD / CO2 / DiLoCo at the optimizer's step)",
         ),
         Part(
@@ -155,15 +170,22 @@ PARTS: dict[str, Part] = {
 NEEDS: dict[str, tuple[str, str]] = {
     "layerwise": ("method", "it plans the top-level method's setting per tensor, and method = 'none' has none to plan"),
 }
+#: Items a part takes, but not on a kind of model: kind -> item -> why.
+NOT_ON: dict[str, dict[str, str]] = {
+    "groups": {"backend": "the replica groups of mesh['replicate'] communicate through torch.distributed"},
+}
 #: Items a part takes, but not together: the pair -> why.
 APART: dict[frozenset[str], str] = {
     frozenset({"bandwidth", "backend"}): "[bandwidth] measures the links and reduces through torch.distributed",
 }
 
 
-def model_kind(model: torch.nn.Module, backend: str = "torch") -> str:
+def model_kind(model: torch.nn.Module, backend: str = "torch", mesh: Any = None) -> str:
     """``model``'s key in :data:`KINDS`: ``"single"`` is a model neither wrapped nor sharded
-    with torch.distributed not initialized (and ``backend`` torch): nobody to send to."""
+    with torch.distributed not initialized (and ``backend`` torch): nobody to send to;
+    ``"groups"`` any model handed with a ``mesh`` (which :mod:`commpress.comm.mesh` checks)."""
+    if mesh is not None:
+        return "groups"
     if isinstance(model, FullyShardedDataParallel):
         return "FSDP1"
     if any(isinstance(m, FSDPModule) for m in model.modules()):
@@ -216,6 +238,10 @@ def _verdict(items: tuple[str, ...], kind: str) -> tuple[Part | None, tuple[str,
         where = "; ".join(f"{label(i)} applies with {_where(i)}" for i in extra)
         them = "it" if len(extra) == 1 else "them"
         return None, extra, f"{part.title} does not take {them} ({part.does}): remove {them} ({where})"
+    banned = tuple(i for i in items if i in NOT_ON.get(kind, {}))
+    if banned:
+        why = "; ".join(NOT_ON[kind][i] for i in banned)
+        return None, banned, f"{part.title} does not take {_names(banned)} on these models ({why}): remove it"
     for item, (need, why) in NEEDS.items():
         if item in items and need not in items:
             return None, (item,), f"{label(item)} needs a top-level {label(need)}: {why}"
@@ -268,8 +294,8 @@ def _applies(kind: str) -> list[str]:
     out = []
     for p in PARTS.values():
         if kind in p.kinds:
-            head = "the DDP hook" if p.table is None else f"{label(p.table)} {'instead' if default else '(required)'}"
-            takes = ", ".join(label(i) for i in ITEMS if i in p.takes)
+            head = p.title if p.table is None else f"{label(p.table)} {'instead' if default else '(required)'}"
+            takes = ", ".join(label(i) for i in ITEMS if i in p.takes and i not in NOT_ON.get(kind, {}))
             out.append(f"{head}, with {takes}" if takes else f"{head} alone")
     return out
 
@@ -305,4 +331,3 @@ def rst_table(width: int = 44) -> str:
             lines.append(f"{a:<{width}}  {right[i] if i < len(right) else ''}".rstrip())
     lines.append(rule)
     return "\n".join(lines)
-

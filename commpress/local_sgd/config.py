@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from commpress.comm.averager import ParameterAverager
+from commpress.comm.mesh import replica_groups
 from commpress.config import Config
 from commpress.config.matrix import check_part, model_kind
 from commpress.config.tables import LocalSGDConfig
@@ -42,14 +43,22 @@ def from_config(
     config: Config | Mapping[str, Any] | str,
     total_steps: int | None = None,
     process_group: Any = None,
+    mesh: Any = None,
 ) -> LocalSGD:
     """A :class:`LocalSGD`, :class:`CO2` or :class:`DiLoCo` for ``model`` from a config with a ``[local_sgd]``
-    table; its top-level ``method`` and ``params`` choose the averaging compressor."""
+    table; its top-level ``method`` and ``params`` choose the averaging compressor. ``mesh``:
+    the 2-D mesh of a model sharded over ``mesh["shard"]`` (:mod:`commpress.comm.mesh`): each
+    rank averages its shard over ``mesh["replicate"]``."""
     cfg = Config.load(config)
     section = cfg.section("local_sgd")
     if section is None:
         raise ConfigError("the config has no [local_sgd] table")
-    check_part(cfg, "local_sgd", "commpress.local_sgd.from_config", model_kind(model, cfg.backend))
+    entry = "commpress.local_sgd.from_config"
+    check_part(cfg, "local_sgd", entry, model_kind(model, cfg.backend, mesh))
+    if mesh is not None:
+        if process_group is not None:
+            raise ConfigError(f"{entry}: process_group is not accepted with mesh=; expected None (mesh['replicate'] is used)")
+        process_group = replica_groups(mesh, model, entry).replicate
     group = process_group if process_group is not None or cfg.backend != "torch" else getattr(model, "process_group", None)
     averager = ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend)
     return trainer_for(model, optimizer, section, averager, total_steps)

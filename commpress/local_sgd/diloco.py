@@ -107,8 +107,9 @@ class DiLoCo(LocalSGD):
 
     def _outer_params(self) -> list[torch.Tensor]:
         """The anchor of each fragment (the whole anchor with one fragment); cuts
-        ``fragments`` here, where the flat model is first known."""
-        self.fragments = split(self.flat.slots, self.fragment_count, self.name)
+        ``fragments`` here, where the flat model is first known (cut by the whole tensors'
+        sizes, so every shard of a sharded model syncs the same tensors together)."""
+        self.fragments = split(self.flat.slots, self.fragment_count, self.name, self.flat.whole_numel)
         return [self.anchor[f.where] for f in self.fragments]
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -1,20 +1,29 @@
 """The tensors Local SGD averages (parameters, optionally floating-point buffers), seen as
-one flat vector, so one collective carries the whole model."""
+one flat vector, so one collective carries the whole model. A parameter sharded with FSDP2
+(a DTensor) contributes its local shard: the vector is this rank's part of the model."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.compressors import Bucket, lay_out
 
-__all__ = ["FlatModel", "unwrap"]
+__all__ = ["FlatModel", "local", "unwrap"]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (or the module itself)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@torch.no_grad()
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values held by this rank: a DTensor's local shard (read each time, as
+    FSDP2 may rebind it at its lazy initialization), any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class FlatModel:
@@ -33,9 +42,16 @@ class FlatModel:
             raise TypeError(f"Local SGD averages one flat vector: all parameters must share a dtype, found {found}")
         self.names = [n for n, _ in named]
         self.tensors = [t for _, t in named]
-        self.slots, self.numel = lay_out((name, t.shape) for name, t in named)
+        self.slots, self.numel = lay_out((name, local(t).shape) for name, t in named)
+        #: every tensor's whole size (a shard's parameter's, not its shard's)
+        self.whole_numel = tuple(t.numel() for _, t in named)
         self.dtype = self.tensors[0].dtype
         self.device = self.tensors[0].device
+        meshes = {tuple(t.device_mesh.mesh.flatten().tolist()): t.device_mesh for t in self.tensors if isinstance(t, DTensor)}
+        if len(meshes) > 1:
+            raise ValueError("Local SGD averages one flat vector: the sharded parameters must share one mesh")
+        #: the group of ranks holding the other shards of this model (None: not sharded)
+        self.shard_group = next(iter(meshes.values())).get_group() if meshes else None
 
     def empty(self) -> torch.Tensor:
         """A new uninitialized flat vector."""
@@ -59,7 +75,7 @@ class FlatModel:
             out = torch.empty(numel, dtype=self.dtype, device=self.device)
         for i in which:
             slot = self.slots[i]
-            out[slot.offset - start : slot.offset - start + slot.numel].copy_(self.tensors[i].reshape(-1))
+            out[slot.offset - start : slot.offset - start + slot.numel].copy_(local(self.tensors[i]).reshape(-1))
         return out
 
     @torch.no_grad()
@@ -67,5 +83,5 @@ class FlatModel:
         """Set the model's tensors (``tensors``: only those) from the flat vector ``flat``."""
         which, start, _ = self._span(tensors)
         for i in which:
-            slot, t = self.slots[i], self.tensors[i]
+            slot, t = self.slots[i], local(self.tensors[i])
             t.copy_(flat[slot.offset - start : slot.offset - start + slot.numel].view(t.shape))

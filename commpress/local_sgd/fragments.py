@@ -13,6 +13,7 @@ same order: the order comes from the step counter alone.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,15 +45,19 @@ class Fragment:
         return Bucket(self.index, buffer, self.slots)
 
 
-def split(slots: tuple[ParamSlot, ...], fragments: int, who: str = "DiLoCo") -> tuple[Fragment, ...]:
+def split(
+    slots: tuple[ParamSlot, ...], fragments: int, who: str = "DiLoCo", sizes: Sequence[int] | None = None
+) -> tuple[Fragment, ...]:
     """``slots`` (a flat model's, in order) cut into ``fragments`` contiguous fragments of
-    nearly equal size (the module docstring); ``who`` names the caller in errors."""
+    nearly equal size (the module docstring); ``who`` names the caller in errors. ``sizes``:
+    the tensors' sizes to cut by, if not their slots' (a shard's slots, cut as the whole
+    tensors are, so every shard cuts at the same tensors)."""
     if not 1 <= fragments <= len(slots):
         raise ConfigError(
             f"{who}: fragments = {fragments!r} is not accepted for a model of {len(slots)} tensors; expected an integer "
             f"from 1 to {len(slots)} (a fragment holds whole tensors)"
         )
-    ends = [s.offset + s.numel for s in slots]
+    ends = list(itertools.accumulate(sizes if sizes is not None else [s.numel for s in slots]))
     total = ends[-1]
     cuts, previous = [], 0
     for f in range(1, fragments):
@@ -68,5 +73,5 @@ def split(slots: tuple[ParamSlot, ...], fragments: int, who: str = "DiLoCo") -> 
     for f, (a, b) in enumerate(itertools.pairwise(bounds)):
         start = slots[a].offset
         members = tuple(ParamSlot(s.name, s.shape, s.offset - start) for s in slots[a:b])
-        out.append(Fragment(f, start, ends[b - 1], members, range(a, b)))
+        out.append(Fragment(f, start, slots[b - 1].offset + slots[b - 1].numel, members, range(a, b)))
     return tuple(out)

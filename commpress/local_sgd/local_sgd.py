@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
@@ -41,10 +42,17 @@ __all__ = ["Average", "LocalSGD", "OuterOptimizer", "check_finite", "check_outer
 OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 
-def check_finite(average: torch.Tensor, name: str, round_index: int) -> None:
+def check_finite(average: torch.Tensor, name: str, round_index: int, shard_group: Any = None) -> None:
     """Refuse a non-finite average before it reaches the anchor (or CO2's momentum): every
-    rank holds the same average, so every rank raises, and the state stays as it was."""
-    if not host.flags(host.finite(average))[0]:
+    rank holds the same average, so every rank raises, and the state stays as it was. A
+    sharded model's ranks (``shard_group``, the ranks holding the other shards) agree first,
+    so a shard's inf stops its whole group, not its own rank alone."""
+    finite = host.flags(host.finite(average))[0]
+    if shard_group is not None:
+        flag = torch.tensor([int(finite)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=shard_group)
+        finite = bool(flag.item())
+    if not finite:
         raise FloatingPointError(
             f"{name}: the average of round {round_index} is not finite (a rank's model holds inf or NaN); "
             "the anchor and the outer state were left unchanged: restore a checkpoint or lower the learning rate"
@@ -142,6 +150,8 @@ class LocalSGD(BoundToProcess):
         #: what every rank must share, and a checkpoint must have been saved with
         self.settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
         self.settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
+        if self.flat.shard_group is not None:  # a shard of the model: a checkpoint holds this shard's rows
+            self.settings["shard_shapes"] = [list(s.shape) for s in self.flat.slots]
         self.averager.connect(self.settings, self.name, process_group)  # the one set-up exchange
         self._check_resume = False  # after a load: ranks compare step and settings at the next averaging
         compressor = self.averager.compressor
@@ -283,7 +293,7 @@ class LocalSGD(BoundToProcess):
         t0 = time.perf_counter()
         average.future.wait()
         self.wait_seconds.append(time.perf_counter() - t0)
-        check_finite(average.buffer, self.name, average.round)
+        check_finite(average.buffer, self.name, average.round, self.flat.shard_group)
         return average.buffer
 
     def outer_step(self, index: int, average: torch.Tensor) -> None:
@@ -310,6 +320,12 @@ class LocalSGD(BoundToProcess):
         and the settings; ``full=True``: every rank's (a collective; see
         :meth:`commpress.CommState.state_dict`)."""
         backend = self.averager.backend
+        if full and self.flat.shard_group is not None:
+            raise ValueError(
+                f"{self.name}: state_dict(full=True) gathers the ranks holding this rank's shard only, not the other "
+                "shards: save every rank's state_dict() (torch.save on every rank, or torch.distributed.checkpoint "
+                "with Registration.stateful())"
+            )
         part = checkpoint.tag(self._part(), backend.rank, backend.world_size, self.clock.step, self.settings)
         return checkpoint.gather_job(backend.allgather_object, part) if full else part
 
