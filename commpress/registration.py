@@ -44,7 +44,6 @@ from commpress.comm.averager import ParameterAverager
 from commpress.comm.mesh import replica_groups
 from commpress.config import Config
 from commpress.config.matrix import model_kind, part_for
-from commpress.dcp_state import DCPState
 from commpress.errors import ConfigError
 from commpress.fsdp import FSDP2State, QuantizedState, apply
 from commpress.fsdp.groups import CrossGroupHook
@@ -52,6 +51,7 @@ from commpress.hooks import CommState
 from commpress.hooks.ddp import attach_ddp_hook
 from commpress.local_sgd import LocalSGD, from_config
 from commpress.optim import OneBitAdam, check_adam
+from commpress.replica_state import ReplicaState
 
 __all__ = ["Registration", "register"]
 
@@ -74,7 +74,7 @@ class Registration:
     (a collective: call it on every rank) for a checkpoint saved on rank 0 only, and
     :meth:`load_state_dict` hands each part its own, as the parts do
     (:mod:`commpress.comm.checkpoint`). With torch.distributed.checkpoint, save
-    :meth:`stateful` (every rank's state, under its rank).
+    :meth:`stateful` (this state and the model's, each under the rank or replica it belongs to).
     """
 
     def __init__(
@@ -173,14 +173,14 @@ class Registration:
         collective, see :meth:`commpress.CommState.state_dict`)."""
         return {name: part.state_dict(full=full) for name, part in self.parts().items()}
 
-    def stateful(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> DCPState:
-        """This registration's state as torch.distributed.checkpoint saves it (a
-        ``Stateful``, :class:`~commpress.dcp_state.DCPState`): every rank's
-        :meth:`state_dict` under its rank, and with ``model`` (and ``optimizer``) their
-        state under each replica's key, as ``[local_sgd]``'s replicas differ between
-        syncs: ``dcp.save({"train": reg.stateful(model, opt)})``, then ``dcp.load`` the
-        same to resume."""
-        return DCPState(self, model, optimizer)
+    def stateful(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ReplicaState:
+        """This registration's state with ``model``'s and ``optimizer``'s, as
+        torch.distributed.checkpoint must save them (a ``Stateful``,
+        :class:`~commpress.replica_state.ReplicaState`): every rank's :meth:`state_dict`
+        under its rank, the model and optimizer under their replica's key (``[local_sgd]``'s
+        replicas differ between syncs): ``dcp.save({"train": reg.stateful(model, opt)})``,
+        then ``dcp.load`` the same to resume."""
+        return ReplicaState(self, model, optimizer)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's parts or the whole job's), part by part."""

@@ -173,9 +173,7 @@ def runs(tmp_path_factory) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         register.update({(kind, combo): _case(kind, combo) for kind in DISTRIBUTED for combo in COMBOS})
-        entries = {
-            (kind, combo): _entry_points(kind, combo) for kind in ("DDP", "FSDP2", "plain", "groups") for combo in COMBOS
-        }
+        entries = {(kind, combo): _entry_points(kind, combo) for kind in ("DDP", "FSDP2", "plain", "groups") for combo in COMBOS}
     finally:
         _MESHES.clear()
         dist.destroy_process_group()

@@ -23,7 +23,7 @@ from commpress.bench.methods import BenchMethod
 from commpress.comm.counters import Traffic
 from commpress.hooks import register_ddp_hook
 
-__all__ = ["Attached", "Counting", "attach", "bucket_cap"]
+__all__ = ["Attached", "Counting", "attach", "bucket_cap", "count_plain"]
 
 #: A factory of the context opened around each training step to count what the row sends
 #: where no commpress hook counts it (DDP's own all-reduce, PyTorch's hooks).
@@ -56,7 +56,7 @@ def attach(
         return Attached(state.traffic, contextlib.nullcontext, planning)
     traffic = Traffic()
     if method.kind == "ddp":
-        return Attached(traffic, functools.partial(_count_plain, traffic, grad_bytes))
+        return Attached(traffic, functools.partial(count_plain, traffic, grad_bytes))
     if method.kind == "torch-fp16":
         ddp.register_comm_hook(None, _timed_hook(default_hooks.fp16_compress_hook, traffic))
     elif method.kind == "torch-powersgd":
@@ -72,8 +72,8 @@ def attach(
 
 
 @contextlib.contextmanager
-def _count_plain(traffic: Traffic, grad_bytes: int) -> Iterator[None]:
-    """DDP's own all-reduce sends every gradient byte once per step (no hook to count it)."""
+def count_plain(traffic: Traffic, grad_bytes: int) -> Iterator[None]:
+    """DDP's own all-reduce sends every gradient byte once per step (no hook to count it; HSDP: its shard's)."""
     yield
     traffic.add(nbytes=grad_bytes, collectives=1)
 

@@ -19,6 +19,7 @@ over it is the most any exchange can win per step (the race's ceiling at DDP's s
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -30,9 +31,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from commpress.bench.attach import attach, bucket_cap
+from commpress.bench.attach import attach, bucket_cap, count_plain
 from commpress.bench.methods import BenchMethod
 from commpress.bench.quality import make_optimizer
+from commpress.bench.sharding import replica_mesh, shard_model
+from commpress.comm import Traffic
 from commpress.errors import ConfigError
 from commpress.registration import register
 from commpress.terminal import Progress
@@ -103,12 +106,20 @@ class RacePlan:
     compute_steps: int = 20
     bucket_cap_mb: float | None = None
     progress: bool = True
+    #: ranks per replica group of an FSDP2-sharded model (1: DDP); ``ddp`` is then HSDP
+    shards: int = 1
 
     def __post_init__(self) -> None:
         if self.target is None and (not self.methods or self.methods[0].kind != "ddp"):
             raise ConfigError("without a target, the first method must be ddp: its loss after target_steps is the target")
         if self.compute_steps < 1:
             raise ConfigError(f"compute_steps = {self.compute_steps} is not accepted; expected at least 1")
+        others = [m.label for m in self.methods if m.kind not in ("ddp", "commpress")]
+        if self.shards > 1 and others:
+            raise ConfigError(
+                f"--shards = {self.shards}: {', '.join(others)} not accepted; a sharded race takes ddp (HSDP) and "
+                "commpress configs (the cross-group hook, [local_sgd] over the replica groups)"
+            )
 
 
 def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
@@ -123,6 +134,7 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
     del model
     target, target_source = plan.target, "given"
     compute_only = _compute_only(data, plan, rank, world_size)
+    mesh = replica_mesh(world_size, plan.shards) if plan.shards > 1 else None
     rows = []
     for i, method in enumerate(plan.methods, start=1):
         reference = target is None and method.kind == "ddp"
@@ -130,8 +142,8 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
         label = f"[{i}/{len(plan.methods)}] {method.label}"
         bar = Progress(stop_at, f"{label:<40.40}").update if plan.progress and rank == 0 else None
         if plan.warmup:
-            _warm_up(_Racer(data, method, plan, grad_bytes, plan.warmup), rank, world_size)
-        row = _Racer(data, method, plan, grad_bytes, stop_at).run(rank, world_size, held_out, target, bar)
+            _warm_up(_Racer(data, method, plan, grad_bytes, plan.warmup, mesh), rank, world_size)
+        row = _Racer(data, method, plan, grad_bytes, stop_at, mesh).run(rank, world_size, held_out, target, bar)
         if reference:
             target, target_source = row["curve"][-1][2], f"ddp after {row['curve'][-1][0]} steps"
         rows.append(row)
@@ -140,6 +152,7 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
         "target_source": target_source,
         "link": os.environ.get("COMMPRESS_LINK", "local"),
         "world_size": world_size,
+        "shards": plan.shards,
         "task": {**asdict(plan.task), "numel": numel, "grad_bytes": grad_bytes},
         "optimizer": plan.optimizer,
         "lr": plan.lr,
@@ -192,24 +205,32 @@ WHOLE_MODEL = ("local_sgd", "onebit_adam")
 
 
 class _Racer:
-    """One method's run: its model, optimizer, gradient exchange and clock."""
+    """One method's run: its model, optimizer, gradient exchange and clock. With a
+    ``mesh`` the model is sharded inside replica groups: ``ddp`` is HSDP, a commpress
+    config is registered with ``mesh=``."""
 
-    def __init__(self, data: Any, method: BenchMethod, plan: RacePlan, grad_bytes: int, stop_at: int) -> None:
+    def __init__(self, data: Any, method: BenchMethod, plan: RacePlan, grad_bytes: int, stop_at: int, mesh: Any = None) -> None:
         self.data, self.method, self.plan, self.stop_at = data, method, plan, stop_at
         self.model = data.model()
         whole_model = method.config is not None and any(method.config.section(t) is not None for t in WHOLE_MODEL)
         self.cap = plan.bucket_cap_mb if whole_model else bucket_cap(method, grad_bytes, plan.bucket_cap_mb)
-        self.ddp = DistributedDataParallel(self.model, **({"bucket_cap_mb": self.cap} if self.cap is not None else {}))
+        if mesh is not None:
+            self.cap, self.ddp = None, shard_model(self.model, mesh, hsdp=method.kind == "ddp")
+        else:
+            self.ddp = DistributedDataParallel(self.model, **({"bucket_cap_mb": self.cap} if self.cap is not None else {}))
         self.opt = make_optimizer(plan.optimizer, self.ddp.parameters(), plan.lr)
         self.update = self.opt.step
         self.finish: Callable[[], Any] = lambda: None
+        self.note = method.note
+        self.traffic = Traffic()
+        # HSDP's row: FSDP2's own all-reduce sends each rank's gradient shard once per step
+        self.counting: Callable[[], Any] = functools.partial(count_plain, self.traffic, grad_bytes // plan.shards)
         if method.kind == "commpress":  # every table of the config, as a user's one call applies it
-            reg = register(self.ddp, method.config, optimizer=self.opt, total_steps=plan.max_steps)
+            reg = register(self.ddp, method.config, optimizer=self.opt, total_steps=plan.max_steps, mesh=mesh)
             self.traffic, self.counting, self.finish = reg.traffic, contextlib.nullcontext, reg.finish
             self.note = "local models averaged" if reg.local_sgd is not None else method.note
-        else:
+        elif mesh is None:
             self.traffic, self.counting, _ = attach(method, self.ddp, grad_bytes, self.opt)
-            self.note = method.note
 
     def run(
         self, rank: int, world: int, held_out: tuple[torch.Tensor, torch.Tensor], target: float | None, bar: Any

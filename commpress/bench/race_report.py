@@ -85,6 +85,12 @@ def _ms(seconds: float | None) -> str:
     return f"{1000 * seconds:.0f}" if seconds else "-"
 
 
+def _ranks(summary: dict[str, Any]) -> str:
+    """``4 ranks``, or ``4 ranks (2 groups x 2 shards, ddp = HSDP)`` for a sharded race."""
+    world, shards = summary["world_size"], summary.get("shards", 1)
+    return f"{world} ranks" + (f" ({world // shards} groups x {shards} shards, ddp = HSDP)" if shards > 1 else "")
+
+
 def format_report(summary: dict[str, Any]) -> str:
     """A header line, the table and how to read it, for the terminal."""
     task = summary["task"]
@@ -92,7 +98,7 @@ def format_report(summary: dict[str, Any]) -> str:
     ceiling = summary["ceiling"]
     head = (
         f"task {task['name']} ({task['numel']:,} parameters, {task['grad_bytes'] / 2**20:.1f} MiB of gradient), "
-        f"{summary['world_size']} ranks, link {summary['link']}, {summary['optimizer']} lr {summary['lr']:g}; "
+        f"{_ranks(summary)}, link {summary['link']}, {summary['optimizer']} lr {summary['lr']:g}; "
         f"target held-out loss {summary['target']:.4f} ({summary['target_source']}), evaluated every "
         f"{summary['eval_every']} steps; time counts training steps only"
     )
@@ -159,7 +165,7 @@ def write_plot(summary: dict[str, Any], path: str) -> None:
     ax.axhline(summary["target"], color="black", linestyle="--", linewidth=1, label=f"target {summary['target']:.3f}")
     task = summary["task"]
     ax.set_title(
-        f"{task['name']} ({task['numel']:,} parameters), {summary['world_size']} ranks, link {summary['link']}; "
+        f"{task['name']} ({task['numel']:,} parameters), {_ranks(summary)}, link {summary['link']}; "
         f"ceiling {_times(summary['ceiling'])}",
         fontsize="medium",
     )

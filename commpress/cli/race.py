@@ -68,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="timed steps of the computation alone (no communication), for the ceiling (default 20)",
     )
     parser.add_argument("--eval-size", type=integer(1), default=128, help="held-out windows per evaluation (default 128)")
+    parser.add_argument(
+        "--shards",
+        type=integer(1),
+        default=1,
+        metavar="S",
+        help="shard the model with FSDP2 inside replica groups of S consecutive ranks (default 1: DDP); ddp is then "
+        "HSDP and each config is registered with the (groups, S) mesh",
+    )
     add_rank_arguments(parser, plot="held-out loss against wall-clock seconds per method", bucket="; torch-powersgd: 1 bucket")
     parser.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -105,6 +113,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         compute_steps=args.compute_steps,
         bucket_cap_mb=args.bucket_cap_mb,
         progress=not args.quiet,
+        shards=args.shards,
     )
 
 

@@ -76,7 +76,7 @@ class CrossGroupHook(BoundToProcess):
         if full:
             raise ValueError(
                 "the cross-group hook: state_dict(full=True) cannot gather a sharded model's other shards: save every "
-                "rank's state_dict() (or use torch.distributed.checkpoint with Registration.stateful())"
+                "rank's state_dict() (or use torch.distributed.checkpoint with Registration.stateful(model, optimizer))"
             )
         backend = self.averager.backend
         part = {"averager": self.averager.state_dict()}

@@ -324,7 +324,7 @@ class LocalSGD(BoundToProcess):
             raise ValueError(
                 f"{self.name}: state_dict(full=True) gathers the ranks holding this rank's shard only, not the other "
                 "shards: save every rank's state_dict() (torch.save on every rank, or torch.distributed.checkpoint "
-                "with Registration.stateful())"
+                "with Registration.stateful(model, optimizer))"
             )
         part = checkpoint.tag(self._part(), backend.rank, backend.world_size, self.clock.step, self.settings)
         return checkpoint.gather_job(backend.allgather_object, part) if full else part
