@@ -70,7 +70,7 @@ class Registration:
     every hook it added off the model and the optimizer.
 
     Checkpoints: :meth:`state_dict` holds each applied part's state under its name
-    (``"ddp_hook"``, ``"local_sgd"``, ``"onebit_adam"``, ``"fsdp"``); ``full=True`` gathers every rank's parts
+    (``"ddp_hook"``, ``"local_sgd"``, ``"onebit_adam"``, ``"fsdp"``, ``"groups_hook"``); ``full=True`` gathers every rank's parts
     (a collective: call it on every rank) for a checkpoint saved on rank 0 only, and
     :meth:`load_state_dict` hands each part its own, as the parts do
     (:mod:`commpress.comm.checkpoint`). With torch.distributed.checkpoint, save

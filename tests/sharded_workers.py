@@ -80,6 +80,7 @@ def _diloco(mesh: Any, checkpoints: Path) -> dict[str, Any]:
     for step in range(6, STEPS):
         _step(model, opt, step)
     reg.finish()
+    resharded = _load_resharded(config, checkpoints)
     try:
         reg.state_dict(full=True)
         full_refused = ""
@@ -92,7 +93,22 @@ def _diloco(mesh: Any, checkpoints: Path) -> dict[str, Any]:
         "bytes": sent,
         "numel": sum(p.numel() for p in model.parameters()),
         "full_refused": full_refused,
+        "resharded": resharded,
     }
+
+
+def _load_resharded(config: dict[str, Any], checkpoints: Path) -> str:
+    """The 2 x 2 checkpoint loaded into 1 group of 4 shards: the model reshards (DCP does),
+    commpress's state of another group count and shard is refused."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard"))
+    model, opt, reg = _build(mesh, config)
+    try:
+        dcp.load({"train": reg.stateful(model, opt)}, checkpoint_id=checkpoints)
+    except Exception as exc:  # DCP wraps a rank's error in its own
+        return str(exc)
+    return ""
 
 
 def _period_one(mesh: Any) -> dict[str, Any]:

@@ -344,10 +344,25 @@ class LocalSGD(BoundToProcess):
         """Restore this rank's part, or its part of a whole-job state (see
         :mod:`commpress.comm.checkpoint`); the settings must be the saved ones."""
         what = f"{self.name}: load_state_dict"
+        if self.flat.shard_group is not None:
+            self._check_same_mesh(state, what)
         part = self.averager.own_part(state, what)
         checkpoint.check_config(part["config"], self.settings, what)
         self._load_part(part)
         self._check_resume = True
+
+    def _check_same_mesh(self, state: Mapping[str, Any], what: str) -> None:
+        """A sharded model's state loads on the mesh it was saved on only (its anchor,
+        momentum and error feedback are this shard's rows in this many groups)."""
+        config = state.get("config", {}) if isinstance(state, Mapping) else {}
+        saved = (config.get("shard_shapes"), state.get("world_size") if isinstance(state, Mapping) else None)
+        here = (self.settings["shard_shapes"], self.averager.world_size)
+        if saved != here:
+            raise ConfigError(
+                f"{what}: the state was saved by a rank holding shards of shapes {saved[0]} in {saved[1]} replica "
+                f"groups; this rank holds {here[0]} in {here[1]}: a sharded model's commpress state does not reshard "
+                "(the model and optimizer do, through torch.distributed.checkpoint): resume on the mesh it was saved on"
+            )
 
     def _load_part(self, part: Mapping[str, Any]) -> None:
         self.clock.load_state_dict(part["clock"])
