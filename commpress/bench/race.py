@@ -222,14 +222,15 @@ class _Racer:
         self.update = self.opt.step
         self.finish: Callable[[], Any] = lambda: None
         self.note = method.note
-        self.traffic = Traffic()
-        # HSDP's row: FSDP2's own all-reduce sends each rank's gradient shard once per step
-        self.counting: Callable[[], Any] = functools.partial(count_plain, self.traffic, grad_bytes // plan.shards)
+        self.counting: Callable[[], Any]
         if method.kind == "commpress":  # every table of the config, as a user's one call applies it
             reg = register(self.ddp, method.config, optimizer=self.opt, total_steps=plan.max_steps, mesh=mesh)
             self.traffic, self.counting, self.finish = reg.traffic, contextlib.nullcontext, reg.finish
             self.note = "local models averaged" if reg.local_sgd is not None else method.note
-        elif mesh is None:
+        elif mesh is not None:  # HSDP: FSDP2's own all-reduce sends each rank's gradient shard once per step
+            self.traffic = Traffic()
+            self.counting = functools.partial(count_plain, self.traffic, grad_bytes // plan.shards)
+        else:
             self.traffic, self.counting, _ = attach(method, self.ddp, grad_bytes, self.opt)
 
     def run(

@@ -27,12 +27,10 @@ REPLICATE, SHARD = "replicate", "shard"
 
 @dataclass(frozen=True)
 class ReplicaGroups:
-    """The two sides of a 2-D mesh: ``replicate``, the process group of the ranks holding
-    this rank's shard in every group (commpress's); ``shard``, this rank's group (FSDP2's)."""
+    """What commpress takes from a 2-D mesh: ``replicate``, the process group of the ranks
+    holding this rank's shard in every group (FSDP2 keeps the ``shard`` side), and its shape."""
 
-    mesh: DeviceMesh
     replicate: Any  # torch.distributed.ProcessGroup
-    shard: Any
     groups: int  # replica groups
     shards: int  # shards per group
     shard_index: int  # which shard this rank holds
@@ -65,9 +63,7 @@ def replica_groups(mesh: Any, model: torch.nn.Module, entry: str = "commpress.re
                 f"mesh=mesh['{SHARD}']) on every unit and the root; commpress joins the groups over mesh['{REPLICATE}']"
             )
     return ReplicaGroups(
-        mesh=mesh,
         replicate=mesh[REPLICATE].get_group(),
-        shard=shard_mesh.get_group(),
         groups=mesh[REPLICATE].size(),
         shards=shard_mesh.size(),
         shard_index=shard_mesh.get_local_rank(),

@@ -33,17 +33,16 @@ class CrossGroupHook(BoundToProcess):
     gradient shard is averaged over the replica groups of ``groups`` with ``method``."""
 
     def __init__(self, model: torch.nn.Module, groups: ReplicaGroups, method: str, params: Mapping[str, Any]) -> None:
-        self.groups = groups
         self.averager = ParameterAverager(method, params, process_group=groups.replicate)
         names = {id(p): n for n, p in model.named_parameters()}
-        self.units: list[tuple[ParamSlot, ...]] = []
+        self.units: list[tuple[tuple[ParamSlot, ...], int]] = []  # each unit's slots and elements
         for module in (m for m in model.modules() if isinstance(m, FSDPModule)):
             param_groups = fsdp_param_groups(module._get_fsdp_state())
             if not param_groups:
                 continue
             named = [(names[id(fp.sharded_param)], fp.padded_sharded_param_size) for fp in param_groups[0].fsdp_params]
             module.set_all_reduce_hook(self._hook(len(self.units)))
-            self.units.append(lay_out(named)[0])
+            self.units.append(lay_out(named))
         self.settings = {
             "hook": "cross-group",
             "model": [[n, list(p.shape)] for n, p in model.named_parameters()],
@@ -59,8 +58,7 @@ class CrossGroupHook(BoundToProcess):
 
     def _average(self, index: int, output: torch.Tensor) -> None:
         """Average one unit's gradient shard over the groups, in place."""
-        slots = self.units[index]
-        whole = slots[-1].offset + slots[-1].numel
+        slots, whole = self.units[index]
         if output.numel() != whole:  # some parameters got no gradient: FSDP reduced the others only
             slots = (ParamSlot(f"unit{index}.partial{output.numel()}", torch.Size([output.numel()]), 0),)
         self.averager.average(Bucket(index, output, slots))
