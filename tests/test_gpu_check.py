@@ -23,6 +23,7 @@ CPU_SIDES = {
     "ddp": ["cpu-gloo-2", "cpu-gloo-1"],
     "lowrank": ["cpu rows"],
     "fsdp": ["cpu-gloo-1"],
+    "sharded": ["streaming-diloco cpu-gloo-1", "cross-group-hook cpu-gloo-1"],
 }
 
 
@@ -45,7 +46,7 @@ def test_the_dry_run_reports_every_part(tmp_path):
         assert set(CPU_SIDES[name]) <= set(part["ran"]), (name, part["ran"])
         assert all(c["ok"] for c in part["checks"]), (name, part["checks"])
         assert json.loads((tmp_path / f"{name}.json").read_text())["status"] == "ok"
-    for name in ("kernels", "ddp", "lowrank", "fsdp"):
+    for name in ("kernels", "ddp", "lowrank", "fsdp", "sharded"):
         reasons = report["parts"][name]["skipped"].values()
         assert reasons and all("--dry" in r for r in reasons), (name, reasons)
     assert not any("cuda" in side for p in report["parts"].values() for side in p["ran"])

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from commpress.bench.methods import parse_methods
 from commpress.bench.race import RacePlan, RaceTask, race_rank
-from commpress.bench.race_report import format_report, summarize
+from commpress.bench.race_report import crossing, format_report, reference_target, summarize
 from commpress.cli import main
 from commpress.errors import ConfigError
 
@@ -36,6 +36,7 @@ def test_two_ranks_race_end_to_end(tmp_path, capsys):
     out, plot = tmp_path / "race.json", tmp_path / "race.png"
     methods = "torch-powersgd:rank=2;powersgd:rank=2;ddp"  # ddp moves first: it sets the target
     argv = ["race", "--local", "2", *TINY, "--target-steps", "4", "--eval-every", "2", "--warmup", "1", "--compute-steps", "3"]
+    argv += ["--smooth", "3"]
     assert main([*argv, "--methods", methods, "--json", str(out), "--plot", str(plot), "--quiet"]) == 0
     report = json.loads(out.read_text())
     _check_factors(report)
@@ -46,8 +47,10 @@ def test_two_ranks_race_end_to_end(tmp_path, capsys):
     assert {"target", "link", "rows"} <= set(report) and report["world_size"] == 2
     assert [r["method"] for r in report["rows"]] == ["ddp", "torch-powersgd:rank=2", "powersgd:rank=2"]
     assert all(set(r) >= ROW_FIELDS for r in report["rows"])
-    ddp = report["rows"][0]
-    assert ddp["final_loss"] == report["target"] and ddp["steps_to_target"] <= 4 and ddp["time_to_target_s"] > 0
+    ddp = report["rows"][0]  # ran one evaluation past step 4: the target is the mean of steps 2, 4 and 6
+    assert ddp["steps"] == 6 and report["smooth"] == 3
+    assert report["target"] == pytest.approx(sum(p["loss"] for p in ddp["curve"][1:4]) / 3)
+    assert ddp["steps_to_target"] <= 4 and ddp["time_to_target_s"] > 0
     assert 0 < report["rows"][2]["bytes_per_step"] < ddp["bytes_per_step"] == report["task"]["grad_bytes"]
     assert report["rows"][1]["note"] == "1 bucket"
     assert all(r["curve"][0]["step"] == 0 and r["steps"] <= 8 for r in report["rows"])  # cap: twice the target steps
@@ -179,7 +182,37 @@ def test_without_a_target_ddp_runs_first():
 def test_the_time_cap_does_not_stop_the_reference_run(one_rank):
     """The target is ddp's loss after target_steps, whatever --max-seconds says; the cap
     stops the other rows."""
-    summary = _race(target_steps=3, max_steps=6, max_seconds=1e-9)
+    summary = _race(target_steps=3, max_steps=6, max_seconds=1e-9, smooth=1)
     ddp, topk = summary["rows"]
     assert ddp["steps"] == 3 and summary["target_source"] == "ddp after 3 steps"
     assert topk["steps"] == 1  # stopped at its first evaluation, past the cap
+
+
+def test_smoothed_crossings_are_not_moved_by_one_evaluation():
+    """A dip of one evaluation crosses a single-point target early; the centred mean of 3
+    does not, and the reference's target is its centred mean too."""
+    losses = [3.0, 2.2, 1.5, 2.2, 2.0, 1.8, 1.7, 1.6]  # a dip at step 20, then a slow decline
+    flat = [(10 * i, float(i), loss) for i, loss in enumerate(losses)]
+    assert crossing(flat, 1.75) == 2 and crossing(flat, 1.75, smooth=3) == 6  # (1.8 + 1.7 + 1.6) / 3 at step 60
+    assert crossing(flat, 1.85, smooth=3) == 5 and crossing(flat, 1.6, smooth=3) is None
+    assert reference_target(flat, 50, smooth=3) == pytest.approx(5.5 / 3)
+    assert reference_target(flat, 70) == 1.6
+    with pytest.raises(ValueError, match="1 evaluations past step 70"):
+        reference_target(flat, 70, smooth=3)
+    raw = {"target": 1.6, "smooth": 3, "compute_only": {"steps": 1, "seconds": 1.0}, "rows": [_raw_row("ddp", "ddp", flat)]}
+    assert summarize(raw)["rows"][0]["steps_to_target"] is None  # the centred means never get below 1.7
+    raw["smooth"] = 1
+    assert summarize(raw)["rows"][0]["steps_to_target"] == 20
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"smooth": 4}, "smooth = 4 is not accepted; expected an odd number"),
+        ({"smooth": 0}, "smooth = 0 is not accepted"),
+        ({"target_steps": 15, "eval_every": 10}, "target_steps = 15 is not accepted with smooth = 5"),
+    ],
+)
+def test_smoothing_that_cannot_centre_on_the_target_is_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        RacePlan(methods=tuple(parse_methods("ddp")), **kwargs)

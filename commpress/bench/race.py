@@ -9,7 +9,9 @@ the loss over the whole batch is the curve's point. The clock counts training st
 (the slowest rank's). A method stops at the first evaluation at or below the target, at
 ``max_steps``, or once its clock passes ``max_seconds``. Without a given target, ``ddp``
 runs first for ``target_steps`` steps (``max_seconds`` does not stop it) and its held-out
-loss there, at the end of a real run, is the target.
+loss there, at the end of a real run, is the target. With ``smooth`` = k > 1 every point
+is the centred mean of k evaluations (:func:`commpress.bench.race_report.crossing`): ddp
+runs k // 2 evaluations past ``target_steps`` and each row k // 2 past its crossing.
 
 Before the methods, the computation alone is timed: the same model and optimizer stepping
 on the same batches with no DDP and no communication, every rank at once. DDP's step time
@@ -34,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from commpress.bench.attach import attach, bucket_cap, count_plain
 from commpress.bench.methods import BenchMethod
 from commpress.bench.quality import make_optimizer
+from commpress.bench.race_report import crossing, reference_target
 from commpress.bench.sharding import replica_mesh, shard_model
 from commpress.comm import Traffic
 from commpress.errors import ConfigError
@@ -108,10 +111,19 @@ class RacePlan:
     progress: bool = True
     #: ranks per replica group of an FSDP2-sharded model (1: DDP); ``ddp`` is then HSDP
     shards: int = 1
+    #: evaluations averaged (centred) for the target and every crossing; odd; 1: single points
+    smooth: int = 5
 
     def __post_init__(self) -> None:
         if self.target is None and (not self.methods or self.methods[0].kind != "ddp"):
             raise ConfigError("without a target, the first method must be ddp: its loss after target_steps is the target")
+        if self.smooth < 1 or self.smooth % 2 == 0:
+            raise ConfigError(f"smooth = {self.smooth} is not accepted; expected an odd number of evaluations >= 1")
+        if self.target is None and self.smooth > 1 and self.target_steps % self.eval_every:
+            raise ConfigError(
+                f"target_steps = {self.target_steps} is not accepted with smooth = {self.smooth}: expected a multiple of "
+                f"eval_every = {self.eval_every}, so that the target is centred on an evaluation"
+            )
         if self.compute_steps < 1:
             raise ConfigError(f"compute_steps = {self.compute_steps} is not accepted; expected at least 1")
         others = [m.label for m in self.methods if m.kind not in ("ddp", "commpress")]
@@ -138,14 +150,17 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
     rows = []
     for i, method in enumerate(plan.methods, start=1):
         reference = target is None and method.kind == "ddp"
-        stop_at = plan.target_steps if reference else plan.max_steps
+        stop_at = plan.target_steps + plan.smooth // 2 * plan.eval_every if reference else plan.max_steps
         label = f"[{i}/{len(plan.methods)}] {method.label}"
         bar = Progress(stop_at, f"{label:<40.40}").update if plan.progress and rank == 0 else None
         if plan.warmup:
             _warm_up(_Racer(data, method, plan, grad_bytes, plan.warmup, mesh), rank, world_size)
         row = _Racer(data, method, plan, grad_bytes, stop_at, mesh).run(rank, world_size, held_out, target, bar)
         if reference:
-            target, target_source = row["curve"][-1][2], f"ddp after {row['curve'][-1][0]} steps"
+            target = reference_target(row["curve"], plan.target_steps, plan.smooth)
+            target_source = f"ddp after {plan.target_steps} steps"
+            if plan.smooth > 1:
+                target_source += f", the mean of its {plan.smooth} evaluations centred there"
         rows.append(row)
     return {
         "target": target,
@@ -157,6 +172,7 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
         "optimizer": plan.optimizer,
         "lr": plan.lr,
         "eval_every": plan.eval_every,
+        "smooth": plan.smooth,
         "warmup": plan.warmup,
         "max_steps": plan.max_steps,
         "max_seconds": plan.max_seconds,
@@ -256,7 +272,7 @@ class _Racer:
             dist.barrier()  # every rank starts the next step's clock together
             # the reference run (no target yet) always runs its target_steps
             capped = self.plan.max_seconds is not None and curve[-1][1] >= self.plan.max_seconds
-            if target is not None and (curve[-1][2] <= target or capped):
+            if target is not None and (crossing(curve, target, self.plan.smooth) is not None or capped):
                 break
         if bar is not None and steps < self.stop_at:
             bar(self.stop_at, f"stopped after {steps} steps")  # closes the progress line

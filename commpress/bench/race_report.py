@@ -1,8 +1,12 @@
 """Turn a race's curves into rows: time and steps to the target, speed-ups, the two
 factors of each speed-up and the ceiling, table, JSON, plot.
 
-A method reaches the target at its first evaluation at or below it; the time is its clock
-there (training steps only, evaluation excluded), so it is known to ``eval_every`` steps.
+A method reaches the target at its first evaluation at or below it; with ``smooth`` = k > 1,
+at the first evaluation whose centred mean over k evaluations is (the target is then ddp's
+centred mean at ``target_steps`` too): late in a run the curve is so flat that one
+evaluation's noise moves a single-point crossing by several evaluations, in either
+direction. The time is the clock at that evaluation (training steps only, evaluation
+excluded), so it is known to ``eval_every`` steps.
 A method that never gets there stays in the table, marked "not reached" with its best
 loss and the steps it ran, with ``None`` for its time and steps in the JSON.
 
@@ -19,17 +23,45 @@ from typing import Any
 from commpress.bench.report import pyplot, write_json
 from commpress.terminal import format_table
 
-__all__ = ["format_report", "summarize", "write_json", "write_plot"]
+__all__ = ["crossing", "format_report", "reference_target", "summarize", "write_json", "write_plot"]
 
 #: ``COMMPRESS_LINK`` values of links without a limit (unset is "local").
 _UNLIMITED = ("local", "unlimited")
+
+
+Point = tuple[int, float, float]
+
+
+def _centred(curve: list[Point], i: int, smooth: int) -> float | None:
+    """The mean loss of the ``smooth`` points centred on point ``i``; None where the curve
+    does not reach that far on both sides."""
+    half = smooth // 2
+    if i < half or i + half >= len(curve):
+        return None
+    return sum(p[2] for p in curve[i - half : i + half + 1]) / smooth
+
+
+def crossing(curve: list[Point], target: float, smooth: int = 1) -> int | None:
+    """The index of the first (step, seconds, loss) point of ``curve`` whose centred mean
+    over ``smooth`` points is at or below ``target``; None before there is one."""
+    return next((i for i in range(len(curve)) if (m := _centred(curve, i, smooth)) is not None and m <= target), None)
+
+
+def reference_target(curve: list[Point], steps: int, smooth: int = 1) -> float:
+    """The reference run's held-out loss after ``steps`` steps: the centred mean over
+    ``smooth`` evaluations of its point at ``steps``."""
+    i = next(i for i, p in enumerate(curve) if p[0] == steps)
+    mean = _centred(curve, i, smooth)
+    if mean is None:
+        raise ValueError(f"the curve does not reach {smooth // 2} evaluations past step {steps}")
+    return mean
 
 
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     """The race as plain data: its settings, the computation alone's step time, the
     ceiling, and one row per method, in run order."""
     target = raw["target"]
-    rows = [_row(r, target) for r in raw["rows"]]
+    rows = [_row(r, target, raw.get("smooth", 1)) for r in raw["rows"]]
     for key, kind in (("speedup_over_ddp", "ddp"), ("speedup_over_torch_powersgd", "torch-powersgd")):
         reference = next((r for r in rows if r["kind"] == kind), None)
         for r in rows:  # a time of 0 s (the target met at the start) gives no speed-up
@@ -52,9 +84,10 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
-def _row(raw: dict[str, Any], target: float) -> dict[str, Any]:
+def _row(raw: dict[str, Any], target: float, smooth: int) -> dict[str, Any]:
     curve = [{"step": s, "seconds": t, "loss": loss} for s, t, loss in raw["curve"]]
-    hit = next((p for p in curve if p["loss"] <= target), None)
+    i = crossing([tuple(p) for p in raw["curve"]], target, smooth)
+    hit = None if i is None else curve[i]
     last = curve[-1]
     return {
         "method": raw["method"],
@@ -75,6 +108,10 @@ def _row(raw: dict[str, Any], target: float) -> dict[str, Any]:
 
 def _label(row: dict[str, Any]) -> str:
     return f"{row['method']} ({row['note']})" if row["note"] else row["method"]
+
+
+def _smoothing(smooth: int) -> str:
+    return "" if smooth == 1 else f", each crossing on the centred mean of {smooth} evaluations"
 
 
 def _times(value: float | None) -> str:
@@ -100,7 +137,7 @@ def format_report(summary: dict[str, Any]) -> str:
         f"task {task['name']} ({task['numel']:,} parameters, {task['grad_bytes'] / 2**20:.1f} MiB of gradient), "
         f"{_ranks(summary)}, link {summary['link']}, {summary['optimizer']} lr {summary['lr']:g}; "
         f"target held-out loss {summary['target']:.4f} ({summary['target_source']}), evaluated every "
-        f"{summary['eval_every']} steps; time counts training steps only"
+        f"{summary['eval_every']} steps{_smoothing(summary.get('smooth', 1))}; time counts training steps only"
     )
     if ceiling is not None:
         head += (

@@ -69,6 +69,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--eval-size", type=integer(1), default=128, help="held-out windows per evaluation (default 128)")
     parser.add_argument(
+        "--smooth",
+        type=integer(1),
+        default=5,
+        metavar="K",
+        help="evaluations averaged, centred, for the target and each row's crossing (default 5; odd; 1: single "
+        "evaluations): late in a run one evaluation's noise moves a crossing by several evaluations",
+    )
+    parser.add_argument(
+        "--seed",
+        type=integer(0),
+        default=0,
+        help="the model's initialisation and the batches (default 0); every row of one run shares it, so repeat "
+        "a run with other seeds to see how far its step counts scatter",
+    )
+    parser.add_argument(
         "--shards",
         type=integer(1),
         default=1,
@@ -98,7 +113,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         ddp = [m for m in methods if m.kind == "ddp"] or parse_methods("ddp")
         methods = [ddp[0], *(m for m in methods if m is not ddp[0])]
     check_outputs(args)
-    task = RaceTask(args.task, args.batch, args.context, args.width, args.layers, args.heads, args.eval_size)
+    task = RaceTask(args.task, args.batch, args.context, args.width, args.layers, args.heads, args.eval_size, args.seed)
     return RacePlan(
         methods=tuple(methods),
         task=task,
@@ -114,6 +129,7 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         bucket_cap_mb=args.bucket_cap_mb,
         progress=not args.quiet,
         shards=args.shards,
+        smooth=args.smooth,
     )
 
 
