@@ -216,3 +216,21 @@ def test_smoothed_crossings_are_not_moved_by_one_evaluation():
 def test_smoothing_that_cannot_centre_on_the_target_is_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         RacePlan(methods=tuple(parse_methods("ddp")), **kwargs)
+
+
+def test_a_diverging_row_is_reported_and_the_race_goes_on(one_rank):
+    """An outer step so large that the model overflows: DiLoCo's non-finite average stops
+    that row, which the table marks diverged, and the next row still runs."""
+    from commpress.bench.methods import BenchMethod
+    from commpress.config import Config
+
+    blowup = {"method": "none", "local_sgd": {"algorithm": "diloco", "period": 1, "outer_lr": 1e38, "outer_momentum": 0.0}}
+    blowup["local_sgd"]["nesterov"] = False
+    methods = (*parse_methods("ddp"), BenchMethod("blowup", "commpress", config=Config.from_dict(blowup)), *parse_methods("topk"))
+    task = RaceTask("transformer", batch=4, context=16, width=16, layers=1, heads=2, eval_size=8)
+    plan = RacePlan(methods=methods, task=task, target=0.01, max_steps=4, eval_every=1, warmup=2, progress=False, compute_steps=1)
+    summary = summarize(race_rank(0, 1, plan))
+    ddp, blown, topk = summary["rows"]
+    assert blown["diverged"]["step"] <= 4 and "not finite" in blown["diverged"]["error"]
+    assert ddp["diverged"] is None and topk["diverged"] is None and topk["steps"] == 4
+    assert f"diverged at step {blown['diverged']['step']}" in format_report(summary)

@@ -7,7 +7,8 @@ with the optimizer (the DDP hook, Local SGD/CO2/DiLoCo, 1-bit Adam). Every ``eva
 clock stops and the ranks evaluate the held-out batch, each its share, with its own model;
 the loss over the whole batch is the curve's point. The clock counts training steps only
 (the slowest rank's). A method stops at the first evaluation at or below the target, at
-``max_steps``, or once its clock passes ``max_seconds``. Without a given target, ``ddp``
+``max_steps``, once its clock passes ``max_seconds``, or where it diverges (a non-finite
+average, which every rank sees: the row says so and the race goes on). Without a given target, ``ddp``
 runs first for ``target_steps`` steps (``max_seconds`` does not stop it) and its held-out
 loss there, at the end of a real run, is the target. With ``smooth`` = k > 1 every point
 is the centred mean of k evaluations (:func:`commpress.bench.race_report.crossing`): ddp
@@ -209,10 +210,14 @@ def _compute_only(data: Any, plan: RacePlan, rank: int, world: int) -> dict[str,
 
 
 def _warm_up(spare: _Racer, rank: int, world: int) -> None:
-    """``spare``'s first steps, off the clock; the model is thrown away."""
-    for step in range(spare.stop_at):
-        spare.train(spare.data.batch(step, rank, world))
-    spare.finish()
+    """``spare``'s first steps, off the clock; the model is thrown away (and a divergence
+    with it: the timed run reports its own)."""
+    try:
+        for step in range(spare.stop_at):
+            spare.train(spare.data.batch(step, rank, world))
+        spare.finish()
+    except FloatingPointError:
+        pass
 
 
 #: Tables whose method exchanges the whole model or momentum, not DDP's buckets: DDP keeps
@@ -254,12 +259,17 @@ class _Racer:
     ) -> dict[str, Any]:
         """Train until the target, the step cap or the time cap; the row's curve and bytes."""
         clock, steps = 0.0, 0
+        diverged: dict[str, Any] | None = None
         curve = [(0, 0.0, self._evaluate(held_out))]
         dist.barrier()
         while steps < self.stop_at:
             batch = self.data.batch(steps, rank, world)
             t0 = time.perf_counter()
-            self.train(batch)
+            try:
+                self.train(batch)
+            except FloatingPointError as exc:  # every rank raises it: the average they all hold is not finite
+                diverged = {"step": steps + 1, "error": str(exc)}
+                break
             clock += time.perf_counter() - t0
             steps += 1
             if bar is not None:
@@ -275,8 +285,9 @@ class _Racer:
             if target is not None and (crossing(curve, target, self.plan.smooth) is not None or capped):
                 break
         if bar is not None and steps < self.stop_at:
-            bar(self.stop_at, f"stopped after {steps} steps")  # closes the progress line
-        self.finish()
+            bar(self.stop_at, f"{'diverged' if diverged else 'stopped'} after {steps} steps")  # closes the progress line
+        if diverged is None:  # a diverged run's last sync stopped it: nothing more to land
+            self.finish()
         sent = torch.tensor([self.traffic.snapshot()["bytes_sent"] / steps], dtype=torch.float64)
         dist.all_reduce(sent)
         return {
@@ -286,6 +297,7 @@ class _Racer:
             "bucket_cap_mb": self.cap,
             "curve": curve,
             "bytes_per_step": sent.item() / world,
+            "diverged": diverged,
         }
 
     def train(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:

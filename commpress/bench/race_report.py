@@ -8,7 +8,7 @@ evaluation's noise moves a single-point crossing by several evaluations, in eith
 direction. The time is the clock at that evaluation (training steps only, evaluation
 excluded), so it is known to ``eval_every`` steps.
 A method that never gets there stays in the table, marked "not reached" with its best
-loss and the steps it ran, with ``None`` for its time and steps in the JSON.
+loss and the steps it ran (or "diverged": a non-finite average stopped it), with ``None`` for its time and steps in the JSON.
 
 Time to target = steps to target x step time, so each row's speed-up over ``ddp`` has two
 factors, both reported: its steps to target / ddp's, and its step time / ddp's. The
@@ -102,6 +102,7 @@ def _row(raw: dict[str, Any], target: float, smooth: int) -> dict[str, Any]:
         "seconds": last["seconds"],
         "seconds_per_step": last["seconds"] / last["step"] if last["step"] else None,
         "bytes_per_step": raw["bytes_per_step"],
+        "diverged": raw.get("diverged"),
         "curve": curve,
     }
 
@@ -149,6 +150,8 @@ def format_report(summary: dict[str, Any]) -> str:
             _label(r),
             f"{r['time_to_target_s']:.1f}"
             if r["time_to_target_s"] is not None
+            else f"diverged at step {r['diverged']['step']} (best {r['best_loss']:.3f})"
+            if r["diverged"]
             else f"not reached (best {r['best_loss']:.3f} in {r['steps']} steps)",
             _times(r["speedup_over_ddp"]),
             _times(r["speedup_over_torch_powersgd"]),
