@@ -212,12 +212,10 @@ def _compute_only(data: Any, plan: RacePlan, rank: int, world: int) -> dict[str,
 def _warm_up(spare: _Racer, rank: int, world: int) -> None:
     """``spare``'s first steps, off the clock; the model is thrown away (and a divergence
     with it: the timed run reports its own)."""
-    try:
+    with contextlib.suppress(FloatingPointError):
         for step in range(spare.stop_at):
             spare.train(spare.data.batch(step, rank, world))
         spare.finish()
-    except FloatingPointError:
-        pass
 
 
 #: Tables whose method exchanges the whole model or momentum, not DDP's buckets: DDP keeps
