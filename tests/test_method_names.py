@@ -30,6 +30,7 @@ CONFIGURATION = {
     "bench/catalog.py": "the quality rows, by name",
     "bench/gpucheck/ddp.py": "the methods the GPU check trains, each with its parameters",
     "bench/gpucheck/lowrank.py": "the low-rank rows the GPU check times",
+    "bench/gpucheck/sharded.py": "the method the GPU check's sharded rows compress with",
     "bench/quality.py": "what each quality row runs",
     "bench/throughput.py": "the rows `commpress bench` times by default",
     "cli/bandwidth.py": "the settings `commpress bandwidth` compares by default",
