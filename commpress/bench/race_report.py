@@ -86,7 +86,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def _row(raw: dict[str, Any], target: float, smooth: int) -> dict[str, Any]:
     curve = [{"step": s, "seconds": t, "loss": loss} for s, t, loss in raw["curve"]]
-    i = crossing([tuple(p) for p in raw["curve"]], target, smooth)
+    i = crossing(raw["curve"], target, smooth)
     hit = None if i is None else curve[i]
     last = curve[-1]
     return {

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import sys
 import time
 import traceback
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Report", "main", "no_cuda", "one_rank"]
+__all__ = ["Report", "cuda_against_cpu", "main", "no_cuda", "one_rank"]
 
 
 class Report:
@@ -73,6 +74,41 @@ def no_cuda(dry: bool) -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA device (torch.cuda.is_available() is False)"
     return None
+
+
+#: A training run on ``device``: its losses per step, its held-out loss, more figures.
+Training = Callable[[str], tuple[list[float], float, dict[str, Any]]]
+
+
+def cuda_against_cpu(report: Report, prefix: str, train: Training, dry: bool, rtol: float, what: str = "") -> None:
+    """``train`` on one NCCL rank on the GPU (``prefix`` + ``cuda-nccl-1``), then on one
+    gloo CPU rank (``cpu-gloo-1``), each in a one-rank group of its own; checks that each
+    trains (finite losses) and, on the GPU's sizes, that its loss falls, then that the GPU's
+    losses are within ``rtol`` of the CPU's, relative. ``what`` names the run in the checks.
+    The CUDA run goes first: were a second process group in this process to fail, it is the
+    one kept. Without CUDA (or ``dry``) its side is skipped with the reason."""
+    reason = no_cuda(dry)
+    runs = {}
+    for side, device, backend in (("cuda-nccl-1", "cuda", "nccl"), ("cpu-gloo-1", "cpu", "gloo")):
+        name = prefix + side
+        if device == "cuda" and reason is not None:
+            report.skip(name, reason)
+            continue
+        with one_rank(backend):
+            losses, eval_loss, figures = train(device)
+        runs[side] = [*losses, eval_loss]
+        report.ran.append(name)
+        report.figures[name] = {"losses": losses, "eval_loss": eval_loss, **figures}
+        report.check(f"{name}: {what + ' ' if what else ''}trains (finite losses)", all(map(math.isfinite, runs[side])))
+        if not dry:
+            report.check(f"{name}: the loss falls", losses[-1] < losses[0], first=losses[0], last=losses[-1])
+    if "cuda-nccl-1" in runs:
+        worst = max(abs(a - b) / abs(a) for a, b in zip(runs["cpu-gloo-1"], runs["cuda-nccl-1"]))
+        report.check(
+            f"{prefix}cuda-nccl-1 losses within {rtol:.0%} of {prefix}cpu-gloo-1's", worst <= rtol, largest_relative=worst
+        )
+    else:
+        report.skip(f"{prefix}cuda-nccl-1 against {prefix}cpu-gloo-1", reason or "not run")
 
 
 @contextlib.contextmanager

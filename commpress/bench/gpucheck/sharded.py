@@ -12,10 +12,10 @@ rounding differs between devices). ``--dry``: the CPU run only, fewer steps.
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any
 
-from commpress.bench.gpucheck.part import Report, main, no_cuda, one_rank
+from commpress.bench.gpucheck.part import Report, cuda_against_cpu, main
 
 RTOL = 0.05
 #: (steps, hidden width) on the GPU (False) and in a dry run (True)
@@ -30,9 +30,10 @@ ROWS: dict[str, dict[str, Any]] = {
 }
 
 
-def train(config: dict[str, Any], steps: int, hidden: int, device: str) -> list[float]:
+def train(config: dict[str, Any], steps: int, hidden: int, device: str) -> tuple[list[float], float, dict[str, Any]]:
     """``steps`` AdamW steps of the demo model sharded over a (1, 1) mesh on ``device``,
-    registered with ``config``; the losses, and the held-out loss after ``finish()``."""
+    registered with ``config``; the losses, the held-out loss after ``finish()``, no more
+    figures."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -62,34 +63,13 @@ def train(config: dict[str, Any], steps: int, hidden: int, device: str) -> list[
     reg.finish()
     x, y = (t.to(device) for t in task.eval_batch(256))
     with torch.no_grad():
-        losses.append(F.cross_entropy(model(x), y).item())
-    return losses
+        return losses, F.cross_entropy(model(x), y).item(), {}
 
 
 def run(report: Report, dry: bool) -> None:
     steps, hidden = SIZES[dry]
-    reason = no_cuda(dry)
     for row, config in ROWS.items():
-        runs = {}
-        # the CUDA run first: were a second process group in this process to fail, it is the one kept
-        for side, device, backend in (("cuda-nccl-1", "cuda", "nccl"), ("cpu-gloo-1", "cpu", "gloo")):
-            name = f"{row} {side}"
-            if device == "cuda" and reason is not None:
-                report.skip(name, reason)
-                continue
-            with one_rank(backend):
-                runs[side] = train(config, steps, hidden, device)
-            report.ran.append(name)
-            report.figures[name] = {"losses": runs[side][:-1], "eval_loss": runs[side][-1]}
-            report.check(f"{name}: trains (finite losses)", all(map(math.isfinite, runs[side])))
-            if not dry:
-                first, last = runs[side][0], runs[side][-2]
-                report.check(f"{name}: the loss falls", last < first, first=first, last=last)
-        if "cuda-nccl-1" in runs:
-            worst = max(abs(a - b) / abs(a) for a, b in zip(runs["cpu-gloo-1"], runs["cuda-nccl-1"]))
-            report.check(f"{row}: cuda losses within {RTOL:.0%} of cpu's", worst <= RTOL, largest_relative=worst)
-        else:
-            report.skip(f"{row}: cuda against cpu", reason or "not run")
+        cuda_against_cpu(report, f"{row} ", functools.partial(train, config, steps, hidden), dry, RTOL)
 
 
 if __name__ == "__main__":
