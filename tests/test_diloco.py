@@ -198,8 +198,40 @@ def test_merge_factor_mixes_local_and_new_anchor():
     assert trainer.fresh[0] == -1  # a mix: finish syncs it again
 
 
-def test_streaming_finish_leaves_every_rank_with_one_model():
-    ranks, _ = _ranks({"algorithm": "diloco", "period": 6, "fragments": 3, "sync_delay": 1, "merge_alpha": 0.5})
+def test_eager_merge_moves_the_local_values_then_lands_the_new_anchor_plus_the_steps_taken():
+    """Unset merge (no merge_alpha): at the sync's start local = anchor + outer_lr * (local -
+    anchor); when it lands, local = new anchor + (local now - those values)."""
+    ranks, _ = _ranks({"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": 1})
+    model, _, trainer = ranks[0]
+    assert trainer.merge == "eager" and trainer.settings["merge"] == "eager"
+    fragment = trainer.fragments[0]
+    _step(ranks, 0)
+    seen, start_due = {}, trainer.start_due
+    trainer.start_due = lambda final=False: (seen.setdefault("before", _flat(model).clone()), start_due(final))
+    _step(ranks, 1)  # fragment 0's sync starts at the end of step 2
+    before, anchor = seen["before"][fragment.where], trainer.anchor[fragment.where].clone()
+    start = _flat(model)[fragment.where].clone()
+    torch.testing.assert_close(start, anchor + 0.8 * (before - anchor), rtol=0, atol=1e-7)  # the table's outer lr
+    assert torch.equal(trainer._in_flight[0].start, start) and not torch.equal(start, before)
+    assert torch.equal(_flat(model)[fragment.stop :], seen["before"][fragment.stop :])  # fragment 1 not moved
+    for r, (m, opt, t) in enumerate(ranks):  # the step taken while the average is in flight
+        g = torch.Generator().manual_seed(1000 * 2 + r)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        t.local_step()
+    local = _flat(model)[fragment.where].clone()
+    for _, _, t in ranks:
+        t.apply_due()
+    new_anchor = trainer.anchor[fragment.where]
+    assert not torch.equal(new_anchor, anchor)  # the outer step moved it
+    torch.testing.assert_close(_flat(model)[fragment.where], new_anchor + (local - start), rtol=0, atol=1e-6)
+    assert trainer.fresh[0] == -1 and not trainer._in_flight  # not the anchor: finish syncs it again
+
+
+@pytest.mark.parametrize("merge", [{"merge_alpha": 0.5}, {}], ids=["mix", "eager"])
+def test_streaming_finish_leaves_every_rank_with_one_model(merge):
+    ranks, _ = _ranks({"algorithm": "diloco", "period": 6, "fragments": 3, "sync_delay": 1, **merge})
     for step in range(14):  # fragment 0 started at step 14, in flight at the end
         _step(ranks, step)
     assert ranks[0][2]._in_flight

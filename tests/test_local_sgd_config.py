@@ -18,14 +18,10 @@ def test_defaults_and_period_policy():
     assert isinstance(qsr, QSR) and qsr.next(step=5, lr=0.0040005) == 19 and qsr.next(step=4, lr=0.0040005) == 4
     assert Config.load(cfg.to_dict()).digest() == cfg.digest()
     diloco = Config.load({"local_sgd": DILOCO}).section("local_sgd")  # the measured outer step; unset keys: defaults
-    assert [diloco.value(k) for k in ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay", "merge_alpha")] == [
-        0.8,
-        0.2,
-        True,
-        1,
-        0,
-        0.0,
-    ]
+    keys = ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay", "merge", "merge_alpha")
+    assert [diloco.value(k) for k in keys] == [0.8, 0.2, True, 1, 0, "eager", 0.0]
+    mixed = Config.load({"local_sgd": DILOCO | {"merge_alpha": 0.5}}).section("local_sgd")  # the paper's mix, as given
+    assert (mixed.value("merge"), mixed.value("merge_alpha")) == ("mix", 0.5)
     co2 = Config.load({"local_sgd": CO2}).section("local_sgd")
     assert [co2.value(k) for k in ("outer_lr", "outer_momentum", "staleness_penalty", "clip")] == [1.0, 0.0, 1.0, None]
 
@@ -52,6 +48,12 @@ DILOCO = {"algorithm": "diloco"}
         (DILOCO | {"fragments": 0}, "local_sgd: fragments = 0 is not accepted; expected an integer >= 1"),
         (DILOCO | {"sync_delay": -1}, "local_sgd: sync_delay = -1 is not accepted; expected an integer >= 0"),
         (DILOCO | {"merge_alpha": 1.0}, "local_sgd: merge_alpha = 1.0 is not accepted; expected a number in [0, 1)"),
+        (DILOCO | {"merge": "average"}, "local_sgd: merge = 'average' is not accepted; expected one of 'eager', 'mix'"),
+        (
+            DILOCO | {"merge": "eager", "merge_alpha": 0.5},
+            "local_sgd: merge_alpha = 0.5 is not accepted with merge = 'eager'; expected merge = 'mix'",
+        ),
+        (CO2 | {"merge": "mix"}, "merge = 'mix' does not apply to algorithm = 'co2'; it applies to algorithm = 'diloco'"),
         (DILOCO | {"nesterov": 1}, "local_sgd: nesterov = 1 is not accepted; expected"),
         (
             {"outer_lr": 0.7},

@@ -1,9 +1,10 @@
 """Streaming DiLoCo under a torchft Manager (CPU, gloo, the lighthouse in this process,
 replica groups as processes: tests/manager_diloco_workers.py).
 
-Without failures the syncs through the manager are the plain gloo run's, bit for bit (both
-sum two replicas' contributions once and divide by two; the fragment and the compressors'
-step come from the manager's committed syncs, the plain run's rounds). A replica killed
+Without failures the syncs through the manager are the plain gloo run's, bit for bit, with
+either merge of a delayed average (both sum two replicas' contributions once and divide by
+two; the fragment and the compressors' step come from the manager's committed syncs, the
+plain run's rounds). A replica killed
 inside a sync's average leaves the survivor's anchor, outer state and compressor state as
 they were and that fragment back at its anchor; the restarted replica heals at its first
 sync and ends with the survivor's model, anchor and shared state, bit for bit.

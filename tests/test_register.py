@@ -28,6 +28,7 @@ PARTS = {
     "co2_h4.toml": ["local_sgd"],
     "diloco.toml": ["local_sgd"],
     "streaming-diloco.toml": ["local_sgd"],
+    "slow-link.toml": ["local_sgd"],
     "float64 local_sgd": ["local_sgd"],
     "onebit_adam.toml": ["onebit_adam"],
 }

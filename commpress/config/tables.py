@@ -33,6 +33,7 @@ __all__ = [
     "check_diloco_settings",
     "check_streaming",
     "parse_table",
+    "resolve_merge",
 ]
 
 
@@ -40,8 +41,9 @@ __all__ = [
 class LocalSGDConfig:
     """Settings of the ``[local_sgd]`` table. The outer-step keys apply to ``"co2"`` and
     ``"diloco"``, ``staleness_penalty`` and ``clip`` to ``"co2"``, ``nesterov``,
-    ``fragments``, ``sync_delay`` and ``merge_alpha`` to ``"diloco"``; a key left unset
-    takes its algorithm's default (:data:`OUTER_DEFAULTS`, :data:`STREAMING_DEFAULTS`)."""
+    ``fragments``, ``sync_delay``, ``merge`` and ``merge_alpha`` to ``"diloco"``; a key left
+    unset takes its algorithm's default (:data:`OUTER_DEFAULTS`, :data:`STREAMING_DEFAULTS`,
+    :func:`resolve_merge`)."""
 
     algorithm: Literal["local_sgd", "co2", "diloco"] = "local_sgd"
     period: Annotated[int, Bounds(ge=1)] = 4
@@ -56,6 +58,7 @@ class LocalSGDConfig:
     clip: float | None = None
     fragments: int | None = None
     sync_delay: int | None = None
+    merge: Literal["eager", "mix"] | None = None
     merge_alpha: float | None = None
 
     def __post_init__(self) -> None:
@@ -71,7 +74,9 @@ class LocalSGDConfig:
                 outer = (self.value("outer_lr"), self.value("outer_momentum"))
                 check_co2_settings(*outer, self.value("staleness_penalty"), self.clip)
             elif self.algorithm == "diloco":
-                check_diloco_settings(*(self.value(k) for k in ("outer_lr", "outer_momentum", "nesterov", *STREAMING_DEFAULTS)))
+                resolve_merge(self.merge, self.merge_alpha)
+                keys = ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay", "merge_alpha")
+                check_diloco_settings(*(self.value(k) for k in keys))
                 check_streaming(
                     None if self.qsr_alpha is not None else self.period, self.value("fragments"), self.value("sync_delay")
                 )
@@ -80,6 +85,8 @@ class LocalSGDConfig:
 
     def value(self, key: str) -> Any:
         """``key``'s value, or its algorithm's default when unset."""
+        if key == "merge":
+            return resolve_merge(self.merge, self.merge_alpha)[0]
         value = getattr(self, key)
         if value is not None:
             return value
@@ -94,8 +101,15 @@ OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "co2": {"outer_lr": 1.0, "outer_momentum": 0.0, "staleness_penalty": 1.0},
     "diloco": {"outer_lr": 0.8, "outer_momentum": 0.2, "nesterov": True},
 }
-#: DiLoCo's streaming keys, defaults: the whole model at once, landing at once.
-STREAMING_DEFAULTS: dict[str, Any] = {"fragments": 1, "sync_delay": 0, "merge_alpha": 0.0}
+#: DiLoCo's streaming keys, defaults: the whole model at once, landing at once (``merge``:
+#: :func:`resolve_merge`).
+STREAMING_DEFAULTS: dict[str, Any] = {"fragments": 1, "sync_delay": 0, "merge": None, "merge_alpha": 0.0}
+#: How a fragment's average merges into local values that took ``sync_delay`` steps since
+#: its sync started: ``"eager"``, the local values move by the outer lr times their own
+#: pseudo-gradient when the sync starts, and become the new anchor plus the steps taken
+#: since when it lands; ``"mix"``, Streaming DiLoCo's ``merge_alpha * local + (1 -
+#: merge_alpha) * anchor``.
+MERGES = ("eager", "mix")
 #: The algorithms each optional key of ``[local_sgd]`` applies to.
 _KEYS_OF: dict[str, tuple[str, ...]] = {
     "outer_lr": ("co2", "diloco"),
@@ -133,6 +147,24 @@ def check_diloco_settings(
         raise ConfigError(f"sync_delay = {sync_delay!r} is not accepted; expected an integer >= 0")
     if not (_real(merge_alpha) and 0 <= merge_alpha < 1):
         raise ConfigError(f"merge_alpha = {merge_alpha!r} is not accepted; expected a number in [0, 1)")
+
+
+def resolve_merge(merge: str | None, merge_alpha: float | None) -> tuple[str, float]:
+    """The ``merge`` and ``merge_alpha`` that given (None: unset) values mean. Unset,
+    ``merge`` is ``"mix"`` when ``merge_alpha`` is given, else ``"eager"`` (measured
+    best: at H = 2 with ``sync_delay = 1`` it needs the steps of no delay, the mix at 0.5
+    1.15-1.35x them, docs/local_sgd.md "Overlap without losing steps");
+    ``merge_alpha`` applies to ``"mix"`` only (unset there: 0, the new anchor)."""
+    if merge is None:
+        merge = "mix" if merge_alpha is not None else "eager"
+    if merge not in MERGES:
+        raise ConfigError(f"merge = {merge!r} is not accepted; expected one of {', '.join(map(repr, MERGES))}")
+    if merge == "eager" and merge_alpha is not None:
+        raise ConfigError(
+            f"merge_alpha = {merge_alpha!r} is not accepted with merge = 'eager'; expected merge = 'mix' "
+            "(merge_alpha is its factor) or no merge_alpha"
+        )
+    return merge, 0.0 if merge_alpha is None else float(merge_alpha)
 
 
 def check_streaming(period: int | None, fragments: int, sync_delay: int) -> None:

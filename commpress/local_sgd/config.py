@@ -78,8 +78,9 @@ def trainer_for(
         return LocalSGD(model, optimizer, period_policy(section), **common)
     outer = {"outer_lr": section.value("outer_lr"), "outer_momentum": section.value("outer_momentum")}
     if section.algorithm == "diloco":
-        keys = ("nesterov", "fragments", "sync_delay", "merge_alpha")
-        return DiLoCo(model, optimizer, period_policy(section), **outer, **{k: section.value(k) for k in keys}, **common)
+        keys = ("nesterov", "fragments", "sync_delay")
+        merge = {"merge": section.merge, "merge_alpha": section.merge_alpha}  # as given: DiLoCo resolves them
+        return DiLoCo(model, optimizer, period_policy(section), **outer, **{k: section.value(k) for k in keys}, **merge, **common)
     return CO2(
         model,
         optimizer,

@@ -1,13 +1,17 @@
 """DiLoCo (Douillard et al., 2023) and Streaming DiLoCo (Douillard et al., 2025): Local SGD
 whose outer optimizer is SGD with Nesterov momentum on the averaged pseudo-gradient (or any
 ``torch.optim.Optimizer``), optionally synced fragment by fragment, each fragment's average
-landing ``sync_delay`` inner steps after it started and merged into the local values with
-``merge_alpha``.
+landing ``sync_delay`` inner steps after it started and merged into the local values: eagerly
+(``merge = "eager"``) or mixed with ``merge_alpha``.
 
 The schedule, with period H and F fragments: a round is H / F steps and ends with the sync
 of fragment ``rounds % F``, so each fragment is synced once every H steps, fragment f at
-steps ``(f + 1) * H / F + k * H``; its average lands ``sync_delay`` (tau) steps later, where
-``local = alpha * local + (1 - alpha) * anchor`` for that fragment (alpha 0: the anchor).
+steps ``(f + 1) * H / F + k * H``; its average lands ``sync_delay`` (tau) steps later. ``merge = "eager"``: when the sync
+starts the local values of the fragment move to ``anchor + outer_lr * (local - anchor)``
+(as far as the outer step will move the anchor, on their own pseudo-gradient), and when it
+lands they become ``new anchor + (local - those values)``: the tau steps are kept, taken
+near where the average goes. ``"mix"``: ``local = alpha * local + (1 - alpha) * anchor``
+(alpha 0: the anchor).
 ``docs/local_sgd.md`` has the equations and the defaults.
 """
 
@@ -21,7 +25,7 @@ import torch
 from torch import nn
 
 from commpress.comm.averager import ParameterAverager
-from commpress.config.tables import check_diloco_settings, check_streaming
+from commpress.config.tables import check_diloco_settings, check_streaming, resolve_merge
 from commpress.errors import ConfigError
 from commpress.local_sgd.fragments import Fragment, split
 from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, check_outer_arguments, describe_optimizer
@@ -33,12 +37,14 @@ __all__ = ["DiLoCo"]
 @dataclass
 class _InFlight:
     """A fragment's average and the step count at which it lands; ``replace``: the local
-    values then take the anchor's whatever ``merge_alpha`` (the final syncs of finish)."""
+    values then take the anchor's whatever the merge (the final syncs of finish); ``start``:
+    the local values after the eager move (``merge = "eager"`` with a delay)."""
 
     average: Average
     fragment: Fragment
     due: int
     replace: bool = False
+    start: torch.Tensor | None = None
 
 
 class DiLoCo(LocalSGD):
@@ -47,10 +53,14 @@ class DiLoCo(LocalSGD):
     per fragment; e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
     nesterov=True)``, any ``torch.optim.Optimizer``), or, left None, SGD with ``outer_lr``,
     ``outer_momentum`` and ``nesterov``. ``fragments`` (F), ``sync_delay`` (tau) and
-    ``merge_alpha`` (alpha) make it Streaming DiLoCo, which needs a constant H divisible by
-    F and tau < H / F. Arguments left None take the ``[local_sgd]`` table's defaults for
-    ``algorithm = "diloco"`` (outer SGD at 0.8, momentum 0.2, Nesterov: measured best at
-    H 4-8, where the paper's 0.7 / 0.9 loses 21-43%).
+    ``merge`` make it Streaming DiLoCo, which needs a constant H divisible by F and tau <
+    H / F: a landed average becomes the new anchor plus the tau steps taken since its sync
+    started, from local values moved eagerly by the outer lr on their own pseudo-gradient
+    (``"eager"``, the default unless ``merge_alpha`` is given), or a mix, ``merge_alpha``
+    (alpha) of the local values (``"mix"``, the paper's). Arguments left
+    None take the ``[local_sgd]`` table's defaults for ``algorithm = "diloco"`` (outer SGD
+    at 0.8, momentum 0.2, Nesterov: measured best at H 4-8, where the paper's 0.7 / 0.9
+    loses 21-43%).
 
     ``averager`` compresses the pseudo-gradients (any commpress method, its error
     feedback kept per fragment across rounds). Call :meth:`finish` at the end of training:
@@ -72,6 +82,7 @@ class DiLoCo(LocalSGD):
         fragments: int | None = None,
         sync_delay: int | None = None,
         merge_alpha: float | None = None,
+        merge: str | None = None,
         process_group: Any = None,
         averager: ParameterAverager | str | None = None,
         average_buffers: bool = False,
@@ -80,7 +91,8 @@ class DiLoCo(LocalSGD):
     ) -> None:
         outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
         check_outer_arguments(self.name, outer_optimizer, outer)
-        streaming = {"fragments": fragments, "sync_delay": sync_delay, "merge_alpha": merge_alpha}
+        self.merge, alpha = resolve_merge(merge, merge_alpha)
+        streaming = {"fragments": fragments, "sync_delay": sync_delay, "merge_alpha": alpha}
         values = {k: self.default(k) if v is None else v for k, v in {**outer, **streaming}.items()}
         check_diloco_settings(*values.values())
         self.outer_lr, self.outer_momentum = float(values["outer_lr"]), float(values["outer_momentum"])
@@ -124,7 +136,9 @@ class DiLoCo(LocalSGD):
             outer: dict[str, Any] = {"outer_optimizer": describe_optimizer(self.outer_optimizer)}
         else:
             outer = {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "nesterov": self.nesterov}
-        streaming = {"fragments": self.fragment_count, "sync_delay": self.sync_delay, "merge_alpha": self.merge_alpha}
+        streaming = {"fragments": self.fragment_count, "sync_delay": self.sync_delay, "merge": self.merge}
+        if self.merge == "mix":
+            streaming["merge_alpha"] = self.merge_alpha
         return {"outer_period": repr(self.outer_period), **outer, **streaming}
 
     def start_due(self, final: bool = False) -> None:
@@ -155,8 +169,19 @@ class DiLoCo(LocalSGD):
             self._land_one(self._in_flight.pop(0))
 
     def _start_fragment(self, fragment: Fragment, due: int, replace: bool = False) -> None:
-        started = self._start(self.anchor[fragment.where], self.flat.read(tensors=fragment.tensors), fragment.bucket)
-        self._in_flight.append(_InFlight(started, fragment, due, replace))
+        anchor, local = self.anchor[fragment.where], self.flat.read(tensors=fragment.tensors)
+        start = None
+        if self.merge == "eager" and due > self.clock.step and not replace:
+            start = torch.lerp(anchor, local, self._outer_lr(fragment.index))  # anchor + lr * (local - anchor)
+        started = self._start(anchor, local, fragment.bucket)  # takes local for the pseudo-gradient
+        if start is not None:
+            self.flat.write(start, fragment.tensors)
+        self._in_flight.append(_InFlight(started, fragment, due, replace, start))
+
+    def _outer_lr(self, index: int) -> float:
+        """The outer optimizer's lr for ``outer_params[index]``."""
+        param = self.outer_params[index]
+        return next(float(g["lr"]) for g in self.outer_optimizer.param_groups if any(p is param for p in g["params"]))
 
     def _land_one(self, flight: _InFlight) -> None:
         self._apply(flight, self._wait(flight.average))
@@ -165,13 +190,17 @@ class DiLoCo(LocalSGD):
         """The outer step with the averaged pseudo-gradient, then the merge of the local values."""
         fragment = flight.fragment
         self.outer_step(fragment.index, average)
-        if flight.replace or self.merge_alpha == 0:
+        if flight.replace or (flight.start is None and self.merge_alpha == 0):
             self._to_anchor(fragment)
+            return
+        where, tensors = fragment.where, fragment.tensors
+        local = self.flat.read(tensors=tensors)
+        if flight.start is not None:  # the new anchor plus the steps taken since the eager move
+            local.sub_(flight.start).add_(self.anchor[where])
         else:
-            where, tensors = fragment.where, fragment.tensors
-            local = self.flat.read(tensors=tensors)
-            self.flat.write(local.mul_(self.merge_alpha).add_(self.anchor[where], alpha=1 - self.merge_alpha), tensors)
-            self.fresh[fragment.index] = -1
+            local.mul_(self.merge_alpha).add_(self.anchor[where], alpha=1 - self.merge_alpha)
+        self.flat.write(local, tensors)
+        self.fresh[fragment.index] = -1
 
     def _to_anchor(self, fragment: Fragment) -> None:
         """The fragment's local values become its anchor's."""
@@ -185,7 +214,8 @@ class DiLoCo(LocalSGD):
         for flight in self._in_flight:
             flight.average.future.wait()
             saved = {"fragment": flight.fragment.index, "due": flight.due, "round": flight.average.round}
-            in_flight.append({**saved, "average": flight.average.buffer.clone(), "replace": flight.replace})
+            copies = {"average": flight.average.buffer.clone(), "start": None if flight.start is None else flight.start.clone()}
+            in_flight.append({**saved, **copies, "replace": flight.replace})
         return {**super()._part(), "fresh": list(self.fresh), "in_flight": in_flight}
 
     def _load_part(self, part: Mapping[str, Any]) -> None:
@@ -197,4 +227,6 @@ class DiLoCo(LocalSGD):
             buffer = saved["average"].clone()
             done.set_result(buffer)
             average = Average(done, buffer, int(saved["round"]))
-            self._in_flight.append(_InFlight(average, self.fragments[saved["fragment"]], int(saved["due"]), saved["replace"]))
+            start = None if saved["start"] is None else saved["start"].clone()
+            fragment = self.fragments[saved["fragment"]]
+            self._in_flight.append(_InFlight(average, fragment, int(saved["due"]), saved["replace"], start))

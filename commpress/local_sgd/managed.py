@@ -23,6 +23,7 @@ to its peers'. Per-rank error feedback starts from zero there.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -72,6 +73,7 @@ class ManagedDiLoCo(DiLoCo):
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
         self._base = manager.current_step()  # syncs are counted from here (0 in a fresh job, on every replica)
         self.commits: list[bool] = []  # should_commit() of every sync, in order
+        self._healed = False  # set when the manager hands this replica a peer's state
         manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
 
     @property
@@ -138,7 +140,10 @@ class ManagedDiLoCo(DiLoCo):
         self.commits.append(committed)
         with self._settling:
             self.averager.settle(committed and average is not None)
+            healed, self._healed = self._healed, False
             if committed and average is not None:
+                if healed and flight.start is not None:  # its model is now a peer's: no steps of its own to keep
+                    flight = dataclasses.replace(flight, replace=True)
                 self._apply(flight, average)
             else:
                 self._to_anchor(flight.fragment)
@@ -163,6 +168,7 @@ class ManagedDiLoCo(DiLoCo):
         then replay the syncs in flight on the received compressor state, so this replica
         stages what its peers staged."""
         with self._settling:
+            self._healed = True
             self.anchor.copy_(state["anchor"])
             self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer"]))
             self.averager.compressor.load_state_dict(copy.deepcopy(state["compressor"]))
@@ -199,9 +205,9 @@ def managed_from_config(
         what = f"algorithm = {section.algorithm!r}" if section.algorithm != "diloco" else "qsr_alpha (QSR)"
         raise ConfigError(
             f"[local_sgd] {what} does not run under a torchft Manager yet; expected algorithm = \"diloco\" with a "
-            "constant period (Streaming DiLoCo's fragments, sync_delay and merge_alpha included)"
+            "constant period (Streaming DiLoCo's fragments, sync_delay and merge included)"
         )
-    keys = ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay", "merge_alpha")
+    keys = ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay")
     return ManagedDiLoCo(
         model,
         optimizer,
@@ -212,5 +218,7 @@ def managed_from_config(
         average_buffers=section.average_buffers,
         total_steps=total_steps,
         key=key,
+        merge=section.merge,
+        merge_alpha=section.merge_alpha,
         **{k: section.value(k) for k in keys},
     )
