@@ -19,7 +19,7 @@ from commpress.workloads.charlm import CharMLP, CharTask
 TASK = CharTask(batch_size=16)
 HIDDEN = 45  # odd: the shards of a hidden layer's rows differ in size (23 and 22)
 STEPS = 12
-STREAMING = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": 1, "merge_alpha": 0.5}
+STREAMING = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": 1}  # the eager merge: its start in DCP
 
 
 def _mesh() -> Any:
