@@ -43,14 +43,19 @@ def _ranks(local_sgd: dict, method: str = "none", params: dict | None = None, st
 
 def _step(ranks, step: int) -> None:
     """One step on every rank (its own data), averages started on every rank before any lands."""
+    _local_steps(ranks, step)
+    for _, _, trainer in ranks:
+        trainer.apply_due()
+
+
+def _local_steps(ranks, step: int) -> None:
+    """:func:`_step` up to the averages due: what lands is left to ``apply_due``."""
     for r, (model, opt, trainer) in enumerate(ranks):
         g = torch.Generator().manual_seed(1000 * step + r)
         x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         trainer.local_step()
-    for _, _, trainer in ranks:
-        trainer.apply_due()
 
 
 def _flat(model: nn.Module) -> torch.Tensor:
@@ -181,12 +186,7 @@ def test_merge_factor_mixes_local_and_new_anchor():
     fragment = trainer.fragments[0]
     # the third step, taken by hand to see the local values just before the average lands
     before = [trainer.anchor.clone()]
-    for r, (m, opt, t) in enumerate(ranks):
-        g = torch.Generator().manual_seed(1000 * 2 + r)
-        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(m(x), y).backward()
-        t.local_step()
+    _local_steps(ranks, 2)
     local = _flat(model)[fragment.where].clone()
     for _, _, t in ranks:
         t.apply_due()
@@ -214,12 +214,7 @@ def test_eager_merge_moves_the_local_values_then_lands_the_new_anchor_plus_the_s
     torch.testing.assert_close(start, anchor + 0.8 * (before - anchor), rtol=0, atol=1e-7)  # the table's outer lr
     assert torch.equal(trainer._in_flight[0].start, start) and not torch.equal(start, before)
     assert torch.equal(_flat(model)[fragment.stop :], seen["before"][fragment.stop :])  # fragment 1 not moved
-    for r, (m, opt, t) in enumerate(ranks):  # the step taken while the average is in flight
-        g = torch.Generator().manual_seed(1000 * 2 + r)
-        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(m(x), y).backward()
-        t.local_step()
+    _local_steps(ranks, 2)  # the step taken while the average is in flight
     local = _flat(model)[fragment.where].clone()
     for _, _, t in ranks:
         t.apply_due()

@@ -6,12 +6,12 @@ landing ``sync_delay`` inner steps after it started and merged into the local va
 
 The schedule, with period H and F fragments: a round is H / F steps and ends with the sync
 of fragment ``rounds % F``, so each fragment is synced once every H steps, fragment f at
-steps ``(f + 1) * H / F + k * H``; its average lands ``sync_delay`` (tau) steps later. ``merge = "eager"``: when the sync
-starts the local values of the fragment move to ``anchor + outer_lr * (local - anchor)``
-(as far as the outer step will move the anchor, on their own pseudo-gradient), and when it
-lands they become ``new anchor + (local - those values)``: the tau steps are kept, taken
-near where the average goes. ``"mix"``: ``local = alpha * local + (1 - alpha) * anchor``
-(alpha 0: the anchor).
+steps ``(f + 1) * H / F + k * H``; its average lands ``sync_delay`` (tau) steps later.
+``merge = "eager"``: when the sync starts the local values of the fragment move to
+``anchor + outer_lr * (local - anchor)`` (as far as the outer step will move the anchor, on
+their own pseudo-gradient), and when it lands they become ``new anchor + (local - those
+values)``: the tau steps are kept, taken near where the average goes. ``"mix"``: ``local =
+alpha * local + (1 - alpha) * anchor`` (alpha 0: the anchor).
 ``docs/local_sgd.md`` has the equations and the defaults.
 """
 
@@ -57,10 +57,10 @@ class DiLoCo(LocalSGD):
     H / F: a landed average becomes the new anchor plus the tau steps taken since its sync
     started, from local values moved eagerly by the outer lr on their own pseudo-gradient
     (``"eager"``, the default unless ``merge_alpha`` is given), or a mix, ``merge_alpha``
-    (alpha) of the local values (``"mix"``, the paper's). Arguments left
-    None take the ``[local_sgd]`` table's defaults for ``algorithm = "diloco"`` (outer SGD
-    at 0.8, momentum 0.2, Nesterov: measured best at H 4-8, where the paper's 0.7 / 0.9
-    loses 21-43%).
+    (alpha) of the local values (``"mix"``, the paper's). Arguments left None take the
+    ``[local_sgd]`` table's defaults for ``algorithm = "diloco"`` (outer SGD at 0.8,
+    momentum 0.2, Nesterov: measured best at H 4-8, where the paper's 0.7 / 0.9 loses
+    21-43%).
 
     ``averager`` compresses the pseudo-gradients (any commpress method, its error
     feedback kept per fragment across rounds). Call :meth:`finish` at the end of training:
