@@ -41,7 +41,7 @@ TOGETHER = 3
 
 def config(method: str, sync_delay: int) -> dict[str, Any]:
     table = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": sync_delay}
-    if method != "terngrad":  # terngrad keeps the steps taken while its averages are in flight; the others mix
+    if method != "terngrad":  # terngrad with the eager merge (the default), the others with the mix
         table["merge_alpha"] = 0.5
     return {"method": method, "params": METHODS[method], "local_sgd": {**table, "outer_lr": 0.8, "outer_momentum": 0.2}}
 

@@ -18,7 +18,7 @@ from tests.test_local_sgd import _batch, _flat, _model, _spread
 pytestmark = pytest.mark.multiproc
 TOPK = {"method": "topk", "params": {"ratio": 0.25, "min_numel": 0}}
 STREAMING = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": 1, "merge_alpha": 0.5}
-KEEP_STEPS = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": 1}  # merge = "eager"
+EAGER = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": 1}  # merge = "eager", the default
 
 
 def _make(table: dict, method: str = "none", params: dict | None = None):
@@ -77,7 +77,7 @@ def _checks(rank: int, world: int) -> dict:
     out["resume"] = {
         "mid_round": _resume(rank, STREAMING, {"method": "none"}, save_at=5, total=14, full=False),
         "in_flight": _resume(rank, STREAMING, TOPK, save_at=6, total=14, full=True),
-        "in_flight_kept_steps": _resume(rank, KEEP_STEPS, TOPK, save_at=6, total=14, full=False),
+        "in_flight_eager": _resume(rank, EAGER, TOPK, save_at=6, total=14, full=False),
         "nesterov": _resume(rank, {"algorithm": "diloco", "period": 3}, {"method": "bf16"}, save_at=7, total=14, full=True),
     }
 
@@ -125,7 +125,7 @@ def test_traffic_counts_every_outer_sync(checks):
     assert result["bytes"] == 4 * (result["numel"] + 2 * first + 2 * second + first + second)
 
 
-@pytest.mark.parametrize("case", ["mid_round", "in_flight", "in_flight_kept_steps", "nesterov"])
+@pytest.mark.parametrize("case", ["mid_round", "in_flight", "in_flight_eager", "nesterov"])
 def test_resume_is_bit_identical(checks, case):
     for result in checks:
         straight, resumed = result["resume"][case]
