@@ -148,10 +148,11 @@ class Registration:
 
     def remove(self) -> None:
         """Take every hook :func:`register` added off the model and the optimizer: DDP
-        all-reduces gradients as it does without a comm hook, ``optimizer.step()`` is the
-        optimizer's own step (DGC's momentum given back to it), and nothing more goes
-        through commpress. Local SGD leaves each rank's model where it is: call
-        :meth:`finish` first for one model on every rank. The FSDP part is not removable."""
+        all-reduces gradients (and, after Local SGD, syncs buffers if it was built to) as
+        it does without a comm hook, ``optimizer.step()`` is the optimizer's own step
+        (DGC's momentum given back to it), and nothing more goes through commpress. Local
+        SGD leaves each rank's model where it is: call :meth:`finish` first for one model
+        on every rank. The FSDP part is not removable."""
         if self.fsdp is not None or self.groups_hook is not None:
             raise RuntimeError("Registration.remove(): the hooks of a sharded model's collectives cannot be taken off")
         if self._remove_hook is not None:

@@ -20,6 +20,7 @@ __all__ = [
     "FSDPDefaultAlloc",
     "FSDPReduceScatter",
     "all_gather_single",
+    "ddp_forward_buffer_sync",
     "fsdp_param_groups",
     "needs",
     "reduce_scatter_single",
@@ -62,6 +63,13 @@ def reduce_scatter_single(
     ``dist.reduce_scatter_single``, else ``dist.reduce_scatter_tensor`` (the same call)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def ddp_forward_buffer_sync(model: Any) -> str:
+    """The name of the DDP model's attribute that turns on its broadcast of rank 0's
+    buffers before each forward: ``forward_sync_buffers`` (torch 2.13, which deprecates
+    the constructor's ``broadcast_buffers``), else 2.9's ``broadcast_buffers``."""
+    return "forward_sync_buffers" if hasattr(model, "forward_sync_buffers") else "broadcast_buffers"
 
 
 def fsdp_param_groups(state: Any) -> list[Any]:

@@ -107,6 +107,26 @@ def _checks(rank: int, world: int) -> dict:
     out["buffers_averaged"] = all(torch.equal(e, every[0]) for e in every)
     out["buffers_counter"] = int(model[1].num_batches_tracked)
 
+    # DDP under Local SGD: no broadcast of rank 0's buffers before each forward (a collective
+    # every step): each rank's statistics are its own, as its parameters are, until the
+    # trainer is removed and DDP syncs them again
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    trainer = LocalSGD(ddp, opt, period=4)
+    seen: list[torch.Tensor] = []
+    handle = ddp.module.register_forward_pre_hook(lambda module, args: seen.append(module[1].running_mean.clone()))
+    _run(trainer, ddp, opt, 2, rank)
+    trainer.remove_hooks()
+    x, y = _batch(2, rank)
+    F.cross_entropy(ddp(x), y).backward()
+    handle.remove()
+    out["ddp_buffers_at_forward"] = []
+    for stats in seen:
+        every = [torch.empty_like(stats) for _ in range(world)]
+        dist.all_gather(every, stats)
+        out["ddp_buffers_at_forward"].append(all(torch.equal(e, every[0]) for e in every))
+
     # a non-finite model on one rank: every rank refuses the average, nothing changes
     out["nonfinite"] = {}
     for kind in ("local_sgd", "co2"):
@@ -187,6 +207,13 @@ def test_non_finite_average_raises_on_every_rank_and_changes_nothing(checks):
         for kind, (message, unchanged) in result["nonfinite"].items():
             assert "is not finite" in message, kind
             assert unchanged, kind
+
+
+def test_ddp_under_local_sgd_keeps_each_ranks_buffers_until_removed(checks):
+    """DDP's construction gives every rank rank 0's statistics; under Local SGD the next
+    forward starts from each rank's own; after ``remove_hooks`` DDP broadcasts them again."""
+    _, results = checks
+    assert results[0]["ddp_buffers_at_forward"] == [True, False, True]
 
 
 def test_average_buffers(checks):

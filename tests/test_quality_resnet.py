@@ -1,6 +1,6 @@
 """The quality suite's ``resnet`` task: a small ResNet with BatchNorm on seeded 32x32 images;
 its buffers on the simulated ranks as DDP leaves them (rank 0's before every forward) and as
-FSDP2 leaves them (each rank its own); the held-out loss from rank 0's model in eval mode;
+FSDP2 and DDP under Local SGD leave them (each rank its own); the held-out loss from rank 0's model in eval mode;
 Local SGD with ``average_buffers``; every row and the command line on it."""
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ def test_the_task_is_a_resnet_on_seeded_32x32_images():
     assert quality.TASKS["resnet"].units == ("stem", "blocks.0", "blocks.1", "blocks.2")
 
 
-@pytest.mark.parametrize("method", ["none", "topk", "local-sgd+qsr", "co2"])
+@pytest.mark.parametrize("method", ["none", "topk"])
 def test_every_rank_starts_each_forward_with_rank_0s_buffers_as_ddp_broadcasts_them(method):
-    """DDP (``broadcast_buffers=True``, also under Local SGD and CO2, whose models are DDP's)
-    gives every rank rank 0's BatchNorm statistics and counts before each forward: after each
-    step the ranks' buffers agree again, though each forward moved them by its own batch."""
+    """DDP (``broadcast_buffers=True``, its default) gives every rank rank 0's BatchNorm
+    statistics and counts before each forward: after each step the ranks' buffers agree
+    again, though each forward moved them by its own batch."""
     steps = 4
     with buffers_at_forward() as seen:
         train("resnet", "sgd", method, 0, steps)
@@ -81,11 +81,14 @@ def test_every_rank_starts_each_forward_with_rank_0s_buffers_as_ddp_broadcasts_t
     assert all(not torch.equal(a, b) for a, b in pairwise(rank0))  # the statistics move every step
 
 
-def test_fsdp2_rows_keep_each_ranks_own_buffers():
-    """FSDP2 does not broadcast buffers: after the first step each rank's statistics are its own
-    (``tests/test_quality_qsdp.py`` compares them with real FSDP2's)."""
+@pytest.mark.parametrize("method", ["qsdp-w8g8", "local-sgd+qsr", "co2"])
+def test_fsdp2_and_local_sgd_rows_keep_each_ranks_own_buffers(method):
+    """FSDP2 does not broadcast buffers, nor DDP under Local SGD and CO2
+    (``commpress.local_sgd.ddp`` turns the broadcast off): after the first step each rank's
+    statistics are its own (``tests/test_quality_qsdp.py`` compares FSDP2's with real
+    FSDP2's, ``tests/test_local_sgd_ranks.py`` DDP's under Local SGD)."""
     with buffers_at_forward() as seen:
-        train("resnet", "sgd", "qsdp-w8g8", 0, 3)
+        train("resnet", "sgd", method, 0, 3)
     rank0, rank1 = seen.values()
     assert torch.equal(rank0[0], rank1[0])
     assert all(not torch.equal(a, b) for a, b in zip(rank0[1:], rank1[1:]))
@@ -122,7 +125,7 @@ def test_local_sgd_averages_the_batchnorm_statistics_with_average_buffers(averag
     cfg = Config.load({"method": "none", "local_sgd": {"period": 2, "average_buffers": average}})
     sim = SimulatedWorld(WORLD)
     step_fn = simulated_training.OuterRanks(cfg, models, opts, sim, steps)
-    simulated_training.run_ranks(task, SPEC.loss, models, opts, step_fn, lr, steps)
+    simulated_training.run_ranks(task, SPEC.loss, models, opts, step_fn, lr, steps, broadcast_buffers=False)
     stats = [_flat_buffers(m, floating=True) for m in models]
     assert torch.equal(stats[0], stats[1]) == average
     numel = sum(p.numel() for p in models[0].parameters()) + (stats[0].numel() if average else 0)

@@ -194,8 +194,10 @@ def train(
             step_fn = OuterRanks(cfg, models, opts, sim, steps)
     except ConfigError as exc:
         return QualityRun(task_name, optimizer, method, seed, math.nan, math.nan, str(exc))
-    # DDP (Local SGD and CO2 too: their models are DDP's) broadcasts rank 0's buffers; FSDP2 does not
-    run_ranks(task, spec.loss, models, opts, step_fn, base_lr, steps, broadcast_buffers=cfg.section("fsdp") is None)
+    # DDP broadcasts rank 0's buffers before each forward; FSDP2 does not, nor DDP under
+    # [local_sgd] (commpress.local_sgd.ddp turns it off)
+    broadcast = cfg.section("fsdp") is None and cfg.section("local_sgd") is None
+    run_ranks(task, spec.loss, models, opts, step_fn, base_lr, steps, broadcast_buffers=broadcast)
     flats = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
     if not all(torch.equal(flats[0], f) for f in flats[1:]) and not flats[0].isnan().any():
         raise RuntimeError(f"{method}: the simulated ranks ended with different models")

@@ -29,7 +29,8 @@ MODULE_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 #: (module, class) -> its attributes newer than torch 2.9 (2.9's FSDPState has one optional
-#: ``_fsdp_param_group`` where newer releases keep the list ``_fsdp_param_groups``)
+#: ``_fsdp_param_group`` where newer releases keep the list ``_fsdp_param_groups``; 2.9's DDP
+#: reads ``broadcast_buffers`` where 2.13 reads ``forward_sync_buffers``)
 CLASS_NAMES: dict[tuple[str, str], tuple[str, ...]] = {
     ("torch.distributed.fsdp", "FSDPModule"): (
         "reset_iter_state",
@@ -39,6 +40,7 @@ CLASS_NAMES: dict[tuple[str, str], tuple[str, ...]] = {
         "set_symm_mem_for_comm",
     ),
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState"): ("_fsdp_param_groups",),
+    ("torch.nn.parallel", "DistributedDataParallel"): ("forward_sync_buffers",),
 }
 
 #: what this process hid (set on start when loaded as ``sitecustomize``)
