@@ -24,4 +24,8 @@ run tf0 700 --mode torchft-diloco --period 8
 run tfK 700 --mode torchft-diloco --period 8 --kill-every $KILL
 run ddpK 600 --mode commpress --config docs/configs/none.toml --kill-every $KILL
 run ddp0 600 --mode commpress --config docs/configs/none.toml
+# a second run of three rows, the same evening (sl0b, slKb, tfKb)
+run sl0b 700 --mode commpress --config $D/sl3.toml
+run slKb 700 --mode commpress --config $D/sl3.toml --kill-every $KILL
+run tfKb 700 --mode torchft-diloco --period 8 --kill-every $KILL
 echo done >> $D/progress
