@@ -8,7 +8,8 @@ Run as ``python manager_diloco_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT 
   writes whether the models and anchors came out bit for bit equal.
 - ``survivor`` / ``killed`` / ``joiner``: replica 1 dies inside the average of sync
   :data:`KILL_SYNC`; replica 0 checks that the sync left its anchor, outer state and
-  compressor state as they were and the fragment back at its anchor, syncs alone, and
+  compressor state as they were and the fragment with the step's values, as if the sync had
+  not run (not the anchor's), syncs alone, and
   when the restarted replica 1 (``joiner``, another model init) has healed, both sync
   :data:`TOGETHER` more times, finish, and write their model, anchor and shared state.
 """
@@ -30,6 +31,7 @@ from torch import nn
 
 import commpress
 from commpress.config import Config
+from commpress.local_sgd.flat import FlatModel
 from commpress.local_sgd.managed import managed_from_config
 
 #: the methods compared with the plain run, and their parameters
@@ -102,8 +104,12 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     while time.monotonic() < deadline:
         outer, compressor = trainer.outer_optimizer.state_dict(), trainer.averager.compressor.state_dict()
         before = (trainer.anchor.clone(), copy.deepcopy(outer), copy.deepcopy(compressor))
+        twin = copy.deepcopy(net)  # the step without its sync
+        twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.01)
+        twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         syncs = len(trainer.commits)
         inner_step(net, opt, replica, step)
+        inner_step(twin, twin_opt, replica, step)
         step += 1
         if len(trainer.commits) == syncs:
             continue
@@ -117,7 +123,8 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
                 torch.equal(before[0], trainer.anchor),
                 same(before[1], trainer.outer_optimizer.state_dict()),
                 same(before[2], trainer.averager.compressor.state_dict()),
-                torch.equal(trainer.flat.read(tensors=fragment.tensors), trainer.anchor[fragment.where]),
+                torch.equal(trainer.flat.read(tensors=fragment.tensors), FlatModel(twin).read(tensors=fragment.tensors)),
+                not torch.equal(trainer.flat.read(tensors=fragment.tensors), trainer.anchor[fragment.where]),
             ]
         if scenario == "survivor" and "failed_sync" in seen and trainer.commits[-1]:
             if trainer.backend.world_size == 1:

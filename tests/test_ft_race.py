@@ -51,3 +51,15 @@ def test_a_killed_replica_rejoins_and_the_run_reaches_its_target(tmp_path):
     result = json.loads(out.read_text())
     assert result["reached"] and result["kills"] >= 1, result
     assert result["steps_to_target"] <= 200 and result["seconds_to_target"] > 0
+
+
+def test_kills_come_at_any_point_of_a_round_the_same_for_every_run():
+    from commpress.bench.ft_race import KillSchedule
+
+    a, b = KillSchedule(100, 0), KillSchedule(100, 0)
+    assert [a.next() for _ in range(5)] == [b.next() for _ in range(5)]  # one seed: every row, the same kills
+    schedule = KillSchedule(100, 3)
+    kills = [schedule.next() for _ in range(400)]
+    assert {due for due, _ in kills} == set(range(96, 104))  # every position in a round of up to 8 steps
+    assert all(0 <= fraction < 1 for _, fraction in kills) and len({round(f, 1) for _, f in kills}) >= 10
+    assert KillSchedule(2, 0).next()[0] >= 1

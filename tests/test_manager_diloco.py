@@ -6,12 +6,14 @@ either merge of a delayed average (both sum two replicas' contributions once and
 two; the fragment and the compressors' step come from the manager's committed syncs, the
 plain run's rounds). A replica killed
 inside a sync's average leaves the survivor's anchor, outer state and compressor state as
-they were and that fragment back at its anchor; the restarted replica heals at its first
+they were and that fragment with its steps, as if the sync had not run (an eager move taken
+back); the restarted replica heals at its first
 sync and ends with the survivor's model, anchor and shared state, bit for bit.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -23,10 +25,13 @@ from test_manager import _finish, _port, _same, _start
 from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 
+from commpress.comm import SimulatedWorld
+from commpress.comm.averager import ParameterAverager
 from commpress.config import Config
 from commpress.errors import ConfigError
 from commpress.hooks.manager import ManagedCommState
-from commpress.local_sgd.managed import managed_from_config
+from commpress.local_sgd import DiLoCo
+from commpress.local_sgd.managed import ManagedDiLoCo, managed_from_config
 
 pytestmark = pytest.mark.multiproc
 WORKERS = "manager_diloco_workers.py"
@@ -60,7 +65,8 @@ def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bi
     finally:
         lighthouse.shutdown()
     s, j = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("survivor", "joiner"))
-    assert s["kept"] == [True, True, True, True], s  # anchor, outer state, compressor state, fragment at its anchor
+    # anchor, outer state, compressor state as they were; the fragment with the step's values, not the anchor's
+    assert s["kept"] == [True, True, True, True, True], s
     assert s["alone"] >= 1 and not s["healed"], s
     assert j["healed"] and j["step"] == s["step"], (s, j)
     a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("survivor", "joiner"))
@@ -75,3 +81,29 @@ def test_what_does_not_run_under_a_manager_is_refused():
             managed_from_config(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()), cfg, object())
     with pytest.raises(ConfigError, match=r"\[local_sgd\].*register"):
         ManagedCommState({"local_sgd": {"algorithm": "diloco"}}, None, object())
+
+
+def test_a_skipped_sync_takes_its_eager_move_back():
+    """The sync that does not count under a manager (:meth:`ManagedDiLoCo._skip`) leaves the
+    local values where the steps alone took them: on a linear loss (the same gradient
+    wherever the values are) that is the plain run without the sync, to float tolerance."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    twin = copy.deepcopy(net)
+    slopes = [torch.randn_like(p) for p in net.parameters()]
+    backend = SimulatedWorld(1).backends[0]
+    opt, twin_opt = torch.optim.SGD(net.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+    averager = ParameterAverager("none", backend=backend)
+    trainer = DiLoCo(net, opt, 2, outer_lr=1.5, outer_momentum=0.0, nesterov=False, sync_delay=1, averager=averager)
+    for step in (1, 2, 3):  # the sync starts at the end of step 2 with its eager move, then step 3
+        for model, optimizer in ((net, opt), (twin, twin_opt)):
+            sum((p * k).sum() for p, k in zip(model.parameters(), slopes)).backward()
+            trainer.local_step() if model is net else optimizer.step()
+            optimizer.zero_grad()
+        if step < 3:  # the average due after step 3 is left in flight
+            trainer.apply_due()
+    (flight,) = trainer._in_flight
+    assert flight.start is not None and not torch.equal(flight.start, trainer.flat.read())
+    ManagedDiLoCo._skip(trainer, flight)
+    for a, b in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b)

@@ -6,14 +6,15 @@ schedule: commpress (a DDP hook config or DiLoCo) against torchft's own DDP and 
 
 One linkemu rank per replica group (one process each, its own link). Every rank runs a
 supervisor that starts the trainer; the supervisor of ``--victim`` kills its trainer
-(``SIGKILL``) each time it has taken ``--kill-every`` steps since it started, and starts a
-new one at once, which heals from a peer. Rank 0's supervisor also holds the lighthouse and a
-store where the trainers meet; rank 0's replica is never killed and keeps the clock: the
-seconds of training (evaluations excluded) until its own model's held-out loss, evaluated
-every ``--eval-every`` steps, is at or below ``--target``. Then every replica stops after the
-same manager step (two after rank 0's), so DiLoCo's final syncs line up. The
-race's transformer and data (``commpress race``'s defaults), AdamW at ``--lr``; replica r
-trains on the race's batches of rank r of ``WORLD_SIZE``.
+(``SIGKILL``) after about ``--kill-every`` steps since it started, at a random moment of a
+step (:class:`KillSchedule`), and starts a new one at once, which heals from a peer. Rank
+0's supervisor also holds the lighthouse and a store where the trainers meet; rank 0's
+replica is never killed and keeps the clock: the seconds of training (evaluations excluded)
+until its own model's held-out loss, evaluated every ``--eval-every`` steps, is at or below
+``--target``. Then every replica stops after the same manager step (two after rank 0's), so
+DiLoCo's final syncs line up. The race's transformer and data (``commpress race``'s
+defaults), AdamW at ``--lr``; replica r trains on the race's batches of rank r of
+``WORLD_SIZE``.
 
 Goodput is the time to target without failures (``--kill-every 0``) over the time with.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -49,7 +51,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", type=float, required=True, help="the held-out loss to reach")
     p.add_argument("--max-steps", type=int, default=800, help="rank 0 stops here if the target is not reached")
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--kill-every", type=int, default=0, help="victim steps between kills (0: no failures)")
+    p.add_argument(
+        "--kill-every", type=int, default=0, help="victim steps between kills, on average (KillSchedule; 0: no failures)"
+    )
+    p.add_argument("--kill-seed", type=int, default=0, help="seeds the kills' offsets (KillSchedule; default 0)")
     p.add_argument("--victim", type=int, default=None, help="the replica killed (default the last)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
@@ -89,14 +94,23 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
     progress = f"/tmp/ft_race_progress_{os.getpid()}"
     command = [sys.executable, "-m", "commpress.bench.ft_race", *argv, "--trainer"]
     env = {**os.environ, "COMMPRESS_FT_PROGRESS": progress}
+    schedule = KillSchedule(args.kill_every, args.kill_seed)
     while True:  # a trainer killed on schedule is started again; it heals from a peer
-        child = subprocess.Popen(command, env=env)
+        child, first = subprocess.Popen(command, env=env), None
+        due, fraction = schedule.next()
         while child.poll() is None:
-            time.sleep(0.05)
-            if rank == victim and args.kill_every and _taken(progress) >= args.kill_every and not _done(store):
-                child.send_signal(signal.SIGKILL)
-                child.wait()
-                store.add(_KILLS, 1)
+            time.sleep(0.01)
+            taken = _taken(progress)
+            if taken and first is None:
+                first = (time.monotonic(), taken)
+            if rank != victim or not args.kill_every or taken < due or _done(store):
+                continue
+            assert first is not None
+            step = (time.monotonic() - first[0]) / max(1, taken - first[1])  # its mean step so far
+            time.sleep(fraction * step)  # a moment inside the step after the due one
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            store.add(_KILLS, 1)
         if os.path.exists(progress):
             os.unlink(progress)
         if child.returncode == 0:
@@ -109,6 +123,24 @@ def supervise(args: argparse.Namespace, argv: list[str]) -> int:
             time.sleep(0.1)
         lighthouse.shutdown()
     return 0
+
+
+class KillSchedule:
+    """When the victim's trainers die: the k-th after ``every - 4`` to ``every + 3`` of its
+    steps (uniform), at a uniformly random moment of the step after those, drawn from
+    ``seed``: every run with the same seed kills at the same steps. Failures come at any
+    moment, not in step with a method's syncs: a kill on the victim's ``every``-th step
+    would land on a sync of every method whose period divides ``every`` (mid-collective,
+    where replicas can disagree on the commit) and between the syncs of the others.
+    Periods up to 8 that divide 8 see every position in their round equally often."""
+
+    def __init__(self, every: int, seed: int) -> None:
+        self.every = every
+        self.rng = random.Random(seed)
+
+    def next(self) -> tuple[int, float]:
+        """The next trainer's kill: after how many of its steps, and how far into the next."""
+        return max(1, self.every + self.rng.randrange(-4, 4)), self.rng.random()
 
 
 def _done(store: torch.distributed.TCPStore) -> bool:
@@ -252,6 +284,7 @@ def _report(args: argparse.Namespace, curve: list[tuple[int, float, float, int]]
         "replicas": int(os.environ["WORLD_SIZE"]),
         "target": args.target,
         "kill_every": args.kill_every,
+        "kill_seed": args.kill_seed,
         "join_timeout_ms": args.join_timeout_ms,
         "kills": kills,
         "reached": bool(reached),

@@ -6,11 +6,14 @@ replica asks for a quorum, averages one fragment's pseudo-gradient through the m
 (:class:`~commpress.comm.manager_backend.ManagerBackend`: every average divides by the
 sync's participants) and, when it lands, asks ``should_commit()``. Committed: the outer
 step and the merge, and the compressor's staged state is kept. Not committed (a peer lost,
-a failed collective, a non-finite average, too few replicas): that fragment's local values
-go back to its anchor, the outer state and the compressor's state stay as they were, and
-the next sync takes the same fragment again. The fragment and the compressors' step come
-from the manager's step (committed syncs), so replicas that joined at different times sync
-the same fragment with the same seeds.
+a failed collective, too few replicas): the sync is skipped, as if it had not run: the
+fragment keeps the steps taken since its last sync (an eager move made at the sync's start
+taken back), the anchor, the outer state and the compressor's state stay as they were, and
+the next sync takes the same fragment again, its pseudo-gradient covering those steps too
+(torchft's own DiLoCo puts the fragment back at its anchor, dropping them). A non-finite
+average puts the fragment back at its anchor (its values may hold the inf). The fragment
+and the compressors' step come from the manager's step (committed syncs), so replicas that
+joined at different times sync the same fragment with the same seeds.
 
 A (re)joining replica heals at its first sync: the manager hands it a healthy peer's
 anchor, outer optimizer state and the compressor's shared state (registered with
@@ -129,13 +132,14 @@ class ManagedDiLoCo(DiLoCo):
 
     def _land_one(self, flight: _InFlight) -> None:
         """Wait for the average, ask the manager whether the sync counts, then the outer step
-        and the merge, or the fragment's return to its anchor."""
+        and the merge, or the sync skipped (:meth:`_skip`)."""
         self._replays.pop(0)
+        finite = True
         try:
             average = self._wait(flight.average)
         except Exception as exc:  # a failed collective or a non-finite average: the sync does not count
             self.manager.report_error(exc)
-            average = None
+            average, finite = None, not isinstance(exc, FloatingPointError)
         committed = self.manager.should_commit()  # a healing replica takes its peer's state here
         self.commits.append(committed)
         with self._settling:
@@ -145,8 +149,28 @@ class ManagedDiLoCo(DiLoCo):
                 if healed and flight.start is not None:  # its model is now a peer's: no steps of its own to keep
                     flight = dataclasses.replace(flight, replace=True)
                 self._apply(flight, average)
-            else:
+            elif healed or not finite:  # a peer's model, or values that may hold the inf: the anchor
                 self._to_anchor(flight.fragment)
+            else:
+                self._skip(flight)
+
+    def _skip(self, flight: _InFlight) -> None:
+        """A sync that does not count leaves the fragment's local values as if it had not
+        run: the steps taken since the fragment's last sync are kept (the next sync sends
+        them), and an eager move made when it started is taken back, ``start - anchor``
+        divided by the outer lr (an outer lr of 0 moved nothing: back to the anchor)."""
+        if flight.start is None:
+            return
+        fragment = flight.fragment
+        lr = self._outer_lr(fragment.index)
+        if lr == 0:
+            self._to_anchor(fragment)
+            return
+        anchor = self.anchor[fragment.where]
+        local = self.flat.read(tensors=fragment.tensors)
+        local.sub_(flight.start).add_(torch.lerp(anchor, flight.start, 1 / lr))  # the values before the move
+        self.flat.write(local, fragment.tensors)
+        self.fresh[fragment.index] = -1
 
     # ---- live recovery -----------------------------------------------------------------
 
