@@ -31,6 +31,7 @@ from torch import nn
 
 import commpress
 from commpress.config import Config
+from commpress.kernels.cpu import topk as topk_kernels
 from commpress.local_sgd.flat import FlatModel
 from commpress.local_sgd.managed import managed_from_config
 
@@ -91,7 +92,10 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     manager.register_state_dict_fn("model", net.load_state_dict, net.state_dict)
     manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
+    kernels = [f for f in vars(topk_kernels).values() if hasattr(f, "signatures")]  # numba's, loaded on first use
+    loaded = [any(f.signatures for f in kernels)]
     trainer = commpress.register(net, config("topk", sync_delay=0), optimizer=opt, manager=manager).local_sgd
+    loaded.append(any(f.signatures for f in kernels))  # at registration, before the first quorum
     if scenario == "killed":
         start = trainer.averager.start
         trainer.averager.start = lambda *a, **k: os._exit(0) if manager.current_step() == KILL_SYNC else start(*a, **k)
@@ -99,7 +103,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         meet.add("ready", 1)
         while int(meet.add("ready", 0)) < 2:
             time.sleep(0.05)
-    seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": []}
+    seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": [], "kernels": loaded}
     deadline, step = time.monotonic() + 150, 0
     while time.monotonic() < deadline:
         outer, compressor = trainer.outer_optimizer.state_dict(), trainer.averager.compressor.state_dict()

@@ -69,6 +69,7 @@ def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bi
     assert s["kept"] == [True, True, True, True, True], s
     assert s["alone"] >= 1 and not s["healed"], s
     assert j["healed"] and j["step"] == s["step"], (s, j)
+    assert j["kernels"] == [False, True], j  # the restarted process loads its kernels before its first sync
     a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("survivor", "joiner"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert _same(a["shared"], b["shared"])
@@ -107,3 +108,4 @@ def test_a_skipped_sync_takes_its_eager_move_back():
     ManagedDiLoCo._skip(trainer, flight)
     for a, b in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b)
+
