@@ -108,4 +108,3 @@ def test_a_skipped_sync_takes_its_eager_move_back():
     ManagedDiLoCo._skip(trainer, flight)
     for a, b in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b)
-
