@@ -1,5 +1,5 @@
 """The slow-link config's promise, checked on every CI run: on 2 local ranks it reaches
-plain DDP's held-out loss at the end of a run within 1.1x DDP's steps, at 30x fewer bytes
+plain DDP's held-out loss at the end of a run within 1.1x DDP's steps, at 50x fewer bytes
 per step. A short race (``commpress race``, a smaller transformer than the race's default,
 200 steps, every crossing on the centred mean of 5 evaluations); the full one, on the
 race's transformer at 400 steps and on throttled links, is in docs/benchmarks.md."""
@@ -28,4 +28,5 @@ def test_the_slow_link_config_reaches_ddps_loss_within_its_step_bound(tmp_path):
     assert ddp["steps_to_target"] == 200 and slow["diverged"] is None
     assert slow["steps_to_target"] is not None, f"not reached: best {slow['best_loss']:.4f} in {slow['steps']} steps"
     assert slow["steps_vs_ddp"] <= 1.1, slow["steps_vs_ddp"]
-    assert ddp["bytes_per_step"] / slow["bytes_per_step"] >= 30
+    # entropy-coded TernGrad every 2 steps: 52x here (32x without the coding)
+    assert ddp["bytes_per_step"] / slow["bytes_per_step"] >= 50
