@@ -70,25 +70,25 @@ class ManagedDiLoCo(DiLoCo):
         if period is not None and not isinstance(period, (int, Constant)):
             raise ConfigError(f"{self.name}: period = {period!r} is not accepted; expected a constant period (an int)")
         self.manager = manager
-        config = Config(method=method, params=dict(params or {}))
-        averager = ParameterAverager(method, params, backend=ManagerBackend(manager, MethodGroups(config).rounds))
+        groups = MethodGroups(Config(method=method, params=dict(params or {})))
+        averager = ParameterAverager(method, params, backend=ManagerBackend(manager, groups.rounds))
         self._settling = threading.RLock()  # the manager reads the shared state from its quorum thread
         self._replays: list[tuple[Fragment, Context]] = []  # per average in flight: what a replay needs
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
         self._base = manager.current_step()  # syncs are counted from here (0 in a fresh job, on every replica)
         self.commits: list[bool] = []  # should_commit() of every sync, in order
         self._healed = False  # set when the manager hands this replica a peer's state
-        self._load_kernels(config)
+        self._load_kernels(groups)
         manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
 
-    def _load_kernels(self, config: Config) -> None:
+    def _load_kernels(self, groups: MethodGroups) -> None:
         """Run the method once on zeros in a world of one, before this replica's first
         quorum: a fresh process loads the compressor's CPU kernels from numba's cache here
         (0.9 s for TernGrad), not inside its first sync, which its peers wait for. Its own
-        compressor, so no state of the real one changes."""
+        compressor (``groups`` is not the averager's), so no state of the real one changes."""
         fragment = self.fragments[0]
         zeros = torch.zeros(fragment.stop - fragment.start, dtype=self.anchor.dtype, device=self.anchor.device)
-        reduction = MethodGroups(config).composite.reduce(fragment.bucket(zeros), Context(rank=0, world_size=1, step=0))
+        reduction = groups.composite.reduce(fragment.bucket(zeros), Context(rank=0, world_size=1, step=0))
         SimulatedWorld(1).run([reduction])
 
     @property

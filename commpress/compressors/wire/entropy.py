@@ -5,9 +5,10 @@ their width: TernGrad's 2-bit codes are zero for about two values in three, and 
 1.2 bits a value. Deflate with Huffman coding alone (no string matching, which finds nothing
 in random codes) codes each byte of 4 codes by its frequency, within about 2% of that
 entropy, for 15-25 ms of one core per megabyte of codes, coded and decoded
-(docs/quantization.md, "Entropy-coded codes"). Coded sizes differ between ranks, so the gather takes two collectives: the
-largest coded size (an all-reduce of one number, max), then every rank's coded bytes padded
-to it, each led by its length. A payload that does not shrink travels as it is.
+(docs/quantization.md, "Entropy-coded codes"). Coded sizes differ between ranks, so the
+gather takes two collectives: the largest coded size (an all-reduce of one number, max),
+then every rank's coded bytes padded to it, each led by its length. A payload that does not
+shrink travels as it is.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ _WBITS = -15
 def coded_gather(payload: torch.Tensor) -> Generator[Collective, Any, list[torch.Tensor]]:
     """Every rank's ``payload`` (uint8, 1-D, the same size on every rank), like
     ``yield AllGather(payload)``, with the bytes deflated on the wire."""
-    raw = payload.detach().reshape(-1).cpu().numpy().tobytes()
+    mine = payload.detach().reshape(-1)
+    raw = mine.cpu().numpy().tobytes()
     coded = _deflate(raw)
     if len(coded) >= len(raw):
         coded = raw  # a length equal to the payload's says: sent as it is
@@ -41,10 +43,13 @@ def coded_gather(payload: torch.Tensor) -> Generator[Collective, Any, list[torch
     if coded:
         send[HEADER_BYTES : HEADER_BYTES + len(coded)] = torch.frombuffer(bytearray(coded), dtype=torch.uint8)
     gathered = yield AllGather(send.to(payload.device))
-    mine = payload.detach().reshape(-1)
-    # a frame equal to this rank's own decodes to its payload (decoding is a function of
-    # the bytes): skipped, it saves a decode per gather
-    return [mine.clone() if torch.equal(f.cpu(), send) else _inflated(f.cpu(), len(raw)).to(payload.device) for f in gathered]
+    out = []
+    for frame in gathered:
+        host = frame.cpu()
+        # a frame equal to this rank's own decodes to its payload (decoding is a function
+        # of the bytes): skipped, it saves a decode per gather
+        out.append(mine.clone() if torch.equal(host, send) else _inflated(host, len(raw)).to(payload.device))
+    return out
 
 
 def _deflate(raw: bytes) -> bytes:
