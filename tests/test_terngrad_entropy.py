@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from test_terngrad import _reduce
 
 from commpress import ConfigError
 from commpress.comm import SimulatedWorld
@@ -17,12 +18,6 @@ def _buckets(world: int, sizes: tuple[int, ...], seed: int = 0, dtype=torch.floa
     g = torch.Generator().manual_seed(seed)
     names = [f"t{i}" for i in range(len(sizes))]
     return [Bucket.from_tensors(0, [torch.randn(n, generator=g).to(dtype) for n in sizes], names) for _ in range(world)]
-
-
-def _reduce(buckets: list[Bucket], step: int = 0, **params) -> SimulatedWorld:
-    sim = SimulatedWorld(len(buckets))
-    sim.reduce(sim.compressors(lambda: build("terngrad", params)), buckets, step=step)
-    return sim
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
