@@ -49,7 +49,7 @@ def check_finite(average: torch.Tensor, name: str, round_index: int, shard_group
     so a shard's inf stops its whole group, not its own rank alone."""
     finite = host.flags(host.finite(average))[0]
     if shard_group is not None:
-        flag = torch.tensor([int(finite)], dtype=torch.int32)
+        flag = torch.tensor([int(finite)], dtype=torch.int32, device=average.device)  # NCCL takes CUDA tensors only
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=shard_group)
         finite = bool(flag.item())
     if not finite:
