@@ -47,24 +47,30 @@ def test_uniform(n):
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_pack_unpack(bits):
     for n in SIZES:
-        codes = torch.randint(0, 256, (n,), dtype=torch.uint8)
-        packed = cc.pack_bits(codes.cuda(), bits)
+        shift = n % 2  # odd sizes: codes that start off a word boundary
+        codes = torch.randint(0, 256, (n + shift,), dtype=torch.uint8)
+        packed = cc.pack_bits(codes.cuda()[shift:], bits)
+        codes = codes[shift:]
         assert same_bits(packed, cc.pack_bits(codes, bits))
         assert same_bits(cc.unpack_bits(packed, bits, n), cc.unpack_bits(packed.cpu(), bits, n))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ternary(dtype):
-    world = 3
     for n in SIZES:
-        xs = [data(n, dtype, r) for r in range(world)]
+        world, shift = (2, 1) if n % 2 else (3, 0)  # odd sizes: unaligned tensors, a power-of-two world
+        padded = [data(n + shift, dtype, r) for r in range(world)]
+        xs = [x[shift:] for x in padded]
         scales = torch.stack([x.float().abs().max() for x in xs])
         gpu = torch.stack(
-            [cc.ternary_quantize_pack(x.cuda(), s.cuda(), cc.derive_seed(1, r)) for r, (x, s) in enumerate(zip(xs, scales))]
+            [
+                cc.ternary_quantize_pack(x.cuda()[shift:], s.cuda(), cc.derive_seed(1, r))
+                for r, (x, s) in enumerate(zip(padded, scales))
+            ]
         )
         cpu = torch.stack([cc.ternary_quantize_pack(x, s, cc.derive_seed(1, r)) for r, (x, s) in enumerate(zip(xs, scales))])
         assert same_bits(gpu, cpu)
-        out_gpu = torch.empty(n, dtype=dtype, device="cuda")
+        out_gpu = torch.empty(n + shift, dtype=dtype, device="cuda")[shift:]
         out_cpu = torch.empty(n, dtype=dtype)
         cc.ternary_unpack_accumulate(gpu, scales.cuda(), n, out_gpu)
         cc.ternary_unpack_accumulate(cpu, scales, n, out_cpu)
@@ -78,18 +84,20 @@ def test_ternary(dtype):
 def test_quantize(bits, dtype):
     world = 2
     for n in SIZES:
-        for bucket in (37, 2048):
-            xs = [data(n, dtype, r) for r in range(world)]
+        shift = n % 2  # odd sizes: unaligned tensors
+        for bucket in (37, 512, 2048):
+            padded = [data(n + shift, dtype, r) for r in range(world)]
             if n > 200:
-                xs[0][100:150] = 0.5  # a constant bucket for bucket == 37
-            gpu = [cc.quantize_pack(x.cuda(), bits, bucket, cc.derive_seed(2, r)) for r, x in enumerate(xs)]
+                padded[0][100:150] = 0.5  # a constant bucket for bucket == 37
+            xs = [x[shift:] for x in padded]
+            gpu = [cc.quantize_pack(x.cuda()[shift:], bits, bucket, cc.derive_seed(2, r)) for r, x in enumerate(padded)]
             cpu = [cc.quantize_pack(x, bits, bucket, cc.derive_seed(2, r)) for r, x in enumerate(xs)]
             for g, c in zip(gpu, cpu):
                 assert all(same_bits(a, b) for a, b in zip(g, c))
             stacked_gpu = [torch.stack(parts) for parts in zip(*gpu)]
             stacked_cpu = [torch.stack(parts) for parts in zip(*cpu)]
             for average in (True, False):
-                out_gpu = torch.empty(n, dtype=dtype, device="cuda")
+                out_gpu = torch.empty(n + shift, dtype=dtype, device="cuda")[shift:]
                 out_cpu = torch.empty(n, dtype=dtype)
                 cc.unpack_accumulate(*stacked_gpu, bits, bucket, n, out_gpu, average=average)
                 cc.unpack_accumulate(*stacked_cpu, bits, bucket, n, out_cpu, average=average)

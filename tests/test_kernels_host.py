@@ -1,12 +1,16 @@
-"""The CUDA kernels' logic on this machine: each ``.cu`` is compiled as plain C++ (one thread,
-one block; a small shim stands in for the CUDA built-ins) and driven through the real CUDA
+"""The CUDA kernels' logic on this machine: each ``.cu`` is compiled as plain C++ (blocks of one
+thread, run one after another; a small shim stands in for the CUDA built-ins; a warp shuffle
+of one thread returns its own value) and driven through the real CUDA
 front-ends of ``commpress/kernels/cuda/_launch.py`` with CPU tensors, then compared with the CPU
 kernels bit for bit. This checks indexing, packing, rounding order and the launchers' argument
 lists without a GPU; the real-device comparison is ``test_cuda_kernels.py``."""
 
 import ctypes
+import itertools
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import kernel_oracle
 import numpy as np
@@ -18,6 +22,8 @@ from commpress.kernels.cuda import _cupy, _launch
 
 CXX = shutil.which("g++") or shutil.which("c++")
 
+GRID = 3  # blocks per launch: the grid-stride loops take more than one pass over small inputs
+
 SHIM = r"""
 #include <cmath>
 #include <cstring>
@@ -28,7 +34,11 @@ SHIM = r"""
 #define __forceinline__ inline
 #define __shared__ static
 struct cp_dim3 { unsigned int x; };
-static const cp_dim3 blockIdx = {0}, threadIdx = {0}, blockDim = {1}, gridDim = {1};
+extern "C" { cp_dim3 blockIdx = {0}; }  // set by the launcher before each block's call
+static const cp_dim3 threadIdx = {0}, blockDim = {1}, gridDim = {%d};
+template <class T> static inline T __shfl_xor_sync(unsigned, T v, int) { return v; }
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
 static inline void __syncthreads() {}
 static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
@@ -39,6 +49,7 @@ static inline double __dmul_rn(double a, double b) { return a * b; }
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 static inline float atomicAdd(float* p, float v) { float old = *p; *p = old + v; return old; }
+static inline unsigned atomicOr(unsigned* p, unsigned v) { unsigned old = *p; *p = old | v; return old; }
 """
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
@@ -48,7 +59,7 @@ pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 def host_kernels(tmp_path_factory):
     """module name -> ctypes library of that kernel source compiled for the host."""
     folder = tmp_path_factory.mktemp("host_kernels")
-    (folder / "shim.h").write_text(SHIM)
+    (folder / "shim.h").write_text(SHIM % GRID)
     cmd = [CXX, "-O1", "-std=c++17", "-ffp-contract=off", "-mf16c", "-shared", "-fPIC", "-include", str(folder / "shim.h")]
     jobs = {}
     for name in ("rng", "bitpack", "ternary", "quantize", "topk", "stats", "sign"):  # compiled concurrently
@@ -72,7 +83,11 @@ def on_host(host_kernels, monkeypatch):
         if work <= 0:
             return
         converted = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else _CTYPES[type(a)](a.item()) for a in args]
-        getattr(host_kernels[module], function)(*converted)
+        lib = host_kernels[module]
+        block = ctypes.c_uint.in_dll(lib, "blockIdx")
+        for index in range(GRID):
+            block.value = index
+            getattr(lib, function)(*converted)
 
     monkeypatch.setattr(_launch, "launch", launch)
 
@@ -98,13 +113,20 @@ SIZES = [1, 7, 1000, 5003]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+def test_launchers_size_grids_by_the_kernels_constants():
+    """The grids assume the units per thread that the sources take: UNROLL and SPAN are theirs."""
+    for name, constant, value in (("common.cuh", "CP_UNROLL", _launch.UNROLL), ("quantize.cu", "CP_SPAN", _launch.SPAN)):
+        text = (Path(_cupy.__file__).parent / name).read_text()
+        assert re.search(rf"^#define {constant} (\d+)\b", text, re.MULTILINE).group(1) == str(value), name
+
+
 def test_rng_and_bitpack(on_host):
     cpu = torch.device("cpu")
     for n in SIZES:
         for offset in (0, 1, 77):
             assert same_bits(_launch.uniform(9, n, offset, cpu), cc.uniform(9, n, offset))
-        for bits in (1, 2, 4, 8):
-            codes = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        for bits, shift in ((1, 0), (2, 1), (4, 0), (8, 1), (2, 0), (1, 3)):
+            codes = torch.randint(0, 256, (n + shift,), dtype=torch.uint8)[shift:]  # shift: not word-aligned
             packed = _launch.pack_bits(codes, bits)
             assert same_bits(packed, cc.pack_bits(codes, bits))
             assert same_bits(_launch.unpack_bits(packed, bits, n), cc.unpack_bits(packed, bits, n))
@@ -115,16 +137,15 @@ def test_rng_and_bitpack(on_host):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ternary(on_host, dtype):
-    world = 3
-    for n in SIZES:
-        xs = [data(n, dtype, r) for r in range(world)]
+    for n, (world, shift) in itertools.product(SIZES, ((3, 0), (2, 1), (4, 0))):  # shift: unaligned tensors
+        xs = [data(n + shift, dtype, r)[shift:] for r in range(world)]
         scales = torch.stack([x.float().abs().max() for x in xs])
         ours = torch.stack(
             [_launch.ternary_quantize_pack(x, s, cc.derive_seed(1, r)) for r, (x, s) in enumerate(zip(xs, scales))]
         )
         want = torch.stack([cc.ternary_quantize_pack(x, s, cc.derive_seed(1, r)) for r, (x, s) in enumerate(zip(xs, scales))])
         assert same_bits(ours, want)
-        out, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+        out, ref = torch.empty(n + shift, dtype=dtype)[shift:], torch.empty(n, dtype=dtype)
         _launch.ternary_unpack_accumulate(ours, scales, n, out)
         assert same_bits(out, cc.ternary_unpack_accumulate(want, scales, n, ref))
     assert not _launch.ternary_quantize_pack(data(100), torch.tensor(0.0), 1).any()
@@ -132,27 +153,25 @@ def test_ternary(on_host, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize(on_host, dtype):
-    world = 2
-    for bits in (2, 4, 8):
-        for n in SIZES:
-            for bucket in (1, 37, 512):
-                xs = [data(n, dtype, r) for r in range(world)]
-                if n > 200:
-                    xs[0][74:111] = 0.5  # a constant bucket when bucket == 37
-                    xs[1][600] = float("nan")
-                ours = [_launch.quantize_pack(x, bits, bucket, cc.derive_seed(2, r)) for r, x in enumerate(xs)]
-                want = [cc.quantize_pack(x, bits, bucket, cc.derive_seed(2, r)) for r, x in enumerate(xs)]
-                for o, w in zip(ours, want):
-                    assert same_bits(o[0], w[0])
-                    assert torch.equal(o[1].nan_to_num(9.0), w[1].nan_to_num(9.0))  # NaN bits are unspecified
-                    assert torch.equal(o[2].nan_to_num(9.0), w[2].nan_to_num(9.0))
-                packed, mins, scales = (torch.stack(p) for p in zip(*want))
-                for average in (True, False):
-                    out, ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
-                    _launch.unpack_accumulate(packed, mins, scales, bits, bucket, n, out, average)
-                    cc.unpack_accumulate(packed, mins, scales, bits, bucket, n, ref, average=average)
-                    assert torch.equal(out.float().nan_to_num(9.0), ref.float().nan_to_num(9.0))
-                    assert same_bits(out[~ref.isnan()], ref[~ref.isnan()])
+    layouts = itertools.product(((2, 0), (3, 1)), (2, 4, 8), SIZES, (1, 37, 512))  # shift 1: unaligned tensors
+    for (world, shift), bits, n, bucket in layouts:
+        xs = [data(n + shift, dtype, r)[shift:] for r in range(world)]
+        if n > 200:
+            xs[0][74:111] = 0.5  # a constant bucket when bucket == 37
+            xs[1][600] = float("nan")
+        ours = [_launch.quantize_pack(x, bits, bucket, cc.derive_seed(2, r)) for r, x in enumerate(xs)]
+        want = [cc.quantize_pack(x, bits, bucket, cc.derive_seed(2, r)) for r, x in enumerate(xs)]
+        for o, w in zip(ours, want):
+            assert same_bits(o[0], w[0])
+            assert torch.equal(o[1].nan_to_num(9.0), w[1].nan_to_num(9.0))  # NaN bits are unspecified
+            assert torch.equal(o[2].nan_to_num(9.0), w[2].nan_to_num(9.0))
+        packed, mins, scales = (torch.stack(p) for p in zip(*want))
+        for average in (True, False):
+            out, ref = torch.empty(n + shift, dtype=dtype)[shift:], torch.empty(n, dtype=dtype)
+            _launch.unpack_accumulate(packed, mins, scales, bits, bucket, n, out, average)
+            cc.unpack_accumulate(packed, mins, scales, bits, bucket, n, ref, average=average)
+            assert torch.equal(out.float().nan_to_num(9.0), ref.float().nan_to_num(9.0))
+            assert same_bits(out[~ref.isnan()], ref[~ref.isnan()])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -82,7 +82,8 @@ def pointer(t: torch.Tensor) -> np.uint64:
 def launch(
     module: str, function: str, device: torch.device, work: int, args: tuple, block: int = THREADS, grid: int | None = None
 ) -> None:
-    """Run ``function`` over ``work`` items (grid-stride) on torch's current stream of ``device``.
+    """Run ``function`` with blocks for ``work`` threads (its loops grid-stride over the rest) on
+    torch's current stream of ``device``.
 
     Tensors in ``args`` are passed as their device pointers; other arguments must already
     be numpy scalars of the kernel's parameter types.

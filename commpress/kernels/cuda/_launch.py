@@ -17,6 +17,21 @@ from commpress.kernels._constants import STATS_LANES, STATS_ROWS
 from ._cupy import launch
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # CP_F32, CP_F16, CP_BF16 in common.cuh
+UNROLL = 4  # units per thread in one pass of the streaming kernels: CP_UNROLL in common.cuh
+SPAN = 8  # elements a thread of cp_bucket_quantize reads at a time for the min/max: CP_SPAN in quantize.cu
+
+
+def _inverse(world: int, average: bool = True) -> np.float32:
+    """The kernels' ``inverse`` (cp_average in common.cuh): 1 for no division, 1/world where that
+    is a power of two (a multiplication with the division's bits), else 0 for a division."""
+    if not average or world == 1:
+        return np.float32(1.0)
+    return np.float32(1.0 / world) if world & (world - 1) == 0 else np.float32(0.0)
+
+
+def _threads(units: int) -> int:
+    """Threads for ``units`` units of a kernel that takes UNROLL of them per thread and pass."""
+    return -(-units // UNROLL)
 
 
 def _code(t: torch.Tensor) -> np.int32:
@@ -25,7 +40,8 @@ def _code(t: torch.Tensor) -> np.int32:
 
 def uniform(seed: int, n: int, offset: int, device: torch.device) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.float32, device=device)
-    launch("rng", "cp_uniform_kernel", device, n, (out, np.int64(n), np.uint64(seed), np.uint64(offset)))
+    words = (offset + n - 1) // 2 - offset // 2 + 1 if n else 0  # generator words the draws take
+    launch("rng", "cp_uniform_kernel", device, _threads(words), (out, np.int64(n), np.uint64(seed), np.uint64(offset)))
     return out
 
 
@@ -39,14 +55,14 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     codes = codes.contiguous()
     n = codes.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=codes.device)
-    launch("bitpack", "cp_pack_bits", codes.device, out.numel(), (codes, out, np.int64(n), np.int32(bits)))
+    launch("bitpack", "cp_pack_bits", codes.device, _threads(out.numel()), (codes, out, np.int64(n), np.int32(bits)))
     return out
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     packed = packed.contiguous()
     out = torch.empty(n, dtype=torch.uint8, device=packed.device)
-    launch("bitpack", "cp_unpack_bits", packed.device, n, (packed, out, np.int64(n), np.int32(bits)))
+    launch("bitpack", "cp_unpack_bits", packed.device, _threads(n), (packed, out, np.int64(n), np.int32(bits)))
     return out
 
 
@@ -58,7 +74,7 @@ def ternary_quantize_pack(x: torch.Tensor, scale: torch.Tensor, seed: int) -> to
         "ternary",
         "cp_ternary_quantize_pack",
         x.device,
-        out.numel(),
+        _threads(out.numel()),
         (x, _code(x), scale.contiguous(), out, np.int64(n), np.uint64(seed)),
     )
     return out
@@ -66,8 +82,8 @@ def ternary_quantize_pack(x: torch.Tensor, scale: torch.Tensor, seed: int) -> to
 
 def ternary_unpack_accumulate(packed: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
     world, m = packed.shape
-    args = (packed, scales, out, _code(out), np.int64(n), np.int64(m), np.int32(world))
-    launch("ternary", "cp_ternary_unpack_accumulate", out.device, n, args)
+    args = (packed, scales, out, _code(out), np.int64(n), np.int64(m), np.int32(world), _inverse(world))
+    launch("ternary", "cp_ternary_unpack_accumulate", out.device, _threads(m), args)
     return out
 
 
@@ -153,12 +169,15 @@ def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tu
     mins = torch.empty(nb, dtype=torch.float32, device=x.device)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     packed = torch.empty((n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
-    levels = np.float32((1 << bits) - 1)
-    minmax_args = (x, _code(x), np.int64(n), np.int64(bucket_size), levels, mins, scales)
-    launch("quantize", "cp_bucket_minmax", x.device, nb, minmax_args, grid=min(nb, 65535))
-    args = (x, _code(x), mins, scales, packed, np.int64(n), np.int64(bucket_size), np.int32(bits), np.uint64(seed))
-    unit = max(8 // bits, 2)  # elements per thread (see cp_quantize_pack)
-    launch("quantize", "cp_quantize_pack", x.device, -(-n // unit), args)
+    fused = bucket_size * bits % 8 == 0  # every byte within one bucket: packed by the bucket's block
+    head = (x, _code(x), np.int64(n), np.int64(bucket_size), np.int32(bits), mins, scales)
+    block = min(256, 32 * -(-bucket_size // (32 * SPAN)))  # whole warps, SPAN elements per thread
+    args = (*head, packed, np.uint64(seed), np.int32(fused))
+    launch("quantize", "cp_bucket_quantize", x.device, nb * block, args, block=block, grid=min(nb, 65535))
+    if not fused:
+        args = (x, _code(x), mins, scales, packed, np.int64(n), np.int64(bucket_size), np.int32(bits), np.uint64(seed))
+        unit = max(8 // bits, 2)  # elements per thread (see cp_quantize_pack)
+        launch("quantize", "cp_quantize_pack", x.device, -(-n // unit), args)
     return packed, mins, scales
 
 
@@ -168,7 +187,7 @@ def unpack_accumulate(
     world, m = packed.shape
     nb = mins.shape[1]
     args = (packed, mins, scales, out, _code(out), np.int64(n), np.int64(m), np.int64(nb), np.int64(bucket_size), np.int32(bits))
-    launch("quantize", "cp_unpack_accumulate", out.device, n, (*args, np.int32(world), np.int32(bool(average))))
+    launch("quantize", "cp_unpack_accumulate", out.device, _threads(m), (*args, np.int32(world), _inverse(world, average)))
     return out
 
 
@@ -230,10 +249,16 @@ def gather_and_zero(acc: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tens
 
 def scatter_add_decode(values: torch.Tensor, indices: torch.Tensor, n: int, out: torch.Tensor, average: bool) -> torch.Tensor:
     world, k = values.shape
-    acc = out.view(-1).zero_() if out.dtype == torch.float32 else torch.zeros(n, dtype=torch.float32, device=out.device)
+    in_place = out.dtype == torch.float32  # summed in out itself, else in a float32 buffer
+    acc = out.view(-1).zero_() if in_place else torch.zeros(n, dtype=torch.float32, device=out.device)
     for row, idx in zip(values.unbind(0), indices.unbind(0)):  # one launch per rank on one stream: rank order
         launch("topk", "cp_scatter_add_rank", out.device, k, (row, _code(values), idx, np.int64(k), np.int64(n), acc))
     divisor = world if average and world > 1 else 1
-    if divisor > 1 or acc is not out.view(-1):
+    if in_place:  # only the entries that received values need the division
+        if divisor > 1:
+            seen = torch.zeros(-(-n // 32), dtype=torch.int32, device=out.device)
+            args = (indices, np.int64(world * k), np.int64(n), seen, acc, np.int32(divisor))
+            launch("topk", "cp_divide_touched", out.device, world * k, args)
+    else:
         launch("topk", "cp_finish", out.device, n, (acc, out, _code(out), np.int64(n), np.int32(divisor)))
     return out

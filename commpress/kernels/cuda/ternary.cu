@@ -2,39 +2,78 @@
 // unpack + scale + accumulate over ranks + average. Mirrors commpress/kernels/ternary.py.
 #include "common.cuh"
 
-// One thread per output byte. Code 1: +, code 2: -, 0: dropped; keep iff u < |x| / scale.
+// One unit per output byte: elements 4j .. 4j+3, whose uniforms are generator words 2j and 2j+1.
+// Code 1: +, code 2: -, 0: dropped; keep iff u < |x| / scale (never past n: those read as 0).
 extern "C" __global__ void cp_ternary_quantize_pack(const void* x, int dtype, const float* scale, u8* out, i64 n, u64 seed) {
     const float s = *scale;
-    const i64 m = (n + 3) / 4;
-    CP_GRID_STRIDE(j, m) {
-        u32 byte = 0;
-        if (s > 0.0f) {
-            cp_uniforms gen(seed);
-            for (int t = 0; t < 4; ++t) {
-                i64 e = j * 4 + t;
-                if (e >= n) break;
-                float v = cp_load(x, dtype, e);
-                float p = __fdiv_rn(fabsf(v), s);
-                if (gen.at((u64)e) < p) byte |= (1u << (__float_as_uint(v) >> 31)) << (2 * t);
+    const i64 m = (n + 3) / 4, full = n / 4;
+    CP_PASSES(base, stride, m) {
+        float v[CP_UNROLL][4];
+#pragma unroll
+        for (int u = 0; u < CP_UNROLL; ++u) {
+            const i64 j = base + u * stride;
+            if (j < full) {
+                cp_load_run<4>(x, dtype, 4 * j, v[u]);
+            } else {
+#pragma unroll
+                for (int t = 0; t < 4; ++t) v[u][t] = 4 * j + t < n ? cp_load(x, dtype, 4 * j + t) : 0.0f;
             }
         }
-        out[j] = (u8)byte;
+#pragma unroll
+        for (int u = 0; u < CP_UNROLL; ++u) {
+            const i64 j = base + u * stride;
+            if (j >= m) break;
+            u32 byte = 0;
+            if (s > 0.0f) {
+                const u64 z[2] = {cp_word(seed, 2 * (u64)j), cp_word(seed, 2 * (u64)j + 1)};
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    const float p = __fdiv_rn(fabsf(v[u][t]), s);
+                    if (cp_draw_to_uniform((u32)(z[t >> 1] >> ((t & 1) * 32))) < p)
+                        byte |= (1u << (__float_as_uint(v[u][t]) >> 31)) << (2 * t);
+                }
+            }
+            out[j] = (u8)byte;
+        }
     }
 }
 
-// out[i] = (sum over ranks r, in order, of scales[r] * code_r(i)) / world, in float32.
+// out[i] = (sum over ranks r, in order, of scales[r] * code_r(i)) / world, in float32 (`inverse`:
+// see cp_average). One unit per packed byte: its four elements.
 extern "C" __global__ void cp_ternary_unpack_accumulate(const u8* packed, const float* scales, void* out, int dtype, i64 n,
-                                                        i64 m, int world) {
-    CP_GRID_STRIDE(i, n) {
-        const int shift = (int)(i & 3) * 2;
-        float acc = 0.0f;
+                                                        i64 m, int world, float inverse) {
+    const i64 full = n / 4;
+    CP_PASSES(base, stride, m) {
+        float acc[CP_UNROLL][4];
         for (int r = 0; r < world; ++r) {
-            u32 c = (packed[r * m + (i >> 2)] >> shift) & 3u;
-            float s = scales[r];
-            float v = c == 1u ? s : (c == 2u ? -s : 0.0f);
-            acc = r == 0 ? v : __fadd_rn(acc, v);
+            const u8* row = packed + r * m;
+            const float s = scales[r];
+            u32 byte[CP_UNROLL];
+#pragma unroll
+            for (int u = 0; u < CP_UNROLL; ++u) byte[u] = base + u * stride < m ? (u32)row[base + u * stride] : 0u;
+#pragma unroll
+            for (int u = 0; u < CP_UNROLL; ++u) {
+#pragma unroll
+                for (int t = 0; t < 4; ++t) {
+                    const u32 c = (byte[u] >> (2 * t)) & 3u;
+                    const float v = c == 1u ? s : (c == 2u ? -s : 0.0f);
+                    acc[u][t] = r == 0 ? v : __fadd_rn(acc[u][t], v);
+                }
+            }
         }
-        if (world > 1) acc = __fdiv_rn(acc, (float)world);
-        cp_store(out, dtype, i, acc);
+#pragma unroll
+        for (int u = 0; u < CP_UNROLL; ++u) {
+            const i64 j = base + u * stride;
+            if (j >= m) break;
+#pragma unroll
+            for (int t = 0; t < 4; ++t) acc[u][t] = cp_average(acc[u][t], inverse, world);
+            if (j < full) {
+                cp_store_run<4>(out, dtype, 4 * j, acc[u]);
+            } else {
+#pragma unroll
+                for (int t = 0; t < 4; ++t)
+                    if (4 * j + t < n) cp_store(out, dtype, 4 * j + t, acc[u][t]);
+            }
+        }
     }
 }

@@ -27,6 +27,19 @@ extern "C" __global__ void cp_scatter_add_rank(const void* values, int dtype, co
     }
 }
 
+// acc[i] /= divisor for every index i of the ranks' payloads (idx: world * k entries), once per
+// index: the first entry to set i's bit in `seen` (zeroed, one bit per element) divides. A float32
+// output is summed in place and only the entries that received values need the division; the
+// others stay +0, as 0 / divisor is.
+extern "C" __global__ void cp_divide_touched(const int* idx, i64 count, i64 n, u32* seen, float* acc, int divisor) {
+    CP_GRID_STRIDE(j, count) {
+        const int i = idx[j];
+        if (i < 0 || i >= n) continue;
+        const u32 bit = 1u << (i & 31);
+        if (!(atomicOr(seen + (i >> 5), bit) & bit)) acc[i] = __fdiv_rn(acc[i], (float)divisor);
+    }
+}
+
 // out[i] = acc[i] / divisor (divisor > 1) or acc[i], rounded to out's dtype.
 extern "C" __global__ void cp_finish(const float* acc, void* out, int dtype, i64 n, int divisor) {
     CP_GRID_STRIDE(i, n) {
