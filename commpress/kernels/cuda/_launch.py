@@ -187,7 +187,7 @@ def unpack_accumulate(
     world, m = packed.shape
     nb = mins.shape[1]
     args = (packed, mins, scales, out, _code(out), np.int64(n), np.int64(m), np.int64(nb), np.int64(bucket_size), np.int32(bits))
-    launch("quantize", "cp_unpack_accumulate", out.device, _threads(m), (*args, np.int32(world), _inverse(world, average)))
+    launch("quantize", "cp_unpack_accumulate", out.device, _threads(n), (*args, np.int32(world), _inverse(world, average)))
     return out
 
 

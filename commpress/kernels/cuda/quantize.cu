@@ -146,75 +146,42 @@ extern "C" __global__ void cp_quantize_pack(const void* x, int dtype, const floa
 }
 
 // out[i] = (sum over ranks, in order, of q * scale + lo) / world (`inverse`: see cp_average), in
-// float32. One unit per packed byte: its PER elements, which share a bucket when `bucket` is a
-// multiple of PER (one division per byte), else each finds its own.
-template <int BITS>
-__device__ __forceinline__ void cp_unpack_accumulate_t(const u8* packed, const float* mins, const float* scales, void* out,
-                                                       int dtype, i64 n, i64 m, i64 nb, i64 bucket, int world, float inverse) {
-    constexpr int PER = 8 / BITS;
-    constexpr u32 MASK = (1u << BITS) - 1u;
-    const bool narrow = n <= 0xFFFFFFFFLL && bucket <= 0xFFFFFFFFLL;  // 32-bit division is much cheaper
-    const bool whole = bucket % PER == 0;
-    const i64 full = n / PER;
-    CP_PASSES(base, stride, m) {
-        i64 b[CP_UNROLL][PER];
-#pragma unroll
-        for (int u = 0; u < CP_UNROLL; ++u) {
-            const i64 j = base + u * stride < m ? base + u * stride : m - 1;  // past m: any byte's, unused
-#pragma unroll
-            for (int t = 0; t < PER; ++t) {
-                const i64 e = j * PER + t < n ? j * PER + t : n - 1;
-                b[u][t] = whole && t > 0 ? b[u][0] : (narrow ? (i64)((u32)e / (u32)bucket) : e / bucket);
-            }
-        }
-        float acc[CP_UNROLL][PER];
-        for (int r = 0; r < world; ++r) {
-            const u8* row = packed + r * m;
-            const float* sc = scales + r * nb;
-            const float* lo = mins + r * nb;
-            u32 byte[CP_UNROLL];
-            float s[CP_UNROLL][PER], l[CP_UNROLL][PER];
-#pragma unroll
-            for (int u = 0; u < CP_UNROLL; ++u) {
-                byte[u] = row[base + u * stride < m ? base + u * stride : m - 1];
-#pragma unroll
-                for (int t = 0; t < PER; ++t) {
-                    s[u][t] = whole && t > 0 ? s[u][0] : sc[b[u][t]];
-                    l[u][t] = whole && t > 0 ? l[u][0] : lo[b[u][t]];
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < CP_UNROLL; ++u) {
-#pragma unroll
-                for (int t = 0; t < PER; ++t) {
-                    const u32 q = (byte[u] >> (t * BITS)) & MASK;
-                    const float v = __fadd_rn(__fmul_rn((float)q, s[u][t]), l[u][t]);
-                    acc[u][t] = r == 0 ? v : __fadd_rn(acc[u][t], v);
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < CP_UNROLL; ++u) {
-            const i64 j = base + u * stride;
-            if (j >= m) break;
-#pragma unroll
-            for (int t = 0; t < PER; ++t) acc[u][t] = cp_average(acc[u][t], inverse, world);
-            if (j < full) {
-                cp_store_run<PER>(out, dtype, j * PER, acc[u]);
-            } else {
-#pragma unroll
-                for (int t = 0; t < PER; ++t)
-                    if (j * PER + t < n) cp_store(out, dtype, j * PER + t, acc[u][t]);
-            }
-        }
-    }
-}
-
+// float32. One unit per element. (One unit per packed byte, with per-rank arrays for its codes,
+// ran at a quarter of the occupancy and was slower on an H200: docs/kernels.md.)
 extern "C" __global__ void cp_unpack_accumulate(const u8* packed, const float* mins, const float* scales, void* out, int dtype,
                                                 i64 n, i64 m, i64 nb, i64 bucket, int bits, int world, float inverse) {
-    switch (bits) {
-        case 2: cp_unpack_accumulate_t<2>(packed, mins, scales, out, dtype, n, m, nb, bucket, world, inverse); break;
-        case 4: cp_unpack_accumulate_t<4>(packed, mins, scales, out, dtype, n, m, nb, bucket, world, inverse); break;
-        default: cp_unpack_accumulate_t<8>(packed, mins, scales, out, dtype, n, m, nb, bucket, world, inverse); break;
+    const u32 mask = (1u << bits) - 1u;
+    const bool narrow = n <= 0xFFFFFFFFLL && bucket <= 0xFFFFFFFFLL;  // 32-bit division is much cheaper
+    CP_PASSES(base, stride, n) {
+        i64 b[CP_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CP_UNROLL; ++u) {
+            const i64 i = base + u * stride < n ? base + u * stride : n - 1;
+            b[u] = narrow ? (i64)((u32)i / (u32)bucket) : i / bucket;
+        }
+        float acc[CP_UNROLL];
+        for (int r = 0; r < world; ++r) {
+            u32 byte[CP_UNROLL];
+            float scale[CP_UNROLL], lo[CP_UNROLL];
+#pragma unroll
+            for (int u = 0; u < CP_UNROLL; ++u) {
+                const i64 i = base + u * stride < n ? base + u * stride : n - 1;
+                byte[u] = packed[r * m + ((i * bits) >> 3)];
+                scale[u] = scales[r * nb + b[u]];
+                lo[u] = mins[r * nb + b[u]];
+            }
+#pragma unroll
+            for (int u = 0; u < CP_UNROLL; ++u) {
+                const u32 q = (byte[u] >> (((base + u * stride) * bits) & 7)) & mask;
+                const float v = __fadd_rn(__fmul_rn((float)q, scale[u]), lo[u]);
+                acc[u] = r == 0 ? v : __fadd_rn(acc[u], v);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < CP_UNROLL; ++u) {
+            const i64 i = base + u * stride;
+            if (i >= n) break;
+            cp_store(out, dtype, i, cp_average(acc[u], inverse, world));
+        }
     }
 }
