@@ -13,6 +13,7 @@ import torch
 
 from commpress.bench.gpucheck.__main__ import PARTS, main, run_part
 from commpress.bench.gpucheck.ddp import WireDigest
+from commpress.bench.gpucheck.env import tree
 
 ROOT = Path(__file__).resolve().parents[1]
 #: part -> what its dry run must have run on the CPU
@@ -88,3 +89,19 @@ def test_the_wire_digest_sees_every_byte_in_channel_order():
     c.record(("world", 1), torch.tensor([True]))
     assert a.digests() != b.digests() and a.nbytes == b.nbytes == 8
     assert c.digests()["world/0"] == a.digests()["world/0"] and set(c.digests()) == {"world/0", "world/1"}
+
+
+def test_env_names_the_files_that_differ_from_the_commit(tmp_path):
+    """A tree copied with an older git directory is recorded as that commit plus its changes."""
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("x = 1\n")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert tree(tmp_path) == {"commit": head, "changed": []}
+    (tmp_path / "b.py").write_text("x = 2\n")
+    (tmp_path / "new.py").write_text("")  # untracked: not a change to what the commit holds
+    assert tree(tmp_path) == {"commit": head, "changed": ["b.py"]}
+    assert tree(tmp_path / "missing") == {"commit": None, "changed": None}

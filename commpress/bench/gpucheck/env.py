@@ -23,14 +23,26 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _commit() -> str | None:
-    """The working tree's commit, when it is a git checkout."""
-    root = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[3]  # the working tree the check runs from
+
+
+def _git(root: Path, *args: str) -> str | None:
+    """The output of ``git args`` in ``root``, when it is a git checkout."""
     try:
-        done = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() or None
+    return done.stdout if done.returncode == 0 else None
+
+
+def tree(root: Path = ROOT) -> dict[str, object]:
+    """The commit and the tracked files that differ from it: a working tree copied to another
+    machine can carry a git directory older than its files, so the commit alone does not say
+    what ran."""
+    head = _git(root, "rev-parse", "HEAD")
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    changed = sorted(line[3:] for line in status.splitlines()) if status is not None else None
+    return {"commit": head.strip() if head else None, "changed": changed}
 
 
 def run(report: Report, dry: bool) -> None:
@@ -38,7 +50,7 @@ def run(report: Report, dry: bool) -> None:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "commit": _commit(),
+        **tree(),
         "torch_cuda": torch.version.cuda,
         "cuda_available": torch.cuda.is_available(),
         "versions": {name: _version(name) for name in PACKAGES},
