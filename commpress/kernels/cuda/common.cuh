@@ -18,7 +18,7 @@ typedef unsigned short u16;
 #define CP_GRID_STRIDE(i, count) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (count); i += (i64)blockDim.x * gridDim.x)
 
-// Units per thread in one pass of the streaming kernels (UNROLL in _cupy.py, which sizes their grids).
+// Units per thread in one pass of the streaming kernels (UNROLL in _launch.py, which sizes their grids).
 // A pass reads all its units' inputs first, then computes and stores: a thread has that many units'
 // loads in flight at once, where one load per thread left the memory system waiting on latency.
 #define CP_UNROLL 4
@@ -47,7 +47,6 @@ __device__ __forceinline__ float cp_draw_to_uniform(u32 draw) {
     return __fsub_rn(__uint_as_float((draw & 0x7FFFFFu) | 0x3F800000u), 1.0f);
 }
 
-__device__ __forceinline__ float cp_uniform(u64 seed, u64 i) { return cp_draw_to_uniform(cp_draw32(seed, i)); }
 
 // Uniforms of consecutive elements: one word serves an even element and the odd one after it.
 struct cp_uniforms {
@@ -217,6 +216,29 @@ __device__ __forceinline__ void cp_store_run(void* out, int dtype, i64 e, const 
     }
 #pragma unroll
     for (int k = 0; k < K; ++k) cp_store(out, dtype, e + k, v[k]);
+}
+
+// The elements e .. e+K-1 that lie below `end` (the others read as 0, or are not written): a
+// run's vector access where all of it does, one access each at a tensor's or bucket's tail.
+template <int K>
+__device__ __forceinline__ void cp_load_part(const void* x, int dtype, i64 e, i64 end, float* v) {
+    if (e + K <= end) {
+        cp_load_run<K>(x, dtype, e, v);
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = e + k < end ? cp_load(x, dtype, e + k) : 0.0f;
+}
+
+template <int K>
+__device__ __forceinline__ void cp_store_part(void* out, int dtype, i64 e, i64 end, const float* v) {
+    if (e + K <= end) {
+        cp_store_run<K>(out, dtype, e, v);
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+        if (e + k < end) cp_store(out, dtype, e + k, v[k]);
 }
 
 #endif  // COMMPRESS_COMMON_CUH

@@ -75,15 +75,7 @@ __device__ __forceinline__ void cp_bucket_quantize_t(const void* x, int dtype, i
             for (i64 j0 = start / PER + threadIdx.x; j0 < last; j0 += (i64)blockDim.x * CP_UNROLL) {
                 float v[CP_UNROLL][PER];
 #pragma unroll
-                for (int u = 0; u < CP_UNROLL; ++u) {
-                    const i64 j = j0 + (i64)u * blockDim.x;
-                    if ((j + 1) * PER <= stop) {
-                        cp_load_run<PER>(x, dtype, j * PER, v[u]);
-                    } else {
-#pragma unroll
-                        for (int t = 0; t < PER; ++t) v[u][t] = j * PER + t < stop ? cp_load(x, dtype, j * PER + t) : 0.0f;
-                    }
-                }
+                for (int u = 0; u < CP_UNROLL; ++u) cp_load_part<PER>(x, dtype, (j0 + (i64)u * blockDim.x) * PER, stop, v[u]);
 #pragma unroll
                 for (int u = 0; u < CP_UNROLL; ++u) {
                     const i64 j = j0 + (i64)u * blockDim.x;

@@ -6,19 +6,11 @@
 // Code 1: +, code 2: -, 0: dropped; keep iff u < |x| / scale (never past n: those read as 0).
 extern "C" __global__ void cp_ternary_quantize_pack(const void* x, int dtype, const float* scale, u8* out, i64 n, u64 seed) {
     const float s = *scale;
-    const i64 m = (n + 3) / 4, full = n / 4;
+    const i64 m = (n + 3) / 4;
     CP_PASSES(base, stride, m) {
         float v[CP_UNROLL][4];
 #pragma unroll
-        for (int u = 0; u < CP_UNROLL; ++u) {
-            const i64 j = base + u * stride;
-            if (j < full) {
-                cp_load_run<4>(x, dtype, 4 * j, v[u]);
-            } else {
-#pragma unroll
-                for (int t = 0; t < 4; ++t) v[u][t] = 4 * j + t < n ? cp_load(x, dtype, 4 * j + t) : 0.0f;
-            }
-        }
+        for (int u = 0; u < CP_UNROLL; ++u) cp_load_part<4>(x, dtype, 4 * (base + u * stride), n, v[u]);
 #pragma unroll
         for (int u = 0; u < CP_UNROLL; ++u) {
             const i64 j = base + u * stride;
@@ -42,7 +34,6 @@ extern "C" __global__ void cp_ternary_quantize_pack(const void* x, int dtype, co
 // see cp_average). One unit per packed byte: its four elements.
 extern "C" __global__ void cp_ternary_unpack_accumulate(const u8* packed, const float* scales, void* out, int dtype, i64 n,
                                                         i64 m, int world, float inverse) {
-    const i64 full = n / 4;
     CP_PASSES(base, stride, m) {
         float acc[CP_UNROLL][4];
         for (int r = 0; r < world; ++r) {
@@ -67,13 +58,7 @@ extern "C" __global__ void cp_ternary_unpack_accumulate(const u8* packed, const 
             if (j >= m) break;
 #pragma unroll
             for (int t = 0; t < 4; ++t) acc[u][t] = cp_average(acc[u][t], inverse, world);
-            if (j < full) {
-                cp_store_run<4>(out, dtype, 4 * j, acc[u]);
-            } else {
-#pragma unroll
-                for (int t = 0; t < 4; ++t)
-                    if (4 * j + t < n) cp_store(out, dtype, 4 * j + t, acc[u][t]);
-            }
+            cp_store_part<4>(out, dtype, 4 * j, n, acc[u]);
         }
     }
 }
