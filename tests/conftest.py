@@ -1,10 +1,22 @@
-"""Fixtures the CPU kernel tests share: the thread count and the oracle."""
+"""Fixtures the CPU kernel tests share (the thread count and the oracle), and the order in
+which the files run."""
 
 import kernel_oracle
 import pytest
 import torch
 
 import commpress.kernels as cc
+
+#: Test files that take a minute or more on a 2-core machine, slowest first. `scripts/test`
+#: runs each file on one of two pytest-xdist workers, handing files out in collection order:
+#: collected late, the slowest one ran alone for the suite's last minutes, so these go first.
+SLOWEST_FILES = ("test_readme_demo.py", "test_gpu_check.py", "test_ft_race.py", "test_old_torch.py", "test_fsdp_train.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Collect SLOWEST_FILES first (the sort is stable: every file keeps its own order)."""
+    first = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])

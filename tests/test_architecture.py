@@ -134,3 +134,12 @@ def test_the_bandwidth_layer_reaches_the_ranks_through_the_backend():
             if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, found
+
+
+def test_the_files_run_first_exist():
+    """conftest's SLOWEST_FILES name test files that exist (a renamed one would be sorted back
+    among the others without a word)."""
+    from conftest import SLOWEST_FILES
+
+    tests = Path(__file__).resolve().parent
+    assert [name for name in SLOWEST_FILES if not (tests / name).is_file()] == []
