@@ -8,8 +8,9 @@ import torch
 import commpress.kernels as cc
 
 #: Test files that take a minute or more on a 2-core machine, slowest first. `scripts/test`
-#: runs each file on one of two pytest-xdist workers, handing files out in collection order:
-#: collected late, the slowest one ran alone for the suite's last minutes, so these go first.
+#: runs each file on one of two pytest-xdist workers, handing files out in collection order
+#: (`--no-loadscope-reorder`; xdist's default orders them by their number of tests, which put
+#: these, with few tests each, last, and the slowest ran alone for the suite's last minutes).
 SLOWEST_FILES = ("test_readme_demo.py", "test_gpu_check.py", "test_ft_race.py", "test_old_torch.py", "test_fsdp_train.py")
 
 
