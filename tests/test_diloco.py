@@ -7,6 +7,7 @@ in the same order on every rank, the merge factor, and error feedback kept per f
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -28,10 +29,10 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def _ranks(local_sgd: dict, method: str = "none", params: dict | None = None, steps: int = 24):
+def _ranks(local_sgd: dict, method: str = "none", params: dict | None = None, steps: int = 24, world: int = WORLD):
     """Every rank's model, optimizer and trainer, built from one ``[local_sgd]`` table."""
     cfg = Config.load({"method": method, "params": params or {}, "local_sgd": local_sgd})
-    sim = SimulatedWorld(WORLD)
+    sim = SimulatedWorld(world)
     ranks = []
     for backend in sim.backends:
         model = _model()
@@ -121,6 +122,40 @@ def test_torch_sgd_as_outer_optimizer_matches_the_old_built_in_step_bit_for_bit(
     ranks, _ = _ranks({"algorithm": "diloco", **default}, method, params)
     assert type(ranks[0][2].outer_optimizer) is torch.optim.SGD
     assert ranks[0][2].outer_optimizer.defaults["nesterov"] is nesterov
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sqrt_replicas_outer_lr_is_the_square_root_of_the_ranks_averaging(world):
+    """``outer_lr = "sqrt_replicas"`` steps as the explicit sqrt(M) does, bit for bit, on M
+    ranks; the ranks agree on (and a checkpoint keeps) the setting as written."""
+    table = {"algorithm": "diloco", "period": 2, "sync_delay": 1, "outer_momentum": 0.0, "nesterov": False}
+    scaled, _ = _ranks({**table, "outer_lr": "sqrt_replicas"}, "terngrad", world=world)
+    explicit, _ = _ranks({**table, "outer_lr": math.sqrt(world)}, "terngrad", world=world)
+    for step in range(8):
+        _step(scaled, step)
+        _step(explicit, step)
+    trainer = scaled[0][2]
+    assert trainer.outer_lr == math.sqrt(world) == trainer.outer_optimizer.param_groups[0]["lr"]
+    assert trainer.settings["outer_lr"] == "sqrt_replicas"
+    assert all(torch.equal(_flat(a[0]), _flat(b[0])) for a, b in zip(scaled, explicit))
+    assert not torch.equal(_flat(scaled[0][0]), _flat(_model()))  # the models moved
+
+
+def test_sqrt_replicas_is_diloco_only_and_refused_under_a_manager():
+    with pytest.raises(ConfigError, match="applies to algorithm = 'diloco'"):
+        Config.load({"local_sgd": {"algorithm": "co2", "outer_lr": "sqrt_replicas"}})
+    with pytest.raises(ConfigError, match=r"outer_lr = 'sqrt' is not accepted; .* one of 'sqrt_replicas'"):
+        Config.load({"local_sgd": {"algorithm": "diloco", "outer_lr": "sqrt"}})
+    with pytest.raises(ConfigError, match=r"outer_lr = -1\.0 is not accepted; expected a number > 0 or 'sqrt_replicas'"):
+        Config.load({"local_sgd": {"algorithm": "diloco", "outer_lr": -1.0}})
+    from commpress.local_sgd import CO2
+    from commpress.local_sgd.managed import ManagedDiLoCo
+
+    model = _model()
+    with pytest.raises(ConfigError, match="applies to algorithm = 'diloco'"):
+        CO2(model, torch.optim.AdamW(model.parameters()), 2, outer_lr="sqrt_replicas")
+    with pytest.raises(ConfigError, match="replicas change between syncs"):
+        ManagedDiLoCo(model, torch.optim.AdamW(model.parameters()), None, 2, outer_lr="sqrt_replicas")
 
 
 def test_outer_step_moves_only_its_fragment():

@@ -20,6 +20,7 @@ __all__ = [
     "BITS",
     "FULL_PRECISION",
     "OUTER_DEFAULTS",
+    "SQRT_REPLICAS",
     "STREAMING_DEFAULTS",
     "TABLES",
     "TABLE_TYPES",
@@ -51,7 +52,7 @@ class LocalSGDConfig:
     qsr_power: Annotated[float, Bounds(gt=0)] = 2.0
     warmup_steps: Annotated[int, Bounds(ge=0)] = 0
     average_buffers: bool = False
-    outer_lr: float | None = None
+    outer_lr: float | Literal["sqrt_replicas"] | None = None
     outer_momentum: float | None = None
     nesterov: bool | None = None
     staleness_penalty: float | Literal["adaptive"] | None = None
@@ -101,6 +102,10 @@ OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "co2": {"outer_lr": 1.0, "outer_momentum": 0.0, "staleness_penalty": 1.0},
     "diloco": {"outer_lr": 0.8, "outer_momentum": 0.2, "nesterov": True},
 }
+#: DiLoCo's ``outer_lr`` that follows the number M of replicas averaging: sqrt(M) (1.41 for 2,
+#: 2.0 for 4), what each replica's AdamW loses normalising a batch M times smaller
+#: (docs/local_sgd.md "The outer lr scales with the replicas as sqrt(M)").
+SQRT_REPLICAS = "sqrt_replicas"
 #: DiLoCo's streaming keys, defaults: the whole model at once, landing at once (``merge``:
 #: :func:`resolve_merge`).
 STREAMING_DEFAULTS: dict[str, Any] = {"fragments": 1, "sync_delay": 0, "merge": None, "merge_alpha": 0.0}
@@ -131,10 +136,10 @@ def check_co2_settings(outer_lr: float, outer_momentum: float, staleness_penalty
 
 
 def check_diloco_settings(
-    outer_lr: float, outer_momentum: float, nesterov: bool, fragments: int, sync_delay: int, merge_alpha: float
+    outer_lr: float | str, outer_momentum: float, nesterov: bool, fragments: int, sync_delay: int, merge_alpha: float
 ) -> None:
     """Raise ConfigError naming the first DiLoCo setting out of range."""
-    _check_outer(outer_lr, outer_momentum)
+    _check_outer(outer_lr, outer_momentum, scaled=True)
     if nesterov is not True and nesterov is not False:
         raise ConfigError(f"nesterov = {nesterov!r} is not accepted; expected true or false")
     if nesterov and outer_momentum == 0:
@@ -184,9 +189,13 @@ def check_streaming(period: int | None, fragments: int, sync_delay: int) -> None
         )
 
 
-def _check_outer(outer_lr: float, outer_momentum: float) -> None:
-    if not (_real(outer_lr) and outer_lr > 0):
-        raise ConfigError(f"outer_lr = {outer_lr!r} is not accepted; expected a number > 0")
+def _check_outer(outer_lr: float | str, outer_momentum: float, scaled: bool = False) -> None:
+    """``scaled``: ``outer_lr`` may also be :data:`SQRT_REPLICAS` (DiLoCo's)."""
+    if not (_real(outer_lr) and outer_lr > 0) and not (scaled and outer_lr == SQRT_REPLICAS):
+        accepted = f"a number > 0 or {SQRT_REPLICAS!r}" if scaled else "a number > 0"
+        if outer_lr == SQRT_REPLICAS:
+            accepted += f" ({SQRT_REPLICAS!r} applies to algorithm = 'diloco')"
+        raise ConfigError(f"outer_lr = {outer_lr!r} is not accepted; expected {accepted}")
     if not (_real(outer_momentum) and 0 <= outer_momentum < 1):
         raise ConfigError(f"outer_momentum = {outer_momentum!r} is not accepted; expected a number in [0, 1)")
 

@@ -85,10 +85,11 @@ class CO2(LocalSGD):
     ) -> None:
         outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "clip": clip}
         check_outer_arguments(self.name, outer_optimizer, outer)
-        self.outer_lr = float(self.default("outer_lr") if outer_lr is None else outer_lr)
-        self.outer_momentum = float(self.default("outer_momentum") if outer_momentum is None else outer_momentum)
+        lr = self.default("outer_lr") if outer_lr is None else outer_lr
+        momentum = self.default("outer_momentum") if outer_momentum is None else outer_momentum
         self.staleness_penalty = self.default("staleness_penalty") if staleness_penalty is None else staleness_penalty
-        check_co2_settings(self.outer_lr, self.outer_momentum, self.staleness_penalty, clip)
+        check_co2_settings(lr, momentum, self.staleness_penalty, clip)  # before float(): a clear error for any value
+        self.outer_lr, self.outer_momentum = float(lr), float(momentum)
         self.clip = None if clip is None else float(clip)
         self._given_outer = outer_optimizer
         super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps)

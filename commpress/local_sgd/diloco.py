@@ -17,6 +17,7 @@ alpha * local + (1 - alpha) * anchor`` (alpha 0: the anchor).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from commpress.comm.averager import ParameterAverager
-from commpress.config.tables import check_diloco_settings, check_streaming, resolve_merge
+from commpress.config.tables import SQRT_REPLICAS, check_diloco_settings, check_streaming, resolve_merge
 from commpress.errors import ConfigError
 from commpress.local_sgd.fragments import Fragment, split
 from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, check_outer_arguments, describe_optimizer
@@ -51,8 +52,9 @@ class DiLoCo(LocalSGD):
     """DiLoCo with ``period`` (H) inner steps per outer step and an outer optimizer over
     the anchor: ``outer_optimizer`` builds it from the anchor's tensors (one flat tensor
     per fragment; e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
-    nesterov=True)``, any ``torch.optim.Optimizer``), or, left None, SGD with ``outer_lr``,
-    ``outer_momentum`` and ``nesterov``. ``fragments`` (F), ``sync_delay`` (tau) and
+    nesterov=True)``, any ``torch.optim.Optimizer``), or, left None, SGD with ``outer_lr``
+    (``"sqrt_replicas"``: the square root of the ranks averaging, what each one's AdamW
+    loses on its smaller batch), ``outer_momentum`` and ``nesterov``. ``fragments`` (F), ``sync_delay`` (tau) and
     ``merge`` make it Streaming DiLoCo, which needs a constant H divisible by F and tau <
     H / F: a landed average becomes the new anchor plus the tau steps taken since its sync
     started, from local values moved eagerly by the outer lr on their own pseudo-gradient
@@ -76,7 +78,7 @@ class DiLoCo(LocalSGD):
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         period: int | Period | None = None,
-        outer_lr: float | None = None,
+        outer_lr: float | str | None = None,
         outer_momentum: float | None = None,
         nesterov: bool | None = None,
         fragments: int | None = None,
@@ -95,13 +97,19 @@ class DiLoCo(LocalSGD):
         streaming = {"fragments": fragments, "sync_delay": sync_delay, "merge_alpha": alpha}
         values = {k: self.default(k) if v is None else v for k, v in {**outer, **streaming}.items()}
         check_diloco_settings(*values.values())
-        self.outer_lr, self.outer_momentum = float(values["outer_lr"]), float(values["outer_momentum"])
+        given = values["outer_lr"]
+        #: as given: a number, or SQRT_REPLICAS (``outer_lr`` set once the averager knows its world)
+        self.outer_lr_setting: float | str = given if given == SQRT_REPLICAS else float(given)
+        self.outer_lr = 1.0 if given == SQRT_REPLICAS else float(given)
+        self.outer_momentum = float(values["outer_momentum"])
         self.nesterov = bool(values["nesterov"])
         self.fragment_count, self.sync_delay = values["fragments"], values["sync_delay"]
         self.merge_alpha = float(values["merge_alpha"])
         self.outer_period = self.default("period") if period is None else period
         self._given_outer = outer_optimizer
         super().__init__(model, inner_optimizer, self.outer_period, process_group, averager, average_buffers, total_steps)
+        if self.outer_lr_setting == SQRT_REPLICAS:
+            self._scale_outer_lr()
         #: per fragment, the step count at which its local values last equalled the anchor
         self.fresh = [0] * len(self.fragments)
         self._in_flight: list[_InFlight] = []
@@ -131,11 +139,18 @@ class DiLoCo(LocalSGD):
             return self._given_outer(params)
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
 
+    def _scale_outer_lr(self) -> None:
+        """``outer_lr = SQRT_REPLICAS``: the outer lr becomes sqrt(M), M the ranks (replica
+        groups) that average, known once the averager has connected."""
+        self.outer_lr = math.sqrt(self.averager.world_size)
+        for group in self.outer_optimizer.param_groups:
+            group["lr"] = self.outer_lr
+
     def _settings(self) -> dict[str, Any]:
         if self._given_outer is not None:
             outer: dict[str, Any] = {"outer_optimizer": describe_optimizer(self.outer_optimizer)}
         else:
-            outer = {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "nesterov": self.nesterov}
+            outer = {"outer_lr": self.outer_lr_setting, "outer_momentum": self.outer_momentum, "nesterov": self.nesterov}
         streaming = {"fragments": self.fragment_count, "sync_delay": self.sync_delay, "merge": self.merge}
         if self.merge == "mix":
             streaming["merge_alpha"] = self.merge_alpha

@@ -40,6 +40,7 @@ from commpress.comm.manager_backend import ManagerBackend, replay
 from commpress.compressors import Context
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
+from commpress.config.tables import SQRT_REPLICAS
 from commpress.errors import ConfigError
 from commpress.local_sgd.diloco import DiLoCo, _InFlight
 from commpress.local_sgd.fragments import Fragment
@@ -69,6 +70,11 @@ class ManagedDiLoCo(DiLoCo):
     ) -> None:
         if period is not None and not isinstance(period, (int, Constant)):
             raise ConfigError(f"{self.name}: period = {period!r} is not accepted; expected a constant period (an int)")
+        if kwargs.get("outer_lr") == SQRT_REPLICAS:
+            raise ConfigError(
+                f"{self.name}: outer_lr = {SQRT_REPLICAS!r} is not accepted (the replicas change between syncs); expected "
+                "a number > 0, e.g. the square root of the replica groups the job runs"
+            )
         self.manager = manager
         groups = MethodGroups(Config(method=method, params=dict(params or {})))
         averager = ParameterAverager(method, params, backend=ManagerBackend(manager, groups.rounds))
