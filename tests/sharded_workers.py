@@ -94,6 +94,8 @@ def _diloco(mesh: Any, checkpoints: Path) -> dict[str, Any]:
         "numel": sum(p.numel() for p in model.parameters()),
         "full_refused": full_refused,
         "resharded": resharded,
+        # the outer lr that follows the replicas: sqrt(2 groups), not sqrt(4 ranks)
+        "sqrt_replicas": _build(mesh, {"local_sgd": {**STREAMING, "outer_lr": "sqrt_replicas"}})[2].local_sgd.outer_lr,
     }
 
 

@@ -36,6 +36,7 @@ def test_resume_from_a_dcp_checkpoint_mid_round_is_exact(ranks):
         assert torch.equal(r["diloco"]["resumed"], r["diloco"]["straight"])
         assert "save every rank's state_dict()" in r["diloco"]["full_refused"]
         assert "does not reshard" in r["diloco"]["resharded"] and "in 2 replica groups" in r["diloco"]["resharded"]
+        assert r["diloco"]["sqrt_replicas"] == 2**0.5  # the replica groups average, not every rank
 
 
 def test_period_one_equals_hsdp(ranks):
