@@ -16,3 +16,7 @@ $PY -m commpress race --local 2 --config $R/lr1.toml $LARGE --max-steps 480 --js
 # target 1.2745, DDP's 400-step loss there (benchmarks/results/full_target_2026-11-27)
 $PY -m commpress race --local 2 --config $R/lr1.toml --target 1.2745 --max-steps 520 --warmup 0 \
   --compute-steps 1 --eval-every 10 --json $R/default_lr1.json
+# seed 1: DDP and outer lr 1.0, the target DDP's 400-step loss on that seed
+$PY -m commpress race --local 2 --methods ddp --config $R/lr1.toml --width 768 --layers 4 --heads 12 \
+  --batch 4 --seed 1 --target-steps 400 --max-steps 440 --warmup 0 --compute-steps 1 --eval-every 10 \
+  --json $R/seed1.json
