@@ -15,6 +15,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --disable-pip-version-check --no-compile -r "$LOCK"
-"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null ||
-    true  # as under pip: a few files written for newer Pythons (torch's tests) do not compile
+COMPILED="$VENV/.compiled-$(basename "$LOCK")"  # the lock last compiled: a warm venv skips the 6 s walk
+if ! cmp -s "$LOCK" "$COMPILED"; then
+    "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null ||
+        true  # as under pip: a few files written for newer Pythons (torch's tests) do not compile
+    cp "$LOCK" "$COMPILED"
+fi
 "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
