@@ -37,8 +37,11 @@ $PY -m commpress race $TUNED --config "$L" --target 1.0 --max-steps 260 --json $
 $PY -m commpress race $TUNED --config $R/lr12.toml --target 1.0 --max-steps 260 --json $R/tuned_lr12.json
 # 4. The default transformer at the larger one's batch (4 windows per replica): DDP to 400
 #    steps, slow-link.toml (sqrt(2)) and outer lr 1.0 (python crossings.py batch4_ddp.json
-#    batch4_slow_link.json batch4_lr1.json).
-B4="$EACH --batch 4"
-$PY -m commpress race $B4 --methods ddp --target-steps 400 --max-steps 420 --json $R/batch4_ddp.json
-$PY -m commpress race $B4 --config docs/configs/slow-link.toml --target 0.5 --max-steps 500 --json $R/batch4_slow_link.json
-$PY -m commpress race $B4 --config "$L" --target 0.5 --max-steps 500 --json $R/batch4_lr1.json
+#    batch4_slow_link.json batch4_lr1.json); then seed 1 (batch4_seed1_*.json).
+for seed in 0 1; do
+  B4="$EACH --batch 4 --seed $seed"
+  S=$([ $seed = 0 ] && echo "" || echo "_seed1")
+  $PY -m commpress race $B4 --methods ddp --target-steps 400 --max-steps 420 --json $R/batch4${S}_ddp.json
+  $PY -m commpress race $B4 --config docs/configs/slow-link.toml --target 0.5 --max-steps 500 --json $R/batch4${S}_slow_link.json
+  $PY -m commpress race $B4 --config "$L" --target 0.5 --max-steps 500 --json $R/batch4${S}_lr1.json
+done
