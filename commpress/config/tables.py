@@ -103,8 +103,8 @@ OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "diloco": {"outer_lr": 0.8, "outer_momentum": 0.2, "nesterov": True},
 }
 #: DiLoCo's ``outer_lr`` that follows the number M of replicas averaging: sqrt(M) (1.41 for 2,
-#: 2.0 for 4), measured best on the race's transformer at its batch on 2 and 4 ranks; small
-#: batches per replica want 1.0 (docs/local_sgd.md "The outer lr scales with the replicas as
+#: 2.0 for 4), measured best on the race's transformer on 2 and 4 ranks; the larger
+#: race model wants 1.0 (docs/local_sgd.md "The outer lr scales with the replicas as
 #: √M" and "What sets the best outer lr").
 SQRT_REPLICAS = "sqrt_replicas"
 #: DiLoCo's streaming keys, defaults: the whole model at once, landing at once (``merge``:

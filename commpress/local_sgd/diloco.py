@@ -53,8 +53,8 @@ class DiLoCo(LocalSGD):
     anchor: ``outer_optimizer`` builds it from the anchor's tensors (one flat tensor per
     fragment; e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
     nesterov=True)``, any ``torch.optim.Optimizer``), or, left None, SGD with ``outer_lr``
-    (``"sqrt_replicas"``: the square root of the ranks averaging, measured best at the
-    race's batch; small batches per replica want 1.0), ``outer_momentum`` and ``nesterov``.
+    (``"sqrt_replicas"``: the square root of the ranks averaging, measured best on the
+    race's transformer; its larger model wants 1.0), ``outer_momentum`` and ``nesterov``.
     ``fragments`` (F), ``sync_delay`` (tau) and ``merge`` make it Streaming DiLoCo, which
     needs a constant H divisible by F and tau < H / F: a landed average becomes the new
     anchor plus the tau steps taken since its sync started, from local values moved eagerly

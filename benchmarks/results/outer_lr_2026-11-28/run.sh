@@ -45,3 +45,7 @@ for seed in 0 1; do
   $PY -m commpress race $B4 --config docs/configs/slow-link.toml --target 0.5 --max-steps 500 --json $R/batch4${S}_slow_link.json
   $PY -m commpress race $B4 --config "$L" --target 0.5 --max-steps 500 --json $R/batch4${S}_lr1.json
 done
+# 5. The larger model at 16 windows per replica, 120 steps: slow-link.toml (sqrt(2)) and outer lr 1.0.
+E16="--local 2 --warmup 0 --compute-steps 1 --eval-every 20 $LARGE --batch 16"
+$PY -m commpress race $E16 --config docs/configs/slow-link.toml --target 0.5 --max-steps 120 --json $R/large_batch16_slow_link.json
+$PY -m commpress race $E16 --config "$L" --target 0.5 --max-steps 120 --json $R/large_batch16_lr1.json
