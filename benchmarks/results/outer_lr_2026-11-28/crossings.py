@@ -1,24 +1,16 @@
-"""Steps to a target read off race curves, as the race reads them (the first evaluation whose
-centred mean of 5 is at or below the target): python crossings.py TARGET_JSON CURVE_JSON...
-(the target: the DDP row's of TARGET_JSON)."""
+"""Steps to a target read off race curves by the race's own rule
+(:func:`commpress.bench.race_report.crossing`, the JSON's ``smooth``):
+python crossings.py TARGET_JSON CURVE_JSON... (the target: TARGET_JSON's)."""
 
 import json
 import sys
 from pathlib import Path
 
-
-def curve(path: str) -> dict[int, float]:
-    row = json.loads(Path(path).read_text())["rows"][0]
-    return {p["step"]: p["loss"] for p in row["curve"]}
-
-
-def centred(losses: dict[int, float], step: int, every: int = 10) -> float | None:
-    window = [losses.get(step + k * every) for k in range(-2, 3)]
-    return None if None in window else sum(window) / 5
-
+from commpress.bench.race_report import crossing
 
 target = json.loads(Path(sys.argv[1]).read_text())["target"]
 for path in sys.argv[2:]:
-    losses = curve(path)
-    cross = next((s for s in sorted(losses) if (c := centred(losses, s)) is not None and c <= target), None)
-    print(f"{path}: target {target:.4f}, crossed at step {cross}")
+    race = json.loads(Path(path).read_text())
+    curve = [(p["step"], p["seconds"], p["loss"]) for p in race["rows"][0]["curve"]]
+    i = crossing(curve, target, race["smooth"])
+    print(f"{path}: target {target:.4f}, crossed at step {None if i is None else curve[i][0]}")
