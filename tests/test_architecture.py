@@ -143,3 +143,25 @@ def test_the_files_run_first_exist():
 
     tests = Path(__file__).resolve().parent
     assert [name for name in SLOWEST_FILES if not (tests / name).is_file()] == []
+
+
+REPO = ROOT.parent
+#: the folders whose Python files are code (benchmarks/results/ aside: the scripts a results
+#: folder keeps are a record of what was run, not code)
+CODE_DIRS = ("commpress", "tests", "scripts", "benchmarks", "asv_bench")
+MAX_LINES = 400
+
+
+def _code_files() -> list[Path]:
+    """The Python files under CODE_DIRS (none of them holds a virtual environment)."""
+    files = [f for d in CODE_DIRS for f in (REPO / d).rglob("*.py")]
+    return [f for f in files if not f.relative_to(REPO).as_posix().startswith("benchmarks/results/")]
+
+
+def test_no_code_file_is_over_400_lines():
+    """Every code file has at most MAX_LINES lines: a longer one is split along its seams."""
+    files = _code_files()
+    assert any(f.parent == ROOT for f in files), "found none of the package's files"
+    lines = {f.relative_to(REPO).as_posix(): len(f.read_text().splitlines()) for f in files}
+    long = sorted((name, n) for name, n in lines.items() if n > MAX_LINES)
+    assert not long, f"files over {MAX_LINES} lines (split them): " + ", ".join(f"{name} ({n} lines)" for name, n in long)
