@@ -14,7 +14,7 @@ import io
 import eftopk  # noqa: F401  (registers test-eftopk and its ratio mapping)
 import pytest
 import torch
-from hierarchical_helpers import WORLD, _grad, _slots
+from hierarchical_helpers import WORLD, _grad, _reduce_step, _slots
 
 from commpress.adaptive.hierarchical import shard_ranges
 from commpress.adaptive.topology import Topology
@@ -48,14 +48,7 @@ def _steps(state, model, rank, first, last, results):
     params = list(model.parameters())
     buckets = [params[2:], params[:2]]  # DDP's order: last layer first
     for step in range(first, last):
-        futs, bufs = [], []
-        for index, members in enumerate(buckets):
-            buf = _grad(rank, step, index, sum(p.numel() for p in members))
-            bufs.append(buf)
-            futs.append(state.reduce(index, buf, members, advance=index == len(buckets) - 1))
-        torch.futures.wait_all(futs)
-        state.end_step()  # what the next step's first bucket does: commit this step's state
-        results.append([b.clone() for b in bufs])
+        results.append(_reduce_step(state, rank, step, buckets))
 
 
 def _train_adaptive(config: dict, rank: int, world: int, steps: int) -> tuple[torch.Tensor, list]:

@@ -18,6 +18,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from hierarchical_helpers import _grad, _reduce_step
 
 from commpress.adaptive.hierarchical import shard_ranges, shard_slots
 from commpress.adaptive.topology import Topology
@@ -96,23 +97,11 @@ def _topology(fraction: float) -> Topology:
     return Topology.from_matrix(bw, domains=DOMAINS)
 
 
-def _grad(rank: int, step: int, index: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * rank + 10 * step + index)
-    return torch.randint(-8, 9, (n,), generator=g).float()
-
-
 def _steps(state, model, rank: int, first: int, last: int, log: dict) -> None:
     buckets = _buckets(model)
     for step in range(first, last):
         before = state.traffic.bytes_sent
-        futs, bufs = [], []
-        for index, members in enumerate(buckets):
-            buf = _grad(rank, step, index, sum(p.numel() for p in members))
-            bufs.append(buf)
-            futs.append(state.reduce(index, buf, members, advance=index == len(buckets) - 1))
-        torch.futures.wait_all(futs)
-        state.end_step()
-        log["results"].append([b.clone() for b in bufs])
+        log["results"].append(_reduce_step(state, rank, step, buckets))
         log["sent"][step] = state.traffic.bytes_sent - before
         log["plans"][step] = state.plan.to_dict() if state.plan is not None else None
         log["main"][step] = state.adaptive.active["main"]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from topk_helpers import ALL, NAMES, SIZES, _bucket, _grads, _residual, _step
+from topk_helpers import ALL, NAMES, SIZES, _bucket, _grads, _residual, _step, _straight_and_resumed
 
 from commpress import ConfigError
 from commpress.comm import SimulatedWorld
@@ -201,22 +201,8 @@ def test_non_finite_step_is_passed_through_and_keeps_residuals(bad):
 
 
 def test_state_dict_resume_is_exact():
-    def run(steps, comp=None):
-        sim = SimulatedWorld(1)
-        comp = comp or build("topk", {**ALL, "ratio": 0.05, "value_dtype": "float16"})
-        outs = []
-        for step in steps:
-            b = _bucket(_grads(step))
-            _step(sim, [comp], [b], step=step)
-            outs.append(b.buffer)
-        return comp, outs
-
-    _, straight = run(range(6))
-    first, _ = run(range(3))
-    fresh = build("topk", {**ALL, "ratio": 0.05, "value_dtype": "float16"})
-    fresh.load_state_dict(first.state_dict())
-    _, resumed = run(range(3, 6), fresh)
-    for a, b in zip(straight[3:], resumed):
+    fresh, straight, resumed = _straight_and_resumed({**ALL, "ratio": 0.05, "value_dtype": "float16"})
+    for a, b in zip(straight, resumed):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match=r"expects state with keys \['residuals'\]"):
         fresh.load_state_dict({"error": {}})

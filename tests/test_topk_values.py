@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from topk_helpers import ALL, NAMES, SIZES, _bucket, _grads, _residual, _step
+from topk_helpers import ALL, NAMES, SIZES, _bucket, _grads, _residual, _step, _straight_and_resumed
 
 from commpress import ConfigError
 from commpress.comm import SimulatedWorld
@@ -118,24 +118,8 @@ def test_quantized_values_with_dgc_keep_the_error_in_the_velocity():
 
 
 def test_quantized_values_resume_exactly():
-    params = {**ALL, "ratio": 0.05, "value_bits": 2}
-
-    def run(steps, comp=None):
-        sim = SimulatedWorld(1)
-        comp = comp or build("topk", params)
-        outs = []
-        for step in steps:
-            b = _bucket(_grads(step))
-            _step(sim, [comp], [b], step=step)
-            outs.append(b.buffer)
-        return comp, outs
-
-    _, straight = run(range(6))
-    first, _ = run(range(3))
-    fresh = build("topk", params)
-    fresh.load_state_dict(first.state_dict())
-    _, resumed = run(range(3, 6), fresh)
-    for a, b in zip(straight[3:], resumed):
+    _, straight, resumed = _straight_and_resumed({**ALL, "ratio": 0.05, "value_bits": 2})
+    for a, b in zip(straight, resumed):
         assert torch.equal(a, b)
 
 

@@ -1,6 +1,7 @@
 """Shared pieces of the Top-k tests (tests/test_topk.py and tests/test_topk_values.py):
 the tensor layout every test reduces, seeded gradients, buckets, one committed step on the
-simulated world, and a compressor's residuals read back by parameter name. They keep the
+simulated world, a compressor's residuals read back by parameter name, and a run resumed
+from a checkpoint beside the same run straight through. They keep the
 leading underscore they had as private helpers of one file, so the moved tests read as before."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from commpress.comm import SimulatedWorld
-from commpress.compressors import Bucket
+from commpress.compressors import Bucket, Compressor, build
 
 SIZES = (300, 40, 7, 1)
 NAMES = ("w", "b", "c", "d")
@@ -34,3 +35,25 @@ def _step(sim: SimulatedWorld, comps, buckets, step: int = 0) -> None:
 def _residual(comp, names=NAMES) -> torch.Tensor:
     res = comp.state_dict()["residuals"]
     return torch.cat([res[n] for n in names if n in res])
+
+
+def _straight_and_resumed(params: dict) -> tuple[Compressor, list[torch.Tensor], list[torch.Tensor]]:
+    """Steps 3-5 of one Top-k run straight through, and the same steps by a fresh compressor
+    loaded with the state saved after step 2: (that compressor, straight outputs, resumed ones)."""
+
+    def run(steps, comp=None):
+        sim = SimulatedWorld(1)
+        comp = comp or build("topk", params)
+        outs = []
+        for step in steps:
+            b = _bucket(_grads(step))
+            _step(sim, [comp], [b], step=step)
+            outs.append(b.buffer)
+        return comp, outs
+
+    _, straight = run(range(6))
+    first, _ = run(range(3))
+    fresh = build("topk", params)
+    fresh.load_state_dict(first.state_dict())
+    _, resumed = run(range(3, 6), fresh)
+    return fresh, straight[3:], resumed
