@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from commpress.comm.callbacks import when_done
 from commpress.comm.counters import Traffic
 from commpress.compressors.wire.collectives import SCOPES, AllGather, AllReduce, Collective, ReduceScatter, Reduction
 from commpress.errors import CollectiveError
@@ -116,7 +117,13 @@ class Backend(ABC):
     @abstractmethod
     def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:
         """Start ``request`` on ``channel``'s communicator; the future gives the result (a
-        tensor for AllReduce and ReduceScatter, a list of tensors for AllGather) or fails."""
+        tensor for AllReduce and ReduceScatter, a list of tensors for AllGather) or fails;
+        a subclass whose future gives something else says what in :meth:`_result`."""
+
+    def _result(self, channel: Channel, request: Collective, fut: torch.futures.Future) -> Any:
+        """The result of ``request`` once its future ``fut`` has completed (its value here);
+        raises the collective's error."""
+        return fut.value()
 
     def run(self, reduction: Reduction, device: torch.device | None = None) -> torch.futures.Future:
         """Run ``reduction``; the returned future completes with what it returns (whether
@@ -196,7 +203,7 @@ class Backend(ABC):
         for task, request, fut in started:
             traffic = self.domain_traffic if channel[0] == "domain" else self.traffic
             traffic.add(nbytes=request.nbytes, collectives=1)
-            fut.then(self._callback(task, channel, request))
+            when_done(fut, self._callback(task, channel, request))
 
     def _issue(self, channel: Channel, request: Collective) -> torch.futures.Future:
         """:meth:`_start`, with a failure to start turned into a failed future."""
@@ -210,7 +217,7 @@ class Backend(ABC):
     def _callback(self, task: _Task, channel: Channel, request: Collective) -> Callable[[torch.futures.Future], None]:
         def on_done(fut: torch.futures.Future) -> None:
             try:
-                result = fut.value()
+                result = self._result(channel, request, fut)
             except BaseException as exc:
                 error = CollectiveError(
                     f"{describe(request)} on channel {channel[0]}/{channel[1]} over ranks "

@@ -64,6 +64,7 @@ class TorchBackend(MeasurableBackend):
         partitions = {"world": [list(range(self.world_size))], **{k: [list(p) for p in v] for k, v in (scopes or {}).items()}}
         self._members: dict[str, list[int]] = {}
         self._comms: dict[Channel, dist.ProcessGroup] = {}
+        self._outputs: dict[int, torch.Tensor] = {}  # by id of the collective in flight
         for channel in self._queues:
             scope = channel[0]
             if scope not in partitions:
@@ -95,24 +96,31 @@ class TorchBackend(MeasurableBackend):
         return allgather_object(obj, self.group)
 
     def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:
+        """The collective's own future, with no callback of commpress's in between:
+        :meth:`_result` makes the result in the callback the backend adds, which is
+        counted until released (``comm/callbacks.py``)."""
         group = self._comms[channel]
-        tensor = request.tensor
         if isinstance(request, AllReduce):
-            work = dist.all_reduce(tensor, op=_OPS[request.op], group=group, async_op=True)
-            return work.get_future().then(_checked(lambda: tensor))
-        size = group.size()
+            return dist.all_reduce(request.tensor, op=_OPS[request.op], group=group, async_op=True).get_future()
+        flat = request.tensor.reshape(-1).contiguous()
         if isinstance(request, ReduceScatter):
             # all-to-all plus a sum in rank order: reproducible, and gloo's reduce-scatter
             # gives no future
-            flat = tensor.reshape(-1).contiguous()
-            received = torch.empty_like(flat)
-            work = dist.all_to_all_single(received, flat, group=group, async_op=True)
-            return work.get_future().then(_checked(lambda: sum_rows(received.view(size, -1))))
+            out = self._outputs[id(request)] = torch.empty_like(flat)
+            return dist.all_to_all_single(out, flat, group=group, async_op=True).get_future()
         assert isinstance(request, AllGather)
-        flat = tensor.reshape(-1).contiguous()
-        out = flat.new_empty(size * flat.numel())
-        work = all_gather_single(out, flat, group=group, async_op=True)
-        return work.get_future().then(_checked(lambda: list(out.view(size, -1).unbind(0))))
+        out = self._outputs[id(request)] = flat.new_empty(group.size() * flat.numel())
+        return all_gather_single(out, flat, group=group, async_op=True).get_future()
+
+    def _result(self, channel: Channel, request: Collective, fut: torch.futures.Future) -> Any:
+        """An all-reduce's tensor (reduced in place); a reduce-scatter's rows summed in
+        rank order; an all-gather's output split into one tensor per rank."""
+        out = self._outputs.pop(id(request), None)
+        fut.value()  # raises the collective's error: never local or uninitialised data
+        if out is None:
+            return request.tensor
+        rows = out.view(self._comms[channel].size(), -1)
+        return sum_rows(rows) if isinstance(request, ReduceScatter) else list(rows.unbind(0))
 
 
 class TorchLinks(Links):
@@ -155,17 +163,6 @@ class TorchLinks(Links):
         box = [obj]
         dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
         return box[0]
-
-
-def _checked(result):
-    """A ``then`` callback that re-raises the collective's error (never hands back local
-    or uninitialised data) and otherwise returns ``result()``."""
-
-    def done(fut: torch.futures.Future):
-        fut.value()
-        return result()
-
-    return done
 
 
 def allgather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:

@@ -1,0 +1,82 @@
+"""Callbacks on collective futures are counted until released, and the process waits for
+them at exit (comm/callbacks.py): a worker thread that still has to release one when the
+interpreter is torn down aborts the process. Each check runs in a fresh interpreter: the
+count is the process's, and other tests' collectives would move it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(body: str) -> list[str]:
+    script = "import threading, time, torch\nfrom commpress.comm import callbacks\n" + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_a_callback_is_counted_until_released():
+    out = _run(
+        """
+        ran = []
+        fut = torch.futures.Future()
+        callbacks.when_done(fut, lambda f: ran.append(f.value()))
+        print(callbacks.pending())
+        fut.set_result(7)
+        print(ran[0], callbacks.pending(), callbacks.drain(timeout=0.0))
+        """
+    )
+    assert out == ["1", "7", "0", "True"]
+
+
+def test_drain_waits_for_a_callback_run_on_another_thread_and_is_bounded():
+    out = _run(
+        """
+        ran = []
+        fut = torch.futures.Future()
+
+        def body(f):
+            time.sleep(0.2)
+            ran.append(f.value())
+
+        callbacks.when_done(fut, body)
+        threading.Thread(target=fut.set_result, args=(1,)).start()
+        t0 = time.perf_counter()
+        print(callbacks.drain(timeout=10.0), ran, time.perf_counter() - t0 >= 0.15)
+        never = torch.futures.Future()
+        callbacks.when_done(never, lambda f: None)
+        print(callbacks.drain(timeout=0.05))
+        never.set_result(None)  # (a future holds its callbacks until it completes)
+        print(callbacks.drain(timeout=1.0))
+        """
+    )
+    assert out == ["True", "[1]", "True", "False", "True"]
+
+
+def test_process_exits_cleanly_while_gloo_runs_a_callback():
+    """A gloo worker thread is still in a callback when the script ends (the process group
+    left alive, as at the end of many scripts): the process waits for it and exits with 0.
+    Handed to the future with ``then`` instead, the same script dies at exit (SIGSEGV or
+    SIGABRT): the worker takes the GIL back while the interpreter is torn down."""
+    out = _run(
+        """
+        import torch.distributed as dist
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        started = threading.Event()
+
+        def body(f):
+            started.set()
+            time.sleep(0.3)  # the main thread ends the script meanwhile
+            print("released", f.value()[0].tolist(), flush=True)
+
+        callbacks.when_done(dist.all_reduce(torch.ones(2), async_op=True).get_future(), body)
+        started.wait()
+        print("ends", flush=True)
+        """
+    )
+    assert out == ["ends", "released", "[1.0,", "1.0]"]
