@@ -80,3 +80,60 @@ def test_process_exits_cleanly_while_gloo_runs_a_callback():
         """
     )
     assert out == ["ends", "released", "[1.0,", "1.0]"]
+
+
+def test_the_count_outlasts_torchft_callbacks_on_a_collective():
+    """Under a torchft Manager the collective's future is wrapped by torchft, whose callback
+    completes the wrapped future and then goes on (a stand-in here, like torchft's timeout
+    handling): the count reaches zero only once that callback has ended too."""
+    out = _run(
+        """
+        from commpress.comm.manager_backend import ManagerBackend
+        from commpress.compressors import AllReduce
+        after = []
+
+        class Group:
+            def size(self):
+                return 2
+
+            def allreduce(self, tensors, opts):
+                fut = torch.futures.Future()
+                threading.Timer(0.1, fut.set_result, args=(tensors,)).start()  # gloo's thread
+                return type("Work", (), {"get_future": lambda _: fut})()
+
+        class Manager:
+            _pg = Group()
+
+            def num_participants(self):
+                return 2
+
+            def is_participating(self):
+                return True
+
+            def participating_rank(self):
+                return 0
+
+            def errored(self):
+                return None
+
+            def wrap_future(self, fut, default):
+                out = torch.futures.Future()
+
+                def forward(f):
+                    out.set_result(f.value())
+                    time.sleep(0.3)
+                    after.append("torchft's callback ended")
+
+                fut.add_done_callback(forward)
+                return out
+
+        def once(request):
+            return (yield request)
+
+        backend = ManagerBackend(Manager(), rounds=1)
+        backend.begin_step()
+        backend.run(once(AllReduce(torch.ones(2)))).wait()
+        print(after == [], callbacks.drain(timeout=10.0), after == ["torchft's callback ended"])
+        """
+    )
+    assert out == ["True", "True", "True"]

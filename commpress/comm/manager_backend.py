@@ -27,6 +27,7 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
 from commpress.comm.backend import Backend, Channel, future_on
+from commpress.comm.callbacks import when_done
 from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, Finite, Reduction
 from commpress.errors import CollectiveError
 
@@ -119,7 +120,15 @@ class ManagerBackend(Backend):
                 raise CollectiveError(f"reported to the torchft Manager: {self.manager.errored()}")
             return result()
 
-        return self.manager.wrap_future(fut, _FAILED).then(done)
+        wrapped = self.manager.wrap_future(fut, _FAILED).then(done)
+        # torchft's callbacks on ``fut`` complete ``wrapped`` on gloo's thread and go on after
+        # it; a counted callback after them keeps the process from exiting under them
+        when_done(fut, _ran)
+        return wrapped
+
+
+def _ran(fut: torch.futures.Future) -> None:
+    """Nothing: the last callback on a collective's future, counted (``comm/callbacks.py``)."""
 
 
 def _forward(out: torch.futures.Future, fut: torch.futures.Future) -> None:
