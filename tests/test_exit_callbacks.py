@@ -137,3 +137,23 @@ def test_the_count_outlasts_torchft_callbacks_on_a_collective():
         """
     )
     assert out == ["True", "True", "True"]
+
+
+def test_a_forked_child_starts_with_no_count():
+    """A child forked while a collective's callback is pending runs none of its parent's
+    collectives: it must not wait for them at its exit."""
+    out = _run(
+        """
+        import os
+        fut = torch.futures.Future()
+        callbacks.when_done(fut, lambda f: None)
+        pid = os.fork()
+        if pid == 0:
+            print("child", callbacks.pending(), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("parent", callbacks.pending(), flush=True)
+        fut.set_result(None)
+        """
+    )
+    assert out == ["child", "0", "parent", "1"]

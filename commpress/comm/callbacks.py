@@ -1,21 +1,26 @@
 """Callbacks on collective futures that the process can exit after.
 
 gloo completes a collective's future on one of its worker threads and runs the future's
-Python callbacks there; once a callback has run, that thread takes the GIL once more to
-release it. If the main thread has begun tearing the interpreter down by then (a script
-that ends right after its last step), taking the GIL ends the worker thread inside a C++
-destructor and the process aborts ("terminate called without an active exception") after
-a run that succeeded. So every callback commpress hands to a collective's future is
-counted until it is released (after whatever it released in turn: the reduction, its
-futures), and at exit, before the interpreter is torn down, the main thread waits for
-the count to reach zero: at once after a normal run, a few milliseconds on a busy
-machine, at most :data:`EXIT_WAIT` seconds where a collective never completes.
+Python callbacks there; after a callback has run, that thread takes the GIL again to
+release it, and again to release the collective's tensors (torch keeps a tensor's Python
+object alive while C++ holds the tensor too). If the main thread has begun tearing the
+interpreter down by then (a script that ends right after its last step), taking the GIL
+ends the worker thread inside a C++ destructor and the process aborts ("terminate called
+without an active exception") after a run that succeeded. So every callback commpress
+hands to a collective's future is counted until it is released (after whatever it held:
+the reduction, its futures), and at exit, before the interpreter is torn down, the main
+thread waits with the GIL released until the count is zero and gloo's worker threads are
+idle: at once after a normal run, a few milliseconds on a busy machine, at most
+:data:`EXIT_WAIT` seconds where a collective never completes.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,50 +31,116 @@ __all__ = ["EXIT_WAIT", "drain", "pending", "when_done"]
 #: the longest the process waits at exit for callbacks of collectives still in flight
 EXIT_WAIT = 2.0
 
-_count = 0
-_changed = threading.Condition()
+#: the name torch gives gloo's worker threads (what runs the callbacks)
+_WORKER = "pt_gloo_runloop"
+
+
+class _Count:
+    """The callbacks not released yet, and whether any ever was counted."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.ever = False
+        self.changed = threading.Condition()
 
 
 class _Counted:
     """``fn``, counted from now until this object is released."""
 
     __slots__ = ("fn",)
+    count = _Count()  # a class attribute: still there if a late release runs during teardown
 
     def __init__(self, fn: Callable[[torch.futures.Future], Any]) -> None:
-        global _count
         self.fn: Callable[[torch.futures.Future], Any] | None = fn
-        with _changed:
-            _count += 1
+        with self.count.changed:
+            self.count.n += 1
+            self.count.ever = True
 
     def __call__(self, fut: torch.futures.Future) -> Any:
         assert self.fn is not None
         return self.fn(fut)
 
     def __del__(self) -> None:
-        global _count
-        self.fn = None  # what the callback holds goes now, while this thread has the GIL
-        with _changed:
-            _count -= 1
-            _changed.notify_all()
+        # release what ``fn`` holds first, so the count falls only once that is gone too
+        self.fn = None
+        with self.count.changed:
+            self.count.n -= 1
+            self.count.changed.notify_all()
 
 
 def when_done(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], Any]) -> None:
-    """Run ``fn(fut)`` when ``fut`` completes (on the thread that completes it), counted
-    until released so that the process does not exit under it."""
+    """Run ``fn(fut)`` when ``fut`` completes (on the thread that completes it; at once, on
+    this thread, if it has), counted until released so that the process does not exit
+    under it."""
     fut.add_done_callback(_Counted(fn))
 
 
 def pending() -> int:
     """How many callbacks handed to :func:`when_done` are not released yet."""
-    with _changed:
-        return _count
+    with _Counted.count.changed:
+        return _Counted.count.n
 
 
-def drain(timeout: float = EXIT_WAIT) -> bool:
+def drain(timeout: float | None = None) -> bool:
     """Wait (the GIL released) until every counted callback is released, at most
-    ``timeout`` seconds; whether they all were."""
-    with _changed:
-        return _changed.wait_for(lambda: _count == 0, timeout)
+    ``timeout`` seconds (default :data:`EXIT_WAIT`); whether they all were."""
+    count = _Counted.count
+    with count.changed:
+        return count.changed.wait_for(lambda: count.n == 0, EXIT_WAIT if timeout is None else timeout)
 
 
-atexit.register(drain)
+def _workers_busy() -> bool | None:
+    """Whether one of gloo's worker threads is running or waiting to run (after a callback
+    it releases the collective's tensors); None where ``/proc`` cannot tell."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread has ended
+        name, state = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
+        if name == _WORKER and state in ("R", "D"):
+            return True
+    return False
+
+
+def _settle(deadline: float) -> bool:
+    """Wait, the GIL released, until gloo's workers have been idle for two looks in a row
+    (50 ms where that cannot be seen), at most until ``deadline``; whether they were."""
+    idle = 0
+    while idle < 2:
+        busy = _workers_busy()
+        if busy is None:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            return True
+        idle = 0 if busy else idle + 1
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def _at_exit() -> None:
+    """Before the interpreter is torn down: wait for every counted callback and for gloo's
+    workers to let go of the collectives they ran; say so on stderr if that timed out."""
+    if not _Counted.count.ever:
+        return
+    deadline = time.monotonic() + EXIT_WAIT
+    if not drain(EXIT_WAIT) or not _settle(deadline):
+        print(
+            f"commpress: exiting before gloo's collectives finished ({pending()} callbacks pending after {EXIT_WAIT} s)",
+            file=sys.stderr,
+        )
+
+
+def _reset_in_child() -> None:
+    """A forked child runs none of its parent's collectives: it starts with no count."""
+    _Counted.count = _Count()
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_reset_in_child)

@@ -115,10 +115,12 @@ class TorchBackend(MeasurableBackend):
     def _result(self, channel: Channel, request: Collective, fut: torch.futures.Future) -> Any:
         """An all-reduce's tensor (reduced in place); a reduce-scatter's rows summed in
         rank order; an all-gather's output split into one tensor per rank."""
-        out = self._outputs.pop(id(request), None)
-        fut.value()  # raises the collective's error: never local or uninitialised data
-        if out is None:
+        if isinstance(request, AllReduce):
+            fut.value()  # raises the collective's error: never local or uninitialised data
             return request.tensor
+        out = self._outputs.pop(id(request), None)  # None where it failed to start: value() raises
+        fut.value()
+        assert out is not None
         rows = out.view(self._comms[channel].size(), -1)
         return sum_rows(rows) if isinstance(request, ReduceScatter) else list(rows.unbind(0))
 
