@@ -363,7 +363,7 @@ def test_state_dict_waits_for_late_callbacks_and_commits_the_finished_step():
     buffer, params = _bucket_grads()
     fut = state.reduce(0, buffer, params, advance=True)
     saved = state.state_dict()  # while the bucket is still on the wire
-    assert fut.done()
+    fut.wait()  # (completes just after its callback, which state_dict waited for)
     assert saved["step"] == 1
     assert set(saved["compressors"]["main"]["residuals"]) == {"param0", "param1"}
 

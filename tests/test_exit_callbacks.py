@@ -59,14 +59,24 @@ def test_drain_waits_for_a_callback_run_on_another_thread_and_is_bounded():
 
 
 def test_process_exits_cleanly_while_gloo_runs_a_callback():
-    """A gloo worker thread is still in a callback when the script ends (the process group
+    """A gloo worker thread is still in a callback when the script ends (the process groups
     left alive, as at the end of many scripts): the process waits for it and exits with 0.
     Handed to the future with ``then`` instead, the same script dies at exit (SIGSEGV or
-    SIGABRT): the worker takes the GIL back while the interpreter is torn down."""
+    SIGABRT): the worker takes the GIL back while the interpreter is torn down. Two ranks
+    of one process, so that the collective is still open when the callback is handed over
+    and completes on gloo's thread once the second rank joins it."""
     out = _run(
         """
+        from datetime import timedelta
         import torch.distributed as dist
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        store, groups = dist.HashStore(), [None, None]
+
+        def connect(rank):
+            groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+
+        joining = [threading.Thread(target=connect, args=(r,)) for r in range(2)]
+        [t.start() for t in joining]
+        [t.join() for t in joining]
         started = threading.Event()
 
         def body(f):
@@ -74,12 +84,15 @@ def test_process_exits_cleanly_while_gloo_runs_a_callback():
             time.sleep(0.3)  # the main thread ends the script meanwhile
             print("released", f.value()[0].tolist(), flush=True)
 
-        callbacks.when_done(dist.all_reduce(torch.ones(2), async_op=True).get_future(), body)
+        fut = groups[0].allreduce([torch.ones(2)]).get_future()
+        print(fut.done())  # rank 1 has not joined the all-reduce yet
+        callbacks.when_done(fut, body)
+        groups[1].allreduce([torch.ones(2)])
         started.wait()
         print("ends", flush=True)
         """
     )
-    assert out == ["ends", "released", "[1.0,", "1.0]"]
+    assert out == ["False", "ends", "released", "[2.0,", "2.0]"]
 
 
 def test_the_count_outlasts_torchft_callbacks_on_a_collective():
