@@ -102,8 +102,8 @@ def _workers_busy() -> bool | None:
                 stat = f.read()
         except OSError:
             continue  # the thread has ended
-        name, state = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
-        if name == _WORKER and state in ("R", "D"):
+        head, _, tail = stat.rpartition(")")  # "tid (name) state ..."
+        if head.partition("(")[2] == _WORKER and tail[1:2] in ("R", "D"):
             return True
     return False
 
@@ -130,7 +130,7 @@ def _at_exit() -> None:
     if not _Counted.count.ever:
         return
     deadline = time.monotonic() + EXIT_WAIT
-    if not drain(EXIT_WAIT) or not _settle(deadline):
+    if not drain() or not _settle(deadline):
         print(
             f"commpress: exiting before gloo's collectives finished ({pending()} callbacks pending after {EXIT_WAIT} s)",
             file=sys.stderr,
