@@ -43,10 +43,14 @@ TOGETHER = 3
 
 
 def config(method: str, sync_delay: int) -> dict[str, Any]:
-    table = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": sync_delay}
-    if method != "terngrad":  # terngrad with the eager merge (the default), the others with the mix
+    """TernGrad with the eager merge (the default) and an outer lr of ``"sqrt_replicas"``, as
+    the slow-link config; the others with the mix; Top-k (the failure runs) also with
+    ``"sqrt_replicas"``, which under the manager follows each sync's participants."""
+    table = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": sync_delay, "outer_momentum": 0.2}
+    table["outer_lr"] = "sqrt_replicas" if method in ("terngrad", "topk") else 0.8
+    if method != "terngrad":
         table["merge_alpha"] = 0.5
-    return {"method": method, "params": METHODS[method], "local_sgd": {**table, "outer_lr": 0.8, "outer_momentum": 0.2}}
+    return {"method": method, "params": METHODS[method], "local_sgd": table}
 
 
 def inner_step(net: nn.Module, opt: torch.optim.Optimizer, replica: int, step: int) -> None:
@@ -103,7 +107,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         meet.add("ready", 1)
         while int(meet.add("ready", 0)) < 2:
             time.sleep(0.05)
-    seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": [], "kernels": loaded}
+    seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": [], "lrs": [], "kernels": loaded}
     deadline, step = time.monotonic() + 150, 0
     while time.monotonic() < deadline:
         outer, compressor = trainer.outer_optimizer.state_dict(), trainer.averager.compressor.state_dict()
@@ -118,6 +122,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         if len(trainer.commits) == syncs:
             continue
         seen["participants"].append(trainer.backend.world_size)
+        seen["lrs"].append(trainer.outer_optimizer.param_groups[0]["lr"])
         if not trainer.backend.participating:
             seen["healed"] = True
         if scenario == "survivor" and not trainer.commits[-1] and "failed_sync" not in seen:

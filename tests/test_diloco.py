@@ -141,7 +141,7 @@ def test_sqrt_replicas_outer_lr_is_the_square_root_of_the_ranks_averaging(world)
     assert not torch.equal(_flat(scaled[0][0]), _flat(_model()))  # the models moved
 
 
-def test_sqrt_replicas_is_diloco_only_and_refused_under_a_manager():
+def test_sqrt_replicas_is_diloco_only():
     with pytest.raises(ConfigError, match="applies to algorithm = 'diloco'"):
         Config.load({"local_sgd": {"algorithm": "co2", "outer_lr": "sqrt_replicas"}})
     with pytest.raises(ConfigError, match=r"outer_lr = 'sqrt' is not accepted; .* one of 'sqrt_replicas'"):
@@ -149,13 +149,10 @@ def test_sqrt_replicas_is_diloco_only_and_refused_under_a_manager():
     with pytest.raises(ConfigError, match=r"outer_lr = -1\.0 is not accepted; expected a number > 0 or 'sqrt_replicas'"):
         Config.load({"local_sgd": {"algorithm": "diloco", "outer_lr": -1.0}})
     from commpress.local_sgd import CO2
-    from commpress.local_sgd.managed import ManagedDiLoCo
 
     model = _model()
     with pytest.raises(ConfigError, match="applies to algorithm = 'diloco'"):
         CO2(model, torch.optim.AdamW(model.parameters()), 2, outer_lr="sqrt_replicas")
-    with pytest.raises(ConfigError, match="replicas change between syncs"):
-        ManagedDiLoCo(model, torch.optim.AdamW(model.parameters()), None, 2, outer_lr="sqrt_replicas")
 
 
 def test_outer_step_moves_only_its_fragment():

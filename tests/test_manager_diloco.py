@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -69,6 +70,9 @@ def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bi
     assert s["kept"] == [True, True, True, True, True], s
     assert s["alone"] >= 1 and not s["healed"], s
     assert j["healed"] and j["step"] == s["step"], (s, j)
+    for seen in (s, j):  # outer_lr = "sqrt_replicas": sqrt of each sync's participants, 1.0 alone
+        assert seen["lrs"] == [math.sqrt(m) for m in seen["participants"]], seen
+    assert {1, 2} <= set(s["participants"]), s
     assert j["kernels"] == [False, True], j  # the restarted process loads its kernels before its first sync
     a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("survivor", "joiner"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])

@@ -13,7 +13,9 @@ the next sync takes the same fragment again, its pseudo-gradient covering those 
 (torchft's own DiLoCo puts the fragment back at its anchor, dropping them). A non-finite
 average puts the fragment back at its anchor (its values may hold the inf). The fragment
 and the compressors' step come from the manager's step (committed syncs), so replicas that
-joined at different times sync the same fragment with the same seeds.
+joined at different times sync the same fragment with the same seeds; ``outer_lr =
+"sqrt_replicas"`` takes the square root of each sync's participants (1.0 for a replica
+syncing alone).
 
 A (re)joining replica heals at its first sync: the manager hands it a healthy peer's
 anchor, outer optimizer state and the compressor's shared state (registered with
@@ -70,11 +72,6 @@ class ManagedDiLoCo(DiLoCo):
     ) -> None:
         if period is not None and not isinstance(period, (int, Constant)):
             raise ConfigError(f"{self.name}: period = {period!r} is not accepted; expected a constant period (an int)")
-        if kwargs.get("outer_lr") == SQRT_REPLICAS:
-            raise ConfigError(
-                f"{self.name}: outer_lr = {SQRT_REPLICAS!r} is not accepted (the replicas change between syncs); expected "
-                "a number > 0, e.g. the square root of the replica groups the job runs"
-            )
         self.manager = manager
         groups = MethodGroups(Config(method=method, params=dict(params or {})))
         averager = ParameterAverager(method, params, backend=ManagerBackend(manager, groups.rounds))
@@ -124,6 +121,14 @@ class ManagedDiLoCo(DiLoCo):
         self.manager.allow_state_dict_read()  # a healing peer may read this replica's state now
         self.manager.start_quorum()
         self.backend.begin_step()
+        self._follow_participants()
+
+    def _follow_participants(self) -> None:
+        """``outer_lr = "sqrt_replicas"``: sqrt(M), M this sync's participants (a healing
+        replica's input counts as zero and it is not among them); every replica of the
+        quorum sees the same M, so their outer steps stay bit for bit equal."""
+        if self.outer_lr_setting == SQRT_REPLICAS:
+            self._scale_outer_lr()
 
     def start_due(self, final: bool = False) -> None:
         """At a round's end: land what is in flight, then the next sync (a quorum, then the
@@ -213,6 +218,7 @@ class ManagedDiLoCo(DiLoCo):
             self._healed = True
             self.anchor.copy_(state["anchor"])
             self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer"]))
+            self._follow_participants()  # the peer's lr may be its last sync's, read before its quorum
             self.averager.compressor.load_state_dict(copy.deepcopy(state["compressor"]))
             log = self.backend.log or []
             for (fragment, ctx), results in zip(self._replays, log):
