@@ -6,7 +6,8 @@ Run as ``python manager_diloco_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT 
 - ``same``: for each method of :data:`METHODS`, DiLoCo over a plain gloo group
   (``init_process_group`` on STORE_PORT) and through the manager, in the same process;
   writes whether the models and anchors came out bit for bit equal.
-- ``survivor`` / ``killed`` / ``joiner``: replica 1 dies inside the average of sync
+- ``survivor-M`` / ``killed-M`` / ``joiner-M`` (M: ``topk`` or ``terngrad``, entropy-coded):
+  replica 1 dies inside the average of sync
   :data:`KILL_SYNC`; replica 0 checks that the sync left its anchor, outer state and
   compressor state as they were and the fragment with the step's values, as if the sync had
   not run (not the anchor's), syncs alone, and
@@ -17,10 +18,12 @@ Run as ``python manager_diloco_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +33,16 @@ from manager_workers import batch, make_manager, model, run, same
 from torch import nn
 
 import commpress
+from commpress.compressors import AllGather, Collective, terngrad
+from commpress.compressors.wire import entropy
 from commpress.config import Config
+from commpress.kernels.cpu import ternary as ternary_kernels
 from commpress.kernels.cpu import topk as topk_kernels
 from commpress.local_sgd.flat import FlatModel
 from commpress.local_sgd.managed import managed_from_config
 
 #: the methods compared with the plain run, and their parameters
-METHODS: dict[str, dict[str, Any]] = {"none": {}, "terngrad": {}, "topk": {"ratio": 0.3}}
+METHODS: dict[str, dict[str, Any]] = {"none": {}, "terngrad": {"entropy": True}, "topk": {"ratio": 0.3}}
 STEPS = 9  # inner steps of the comparison (a round in progress at the end: finish() syncs it)
 KILL_SYNC = 3
 TOGETHER = 3
@@ -90,24 +96,28 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
 
 
 def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
+    role, _, method = scenario.partition("-")
     meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
     manager = make_manager(replica, lighthouse)
-    net = model(7 if scenario == "joiner" else 0)
+    net = model(7 if role == "joiner" else 0)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     manager.register_state_dict_fn("model", net.load_state_dict, net.state_dict)
     manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
-    kernels = [f for f in vars(topk_kernels).values() if hasattr(f, "signatures")]  # numba's, loaded on first use
+    module = {"topk": topk_kernels, "terngrad": ternary_kernels}[method]
+    kernels = [f for f in vars(module).values() if hasattr(f, "signatures")]  # numba's, loaded on first use
     loaded = [any(f.signatures for f in kernels)]
-    trainer = commpress.register(net, config("topk", sync_delay=0), optimizer=opt, manager=manager).local_sgd
+    outside: list[bool] = []
+    terngrad.coded_gather = functools.partial(_spied, outside)
+    trainer = commpress.register(net, config(method, sync_delay=0), optimizer=opt, manager=manager).local_sgd
     loaded.append(any(f.signatures for f in kernels))  # at registration, before the first quorum
-    if scenario == "killed":
+    if role == "killed":
         start = trainer.averager.start
         trainer.averager.start = lambda *a, **k: os._exit(0) if manager.current_step() == KILL_SYNC else start(*a, **k)
-    if scenario != "joiner":
+    if role != "joiner":
         meet.add("ready", 1)
         while int(meet.add("ready", 0)) < 2:
             time.sleep(0.05)
-    seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": [], "lrs": [], "kernels": loaded}
+    seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": [], "lrs": [], "kernels": loaded, "outside": outside}
     deadline, step = time.monotonic() + 150, 0
     while time.monotonic() < deadline:
         outer, compressor = trainer.outer_optimizer.state_dict(), trainer.averager.compressor.state_dict()
@@ -125,7 +135,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         seen["lrs"].append(trainer.outer_optimizer.param_groups[0]["lr"])
         if not trainer.backend.participating:
             seen["healed"] = True
-        if scenario == "survivor" and not trainer.commits[-1] and "failed_sync" not in seen:
+        if role == "survivor" and not trainer.commits[-1] and "failed_sync" not in seen:
             fragment = trainer.fragments[KILL_SYNC % len(trainer.fragments)]
             seen["failed_sync"] = syncs
             seen["kept"] = [
@@ -135,7 +145,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
                 torch.equal(trainer.flat.read(tensors=fragment.tensors), FlatModel(twin).read(tensors=fragment.tensors)),
                 not torch.equal(trainer.flat.read(tensors=fragment.tensors), trainer.anchor[fragment.where]),
             ]
-        if scenario == "survivor" and "failed_sync" in seen and trainer.commits[-1]:
+        if role == "survivor" and "failed_sync" in seen and trainer.commits[-1]:
             if trainer.backend.world_size == 1:
                 seen["alone"] += 1
                 time.sleep(0.3)  # leave the restarted replica time to join
@@ -149,6 +159,21 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     torch.save({"model": net.state_dict(), "shared": shared}, out / f"{scenario}.pt")
     (out / f"{scenario}.json").write_text(json.dumps(seen))
     manager.shutdown(wait=False)
+
+
+def _spied(outside: list[bool], payload: torch.Tensor) -> Generator[Collective, Any, list[torch.Tensor]]:
+    """:func:`coded_gather`, noting for each gather whether this rank's coded payload was
+    longer than the counted ranks' largest (a healing replica's may be: its frame then says
+    it holds nothing)."""
+    gather = entropy.coded_gather(payload)
+    request = next(gather)
+    try:
+        while True:
+            if isinstance(request, AllGather):
+                outside.append(int(request.tensor[: entropy.HEADER_BYTES].view(torch.int32)[0]) == -1)
+            request = gather.send((yield request))
+    except StopIteration as done:
+        return done.value
 
 
 if __name__ == "__main__":

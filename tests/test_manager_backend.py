@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed import ReduceOp
 
 from commpress.comm.manager_backend import ManagerBackend, replay
 from commpress.compressors import AllGather, AllReduce
@@ -29,7 +30,10 @@ class _Group:
         return type("Work", (), {"get_future": lambda _: fut})()
 
     def allreduce(self, tensors, opts):
-        tensors[0].add_(self.peer)
+        if opts.reduceOp == ReduceOp.MAX:
+            torch.maximum(tensors[0], self.peer.to(tensors[0].dtype), out=tensors[0])
+        else:
+            tensors[0].add_(self.peer)
         return self._done()
 
     def allgather(self, outputs, inputs, opts):
@@ -98,6 +102,15 @@ def test_a_healing_replica_sends_zeros_in_an_all_reduce_and_its_log_replays():
     assert backend.log is not None and torch.equal(backend.log[0][0], got)
     again = replay(_once(AllReduce(torch.zeros(4))), backend.log[0])
     assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_a_healing_replica_counts_as_nothing_in_a_maximum(dtype):
+    """Zero is no identity for a maximum: a healing replica sends the lowest value, so the
+    peers' maximum comes back even where every peer's value is below zero."""
+    backend = _backend(torch.full((2,), -3).to(dtype), peer_in=True, me_in=False)
+    got = backend.run(_once(AllReduce(torch.full((2,), 7).to(dtype), op="max"))).wait()
+    assert torch.equal(got, torch.full((2,), -3).to(dtype))
 
 
 def test_a_failed_collective_fails_the_reduction_and_reaches_the_manager():

@@ -72,6 +72,26 @@ def test_a_frame_that_lies_about_its_length_is_refused():
         gen.send([flat[1 : 1 + width], flat[1 + width :]])
 
 
+def test_a_rank_outside_the_maximum_sends_a_frame_nobody_decodes():
+    """A replica healing under a torchft Manager counts as nothing in the sizes' maximum, so
+    its own codes may be longer than the frames: it still sends one (the collective goes on,
+    its frame is dropped), saying it holds nothing; decoding it is refused."""
+    noisy = torch.randint(0, 256, (4000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    gen = coded_gather(noisy)  # codes to about 4000 bytes
+    sizes = next(gen)
+    assert sizes.tensor.item() > 1000
+    request = gen.send(torch.tensor([10.0], dtype=torch.float64))  # the counted ranks' largest: 10 bytes
+    assert request.tensor.numel() == HEADER_BYTES + 10
+    outside = request.tensor
+    assert outside[:HEADER_BYTES].view(torch.int32).item() == -1
+    counted = coded_gather(torch.zeros(8, dtype=torch.uint8))  # a counted rank that gets that frame
+    own = counted.send(next(counted).tensor)
+    width = max(own.tensor.numel(), outside.numel())
+    frames = [torch.cat([f, torch.zeros(width - f.numel(), dtype=torch.uint8)]) for f in (own.tensor, outside)]
+    with pytest.raises(RuntimeError, match="not in the gather's maximum"):
+        counted.send(frames)
+
+
 def test_config_errors():
     with pytest.raises(ConfigError, match=r"entropy"):
         build("terngrad", {"entropy": "yes"})

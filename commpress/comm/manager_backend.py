@@ -4,10 +4,11 @@ reconfigurable process group and its errors to the manager, so a lost peer fails
 
 Why not ``manager.allreduce``: it averages (a compressor divides by the step's participants
 itself, from ``ctx.world_size``) and its future chain is lazy (it completes only once
-waited on). Like it, this backend waits for the quorum, zeroes a healing replica's
-all-reduce input and reports failures through ``manager.wrap_future``. An all-gather carries
-one more byte saying whether its sender participates, and a healing replica's entry is
-dropped: every average counts the step's participants only (``num_participants()``).
+waited on). Like it, this backend waits for the quorum, makes a healing replica's
+all-reduce input count as nothing (zeros; for a maximum, the lowest value) and reports
+failures through ``manager.wrap_future``. An all-gather carries one more byte saying
+whether its sender participates, and a healing replica's entry is dropped: every average
+counts the step's participants only (``num_participants()``).
 
 One process group carries every collective, so reductions run one after another (a later
 round, issued from a completion callback, would otherwise be issued in a timing-dependent
@@ -19,6 +20,7 @@ results of the step's collectives are kept (:attr:`ManagerBackend.log`) so the h
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -98,7 +100,7 @@ class ManagerBackend(Backend):
         if isinstance(request, AllReduce):
             tensor = request.tensor
             if not self.participating:
-                tensor.zero_()
+                tensor.fill_(_identity(request.op, tensor.dtype))
             opts = AllreduceOptions()
             opts.reduceOp = _OPS[request.op]
             return self._checked(pg.allreduce([tensor], opts).get_future(), lambda: tensor)
@@ -125,6 +127,14 @@ class ManagerBackend(Backend):
         # it; a counted callback after them keeps the process from exiting under them
         when_done(fut, _ran)
         return wrapped
+
+
+def _identity(op: str, dtype: torch.dtype) -> float:
+    """What a healing replica contributes to an all-reduce ``op``: nothing (sum: 0; max: the
+    dtype's lowest value, -inf for floats)."""
+    if op == "sum":
+        return 0
+    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
 def _ran(fut: torch.futures.Future) -> None:

@@ -8,7 +8,10 @@ entropy, for 15-25 ms of one core per megabyte of codes, coded and decoded
 (docs/quantization.md, "Entropy-coded codes"). Coded sizes differ between ranks, so the
 gather takes two collectives: the largest coded size (an all-reduce of one number, max),
 then every rank's coded bytes padded to it, each led by its length. A payload that does not
-shrink travels as it is.
+shrink travels as it is. A rank whose length did not count in the maximum (a replica healing
+under a torchft Manager: its all-reduce input is the op's identity and its gathered frame is
+dropped) may code longer than the maximum: it sends a frame that says so (length -1), which
+no rank decodes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ __all__ = ["HEADER_BYTES", "coded_gather"]
 
 #: Bytes before each rank's coded payload: its coded length (int32).
 HEADER_BYTES = 4
+#: The length a frame gives when its rank's bytes did not fit the maximum (see above).
+_NOT_SENT = -1
 # raw deflate (no zlib header or checksum: the transport is checked), Huffman codes only
 _WBITS = -15
 
@@ -39,8 +44,9 @@ def coded_gather(payload: torch.Tensor) -> Generator[Collective, Any, list[torch
         coded = raw  # a length equal to the payload's says: sent as it is
     longest = yield AllReduce(torch.tensor([float(len(coded))], dtype=torch.float64), op="max")
     send = torch.zeros(HEADER_BYTES + int(longest[0].item()), dtype=torch.uint8)
-    send[:HEADER_BYTES] = torch.tensor([len(coded)], dtype=torch.int32).view(torch.uint8)
-    if coded:
+    counted = len(coded) <= send.numel() - HEADER_BYTES
+    send[:HEADER_BYTES] = torch.tensor([len(coded) if counted else _NOT_SENT], dtype=torch.int32).view(torch.uint8)
+    if coded and counted:
         send[HEADER_BYTES : HEADER_BYTES + len(coded)] = torch.frombuffer(bytearray(coded), dtype=torch.uint8)
     gathered = yield AllGather(send.to(payload.device))
     out = []
@@ -60,6 +66,8 @@ def _deflate(raw: bytes) -> bytes:
 def _inflated(frame: torch.Tensor, size: int) -> torch.Tensor:
     """One rank's gathered frame back to its ``size`` payload bytes."""
     length = int(frame[:HEADER_BYTES].clone().view(torch.int32)[0])  # frames may start anywhere in one buffer
+    if length == _NOT_SENT:
+        raise RuntimeError("an entropy-coded frame from a rank whose length was not in the gather's maximum was decoded")
     if not 0 <= length <= frame.numel() - HEADER_BYTES:
         raise RuntimeError(f"entropy-coded frame says {length} bytes but holds {frame.numel() - HEADER_BYTES}")
     body = frame[HEADER_BYTES : HEADER_BYTES + length]
