@@ -33,6 +33,7 @@ from manager_workers import batch, make_manager, model, run, same
 from torch import nn
 
 import commpress
+from commpress.comm.manager_backend import ManagerBackend
 from commpress.compressors import AllGather, Collective, terngrad
 from commpress.compressors.wire import entropy
 from commpress.config import Config
@@ -99,7 +100,10 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     role, _, method = scenario.partition("-")
     meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
     manager = make_manager(replica, lighthouse)
-    net = model(7 if role == "joiner" else 0)
+    # TernGrad: wide enough that the survivor's codes shrink when deflated (a 1.6 kB payload
+    # of 2-bit codes, against about 0.1 kB at width 32, where deflate's tables cost more than
+    # it saves), so the healing replica's payload, made incompressible by _spied, is longer
+    net = model(7 if role == "joiner" else 0, hidden=256 if method == "terngrad" else 32)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     manager.register_state_dict_fn("model", net.load_state_dict, net.state_dict)
     manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
@@ -107,8 +111,10 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     kernels = [f for f in vars(module).values() if hasattr(f, "signatures")]  # numba's, loaded on first use
     loaded = [any(f.signatures for f in kernels)]
     outside: list[bool] = []
-    terngrad.coded_gather = functools.partial(_spied, outside)
+    backend: list[ManagerBackend] = []
+    terngrad.coded_gather = functools.partial(_spied, outside, backend)
     trainer = commpress.register(net, config(method, sync_delay=0), optimizer=opt, manager=manager).local_sgd
+    backend.append(trainer.backend)
     loaded.append(any(f.signatures for f in kernels))  # at registration, before the first quorum
     if role == "killed":
         start = trainer.averager.start
@@ -161,10 +167,16 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     manager.shutdown(wait=False)
 
 
-def _spied(outside: list[bool], payload: torch.Tensor) -> Generator[Collective, Any, list[torch.Tensor]]:
+def _spied(
+    outside: list[bool], backend: list[ManagerBackend], payload: torch.Tensor
+) -> Generator[Collective, Any, list[torch.Tensor]]:
     """:func:`coded_gather`, noting for each gather whether this rank's coded payload was
-    longer than the counted ranks' largest (a healing replica's may be: its frame then says
-    it holds nothing)."""
+    longer than the counted ranks' largest (its frame then says it holds nothing). While
+    the replica heals, its payload is replaced by bytes that do not compress, so that case
+    happens whatever the data: a healing replica's payload is dropped by its peers and its
+    own replay, so no bits of the run change."""
+    if backend and not backend[0].participating:
+        payload = torch.randint(0, 256, payload.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     gather = entropy.coded_gather(payload)
     request = next(gather)
     try:

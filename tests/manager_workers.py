@@ -54,9 +54,9 @@ FAILING = {
 BUCKET_MB = 0.001  # about one parameter per bucket: several buckets, several rounds in flight
 
 
-def model(seed: int) -> nn.Module:
+def model(seed: int, hidden: int = 32) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    return nn.Sequential(nn.Linear(16, hidden), nn.Tanh(), nn.Linear(hidden, 8))
 
 
 def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,7 +56,8 @@ def test_diloco_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("method", ["topk", "terngrad"])
 def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bit(tmp_path, method):
     """Top-k, and TernGrad entropy-coded (the slow-link config's method), whose healing
-    replica codes longer than the survivor: its frame is sent and dropped, no peer waits."""
+    replica codes longer than the survivor (made so: ``_spied`` in the workers): its frame
+    is sent and dropped, no peer waits."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30000, heartbeat_timeout_ms=2000)
     meet = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     survivor, killed, joiner = (f"{role}-{method}" for role in ("survivor", "killed", "joiner"))
