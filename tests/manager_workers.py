@@ -41,6 +41,7 @@ PARAMS: dict[str, dict[str, Any]] = {
     "powersgd": {"rank": 2, "min_compression_rate": 0.0},
     "acpsgd": {"rank": 2, "min_compression_rate": 0.0},
     "topk": {"ratio": 0.3},
+    "terngrad": {"entropy": True},  # two collectives a bucket, sizes from a maximum: the slow-link config's codes
 }
 STEPS = 3
 KILL_STEP = 2
