@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from commpress.adaptive.hierarchy import Hierarchy
-from commpress.compressors.wire.collectives import Reduction
+from commpress.compressors.wire.collectives import Collective, Reduction, relayed
 
 __all__ = ["CollectiveLog", "Measured", "Record", "active", "measured", "recording"]
 
@@ -57,16 +57,18 @@ class CollectiveLog:
     def wrap(self, reduction: Reduction, step: int, bucket: int) -> Reduction:
         """``reduction`` with each of its collectives timed into :attr:`records`."""
         counts: dict[str, int] = {}
-        try:
-            request = next(reduction)
-            while True:
-                ordinal = counts[request.scope] = counts.get(request.scope, -1) + 1
-                start = time.perf_counter()
-                result = yield request
-                self.records.append(Record(step, bucket, request.scope, ordinal, request.nbytes, start, time.perf_counter()))
-                request = reduction.send(result)
-        except StopIteration as done:
-            return done.value
+        started: list[tuple[int, float]] = []
+
+        def before(request: Collective) -> Collective:
+            counts[request.scope] = counts.get(request.scope, -1) + 1
+            started.append((counts[request.scope], time.perf_counter()))
+            return request
+
+        def after(request: Collective, _: Any) -> None:
+            ordinal, start = started.pop()
+            self.records.append(Record(step, bucket, request.scope, ordinal, request.nbytes, start, time.perf_counter()))
+
+        return relayed(reduction, before, after)
 
 
 _ACTIVE: list[CollectiveLog] = []

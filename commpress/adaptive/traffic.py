@@ -39,7 +39,8 @@ from commpress.adaptive.hierarchical import Place, shard_ranges, shard_slots
 from commpress.adaptive.hierarchy import Hierarchy
 from commpress.adaptive.topology import Topology
 from commpress.comm.simulated import SimulatedWorld
-from commpress.compressors import EXACT, Bucket, Context, ParamSlot, Reduction, Transfer, build
+from commpress.compressors import EXACT, Bucket, Context, ParamSlot, Transfer, build
+from commpress.compressors.wire.collectives import relayed
 from commpress.config.groups import MAIN
 
 __all__ = [
@@ -148,18 +149,8 @@ def _dry_run(method: str, params: Mapping[str, Any], slots: tuple[ParamSlot, ...
     buckets = [Bucket(0, torch.randn(total, generator=gen).to(dtype), slots) for _ in range(n)]
     seen: list[Any] = []
     reductions = [build(method, params).reduce(b, Context(rank=r, world_size=n, step=0)) for r, b in enumerate(buckets)]
-    SimulatedWorld(n).run([_recorded(reductions[0], seen), *reductions[1:]])
+    SimulatedWorld(n).run([relayed(reductions[0], after=lambda request, _: seen.append(request)), *reductions[1:]])
     return [Transfer.of(req) for req in seen if req.nbytes]
-
-
-def _recorded(reduction: Reduction, seen: list[Any]) -> Reduction:
-    try:
-        request = next(reduction)
-        while True:
-            seen.append(request)
-            request = reduction.send((yield request))
-    except StopIteration:
-        return
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ traffic model speak in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ __all__ = [
     "Reduction",
     "Transfer",
     "in_scope",
+    "relayed",
     "sum_rows",
 ]
 
@@ -129,13 +130,27 @@ class Transfer:
         return 2 * (n - 1) if self.kind == "all_reduce" else n - 1
 
 
-def in_scope(reduction: Reduction, scope: Scope) -> Reduction:
-    """Run ``reduction`` with every collective it yields moved to ``scope`` (e.g. a
-    compressor written for the whole group, run across domains)."""
+def relayed(
+    reduction: Reduction,
+    before: Callable[[Collective], Collective] | None = None,
+    after: Callable[[Collective, Any], None] | None = None,
+) -> Reduction:
+    """Run ``reduction`` with each collective it yields passed through ``before`` on its way
+    out (which may replace it) and handed to ``after`` with its result on the way back: the
+    one place where a reduction is watched or rewritten between it and its backend."""
     try:
         request = next(reduction)
         while True:
-            result = yield dataclasses.replace(request, scope=scope)
+            sent = before(request) if before else request
+            result = yield sent
+            if after:
+                after(sent, result)
             request = reduction.send(result)
     except StopIteration as done:
         return done.value
+
+
+def in_scope(reduction: Reduction, scope: Scope) -> Reduction:
+    """Run ``reduction`` with every collective it yields moved to ``scope`` (e.g. a
+    compressor written for the whole group, run across domains)."""
+    return relayed(reduction, before=lambda request: dataclasses.replace(request, scope=scope))
