@@ -36,6 +36,18 @@ def test_quantized_values_conserve_mass(bits):
     assert old.abs().sum() > 0
 
 
+@pytest.mark.parametrize("bits", [2, 8])
+def test_quantized_values_in_a_bucket_of_whole_tensors_only(bits):
+    # every tensor below min_numel goes whole: no values to quantize, the exact average
+    sim = SimulatedWorld(2)
+    comps = sim.compressors(lambda: build("topk", {"ratio": 0.05, "value_bits": bits, "min_numel": 1000}))
+    bs = [_bucket(_grads(seed)) for seed in (0, 1)]
+    expected = (bs[0].buffer + bs[1].buffer) / 2
+    _step(sim, comps, bs)
+    for b in bs:
+        torch.testing.assert_close(b.buffer, expected)
+
+
 def test_quantized_values_are_b_bit_levels_of_each_tensors_selection():
     # per tensor the sent values take at most 2**bits distinct values between the
     # selection's min and max; the entries are the ones plain Top-k sends

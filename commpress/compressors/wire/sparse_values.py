@@ -67,6 +67,8 @@ class ValueCodec:
         add, as the quantizer's own decode), from ``[world, T]`` mins and scales and
         ``[world, bytes]`` codes."""
         world, nbytes = packed.shape
+        if not counts:  # every tensor of the bucket went whole: no values
+            return packed.new_empty(world, 0, dtype=torch.float32)
         per = 8 // self.bits
         codes = unpack_bits(packed.reshape(-1), self.bits, world * nbytes * per).view(world, nbytes * per)
         where, which = self._where(tuple(counts), packed.device)
