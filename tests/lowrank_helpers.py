@@ -55,7 +55,7 @@ def error_of(comp, bucket: Bucket) -> torch.Tensor:
     return out
 
 
-def seeded_state(comps, bucket: Bucket, rank: int, steps: int, seed: int = 7) -> list[dict]:
+def seeded_state(comps, bucket: Bucket, rank: int, seed: int = 7) -> list[dict]:
     """Load a known state into every rank's compressor: a random error per rank (errors
     differ across ranks), random q and p factors shared by all. Returns the loaded states
     as flat tensors laid out like the bucket (error) and the plan's factor buffers (q, p)."""
@@ -66,15 +66,14 @@ def seeded_state(comps, bucket: Bucket, rank: int, steps: int, seed: int = 7) ->
     for comp in comps:
         error = torch.randn(bucket.buffer.numel(), generator=g)
         error[plan.dense_index] = 0
-        saved = {"error": {}, "q": {}, "p": {}, "steps": {}}
+        saved = {"error": {}, "q": {}, "p": {}}
         for f in plan.factors:
             name = f.slot.name
             saved["error"][name] = error[f.slot.offset : f.slot.offset + f.slot.numel].view(f.slot.shape).clone()
             saved["q"][name] = q[f.q_offset : f.q_offset + f.rank * f.m].view(f.rank, f.m).clone()
             saved["p"][name] = p[f.p_offset : f.p_offset + f.n * f.rank].view(f.n, f.rank).clone()
-            saved["steps"][name] = steps
         comp.load_state_dict(saved)
-        states.append({"error": error, "q": q.clone(), "p": p.clone(), "steps": steps})
+        states.append({"error": error, "q": q.clone(), "p": p.clone()})
     return states
 
 

@@ -1,9 +1,14 @@
 """ACP-SGD (Zhang et al., ICDCS 2023): PowerSGD's two factor updates, one per step.
 
-Odd steps orthonormalize Q and all-reduce ``P = M Q``; even steps orthonormalize P and
+Even steps orthonormalize Q and all-reduce ``P = M Q``; odd steps orthonormalize P and
 all-reduce ``Q = M^T P``. One all-reduce per bucket and step, of about half PowerSGD's
 bytes, so it keeps DDP's bucketing and overlap with the backward pass; the alternation is
 the warm start, and one error buffer carries what either step left out.
+
+Which factor a step sends follows the step number alone, never the state: every rank
+issues the same all-reduce even where its state differs from its peers' (a replica
+healing under a torchft Manager starts empty while its peers hold P). A factor a matrix
+does not hold yet (its first step, a healing replica) is the step's shared random draw.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from typing import Any, ClassVar
 import torch
 
 from commpress.compressors.base import AllReduce, Bucket, Context, ParamSlot, Reduction, Transfer
-from commpress.compressors.lowrank import LowRankCompressor, _Step
+from commpress.compressors.lowrank import LowRankCompressor, _Layout, _Step
 from commpress.compressors.lowrank_plan import orthonormalize
 from commpress.compressors.registry import register_compressor
+from commpress.compressors.wire.seeding import shared_normal, stream_starts
 
 __all__ = ["ACPSGDCompressor"]
 
@@ -26,8 +32,8 @@ class ACPSGDCompressor(LowRankCompressor):
     """Alternating low-rank compression with error feedback.
 
     Sends ``4 r n`` bytes per n x m matrix on P steps and ``4 r m`` on Q steps, plus the
-    dense elements in fp32. Without ``warm_start`` every step is a P step from a fresh
-    shared random Q.
+    dense elements in fp32: P on even steps, Q on odd ones. Without ``warm_start`` every
+    step is a P step from a fresh shared random Q.
     """
 
     name: ClassVar[str] = "acpsgd"
@@ -50,9 +56,8 @@ class ACPSGDCompressor(LowRankCompressor):
         lay = step.layout
         plan = lay.plan
         old_p = None
-        if self.warm_start and step.steps % 2 == 1 and plan.batches:
-            old_p, missing = self._memory.gather("p", lay.ps, plan.p_numel, lay.device)
-            old_p = None if missing else old_p  # a parameter without P: a P step
+        if self.warm_start and ctx.step % 2 == 1 and plan.batches:
+            old_p, _ = self._memory.gather("p", lay.ps, plan.p_numel, lay.device, fill=lambda: self._random_p(lay, ctx.step))
         if old_p is None:
             qs = self._start_qs(lay, ctx.step) if plan.batches else []
             payload = self._payload(bucket, plan, plan.p_numel, ctx.world_size)
@@ -77,3 +82,9 @@ class ACPSGDCompressor(LowRankCompressor):
             self._decompress(bucket, step, ps, plan.qt_views(factors))
             self._memory.stage("q", lay.qs, summed)
         return True  # the factors and the dense elements were checked: their products are finite
+
+    def _random_p(self, lay: _Layout, step: int) -> torch.Tensor:
+        """Random P factors of the bucket, for a Q step where a matrix holds no P: drawn
+        like :meth:`_random_qt`'s Q, from streams of their own (the same on every rank)."""
+        pieces = [(f"{name}/p", f.n * f.rank) for name, f in zip(lay.names, lay.plan.factors)]
+        return shared_normal(stream_starts(self.seed, pieces, lay.device), step)

@@ -2,8 +2,8 @@
 (error feedback, warm or random start, the dense part fused into the factor all-reduce,
 decompression), the non-finite policy, staged state and checkpoints.
 
-State is kept per parameter name in an :class:`ErrorMemory` (kinds "error", "q", "p" and
-a step counter), so it follows a parameter into whatever bucket DDP puts it. A step
+State is kept per parameter name in an :class:`ErrorMemory` (kinds "error", "q" and "p"),
+so it follows a parameter into whatever bucket DDP puts it. A step
 stages its changes; :meth:`Compressor.end_step` commits or drops them.
 """
 
@@ -28,7 +28,7 @@ from commpress.schema import Bounds
 
 __all__ = ["LowRankCompressor"]
 
-_STATE_KEYS = ("error", "p", "q", "steps")
+_STATE_KEYS = ("error", "p", "q")
 _RANK_STEPS = range(-2, 4)  # a layer-wise plan's ranks: the configured rank * 2**j
 
 
@@ -55,7 +55,6 @@ class _Step:
     layout: _Layout
     ms: list[torch.Tensor]  # M = grad + error of every batch (fp32)
     m_buffer: torch.Tensor | None  # the flat buffer the ms view (with error feedback)
-    steps: int  # committed compressed steps of these parameters
 
 
 class LowRankCompressor(Compressor):
@@ -138,15 +137,14 @@ class LowRankCompressor(Compressor):
         """The method's collectives for a started step (``step`` from :meth:`_begin`)."""
 
     def _begin(self, bucket: Bucket) -> _Step | None:
-        """The shared start of a step: check the dtype, then this bucket's layout, step
-        count and matrices ``M`` (see :meth:`_matrices`); None for an empty bucket."""
+        """The shared start of a step: check the dtype, then this bucket's layout and
+        matrices ``M`` (see :meth:`_matrices`); None for an empty bucket."""
         self.check_dtype(bucket)
         if bucket.buffer.numel() == 0:
             return None
         lay = self._layout(bucket)
-        steps = max((self._memory.count(n) for n in lay.names), default=0)
         ms, m_buffer = self._matrices(bucket, lay)
-        return _Step(lay, ms, m_buffer, steps)
+        return _Step(lay, ms, m_buffer)
 
     def _matrices(self, bucket: Bucket, lay: _Layout) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """``M`` of every batch, in fp32: ``grad + error`` (error feedback) written into a
@@ -200,7 +198,7 @@ class LowRankCompressor(Compressor):
 
     def _decompress(self, bucket: Bucket, step: _Step, ps: list[torch.Tensor], qts: list[torch.Tensor]) -> None:
         """Write ``P Qt`` (already averaged) into the bucket; with error feedback the new
-        error ``M - P Qt`` is formed in place in M's buffer and staged. Stages the step count."""
+        error ``M - P Qt`` is formed in place in M's buffer and staged."""
         grad, lay = bucket.buffer, step.layout
         for b, m, p, qt in zip(lay.plan.batches, step.ms, ps, qts):
             if self.error_feedback:
@@ -212,8 +210,6 @@ class LowRankCompressor(Compressor):
                 out.copy_(torch.bmm(p, qt))
         if step.m_buffer is not None:
             self._memory.stage("error", lay.errors, step.m_buffer)
-        for name in lay.names:
-            self._memory.stage_count(name, step.steps + 1)
 
     # ---- bytes, the rank for a ratio, state across ranks --------------------------------
 
@@ -277,15 +273,13 @@ class LowRankCompressor(Compressor):
     # ---- steps and checkpoints ---------------------------------------------------------
 
     def end_step(self, commit: bool) -> None:
-        """Apply (``commit``) or drop the error, factors and step counts the step staged."""
+        """Apply (``commit``) or drop the error and factors the step staged."""
         self._memory.end_step(commit)
 
     def state_dict(self) -> dict[str, Any]:
         """The committed state by parameter name, on the CPU: "error" (shaped like the
-        parameter), "q" (r x m, transposed), "p" (n x r) and "steps" (compressed steps done)."""
-        state: dict[str, Any] = {kind: self._memory.tensors(kind) for kind in ("error", "q", "p")}
-        state["steps"] = self._memory.counts()
-        return state
+        parameter), "q" (r x m, transposed) and "p" (n x r)."""
+        return {kind: self._memory.tensors(kind) for kind in _STATE_KEYS}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`. Tensors move to the gradients' device at first use;
@@ -293,6 +287,5 @@ class LowRankCompressor(Compressor):
         if sorted(state) != list(_STATE_KEYS):
             raise ValueError(f"{self.name} state must have exactly the keys {list(_STATE_KEYS)}, got {sorted(state)}")
         self._memory.clear()
-        for kind in ("error", "q", "p"):
+        for kind in _STATE_KEYS:
             self._memory.load(kind, state[kind])
-        self._memory.load_counts(state["steps"])

@@ -39,17 +39,15 @@ class _Entry:
 
 
 class ErrorMemory:
-    """Float32 tensors of a few kinds ("error", "q", ...) and a step counter, per name.
+    """Float32 tensors of a few kinds ("error", "q", ...), per name.
 
-    Reads (:meth:`gather`, :meth:`count`, :meth:`tensors`) see the committed state only;
-    :meth:`stage` and :meth:`stage_count` prepare changes that :meth:`commit` applies.
+    Reads (:meth:`gather`, :meth:`tensors`) see the committed state only; :meth:`stage`
+    prepares changes that :meth:`commit` applies.
     """
 
     def __init__(self) -> None:
         self._entries: dict[tuple[str, str], _Entry] = {}
-        self._counts: dict[str, int] = {}
         self._staged: dict[tuple[str, str], _Entry] = {}
-        self._staged_counts: dict[str, int] = {}
         self._bases: set[int] = set()  # ids of the buffers entries view (committed or staged)
         # per key (a bucket layout), the buffers a compressor's new state alternates between
         self._spares: dict[tuple, list[torch.Tensor]] = {}
@@ -114,10 +112,6 @@ class ErrorMemory:
                 buffers.append(free)
         return free
 
-    def count(self, name: str) -> int:
-        """The committed step counter of ``name`` (0 if it has none)."""
-        return self._counts.get(name, 0)
-
     # ---- staged changes ------------------------------------------------------------------
 
     def stage(self, kind: str, pieces: Sequence[Piece], flat: torch.Tensor) -> None:
@@ -126,19 +120,14 @@ class ErrorMemory:
             self._staged[kind, name] = _Entry(flat, offset, tuple(shape))
         self._bases.add(id(flat))
 
-    def stage_count(self, name: str, value: int) -> None:
-        """Set the step counter of ``name`` at the next commit."""
-        self._staged_counts[name] = value
-
     @property
     def staged(self) -> bool:
         """Whether changes wait for :meth:`commit` or :meth:`discard`."""
-        return bool(self._staged or self._staged_counts)
+        return bool(self._staged)
 
     def commit(self) -> None:
         """Apply the staged changes."""
         self._entries.update(self._staged)
-        self._counts.update(self._staged_counts)
         self.discard()
 
     def end_step(self, commit: bool) -> None:
@@ -151,7 +140,6 @@ class ErrorMemory:
     def discard(self) -> None:
         """Drop the staged changes."""
         self._staged.clear()
-        self._staged_counts.clear()
         self._bases = {id(e.base) for e in self._entries.values()}
 
     # ---- checkpoints ---------------------------------------------------------------------
@@ -159,10 +147,6 @@ class ErrorMemory:
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
         """CPU copies of the committed ``kind`` entries, by name, shaped as staged."""
         return {name: host.to_host(e.tensor()) for (k, name), e in self._entries.items() if k == kind}
-
-    def counts(self) -> dict[str, int]:
-        """The committed step counters, by name."""
-        return dict(self._counts)
 
     def load(self, kind: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Add ``kind`` entries (copied as float32; moved to a gradient's device at first use)."""
@@ -173,12 +157,7 @@ class ErrorMemory:
             self._entries[kind, str(name)] = _Entry(flat, 0, tuple(t.shape))
             self._bases.add(id(flat))
 
-    def load_counts(self, counts: Mapping[str, int]) -> None:
-        """Set committed step counters."""
-        self._counts.update({str(name): int(v) for name, v in counts.items()})
-
     def clear(self) -> None:
         """Forget everything, staged changes included."""
         self._entries.clear()
-        self._counts.clear()
         self.discard()
