@@ -36,6 +36,7 @@ import commpress
 from commpress.comm.manager_backend import ManagerBackend
 from commpress.compressors import AllGather, Collective, terngrad
 from commpress.compressors.wire import entropy
+from commpress.compressors.wire.collectives import relayed
 from commpress.config import Config
 from commpress.kernels.cpu import ternary as ternary_kernels
 from commpress.kernels.cpu import topk as topk_kernels
@@ -177,15 +178,13 @@ def _spied(
     own replay, so no bits of the run change."""
     if backend and not backend[0].participating:
         payload = torch.randint(0, 256, payload.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    gather = entropy.coded_gather(payload)
-    request = next(gather)
-    try:
-        while True:
-            if isinstance(request, AllGather):
-                outside.append(int(request.tensor[: entropy.HEADER_BYTES].view(torch.int32)[0]) == -1)
-            request = gather.send((yield request))
-    except StopIteration as done:
-        return done.value
+
+    def note(request: Collective) -> Collective:
+        if isinstance(request, AllGather):
+            outside.append(int(request.tensor[: entropy.HEADER_BYTES].view(torch.int32)[0]) == -1)
+        return request
+
+    return relayed(entropy.coded_gather(payload), before=note)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@ Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA
   that step left its model and commpress state as they were, trains alone, and when the
   restarted replica 1 (``joiner``, another model init) has healed, both train
   :data:`TOGETHER` more steps and write their model and shared commpress state.
+- ``first``: every method through a manager of its own with torchft's first-step sync
+  (``init_sync=True``: in step 0 every replica but one heals, though it counts among the
+  participants), each replica from another model init; writes which steps committed and
+  the models.
 
 The processes meet through a TCPStore the test process holds (STORE_PORT), never through
 the group that breaks.
@@ -69,7 +73,7 @@ def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 STORES: list[dist.TCPStore] = []
 
 
-def make_manager(replica: int, lighthouse: str, min_size: int = 1) -> Manager:
+def make_manager(replica: int, lighthouse: str, min_size: int = 1, init_sync: bool = False, name: str = "replica") -> Manager:
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     STORES.append(store)
     return Manager(
@@ -77,14 +81,14 @@ def make_manager(replica: int, lighthouse: str, min_size: int = 1) -> Manager:
         load_state_dict=None,
         state_dict=None,
         min_replica_size=min_size,
-        replica_id=f"replica_{replica}",
+        replica_id=f"{name}_{replica}",
         lighthouse_addr=lighthouse,
         rank=0,
         world_size=1,
         store_addr="localhost",
         store_port=store.port,
         timeout=timedelta(seconds=10),
-        init_sync=False,
+        init_sync=init_sync,
     )
 
 
@@ -153,6 +157,21 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
     manager.shutdown(wait=False)
 
 
+def first_steps(out: Path, lighthouse: str, replica: int) -> None:
+    seen: dict[str, Any] = {}
+    for method in os.environ.get("METHODS", " ".join(available())).split():
+        manager = make_manager(replica, lighthouse, min_size=2, init_sync=True, name=method.replace("-", "_"))
+        net = managed_ddp(model(replica), bucket_cap_mb=BUCKET_MB)
+        manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
+        state = ManagedCommState({"method": method, "params": PARAMS.get(method, {})}, net.module, manager, key=method)
+        net.register_comm_hook(state, ddp_hook)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        seen[method] = [step_managed(net, opt, manager, replica, step) for step in range(STEPS)]
+        torch.save(net.module.state_dict(), out / f"first-{method}{replica}.pt")
+        manager.shutdown(wait=False)
+    (out / f"first{replica}.json").write_text(json.dumps(seen))
+
+
 def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
     meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
     manager = make_manager(replica, lighthouse)
@@ -197,14 +216,18 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     manager.shutdown(wait=False)
 
 
-def run(same_runs: Callable[..., None], failing: Callable[..., None], argv: list[str]) -> None:
-    """A worker's entry: ``SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA`` (``same`` or a failure scenario)."""
+def run(
+    same_runs: Callable[..., None], failing: Callable[..., None], argv: list[str], first: Callable[..., None] | None = None
+) -> None:
+    """A worker's entry: ``SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA`` (``same``, ``first`` or a failure scenario)."""
     scenario, outdir, lighthouse, port, replica = argv[:5]
-    if scenario == "same":
+    if scenario == "first" and first is not None:
+        first(Path(outdir), lighthouse, int(replica))
+    elif scenario == "same":
         same_runs(Path(outdir), lighthouse, int(port), int(replica))
     else:
         failing(scenario, Path(outdir), lighthouse, int(port), int(replica))
 
 
 if __name__ == "__main__":
-    run(same_runs, failing, sys.argv[1:])
+    run(same_runs, failing, sys.argv[1:], first_steps)

@@ -72,6 +72,23 @@ def test_every_method_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path)
             assert s == {"committed": True, "participants": 2, "model": True, "state": True, "changed": True}, (method, s)
 
 
+def test_every_method_commits_from_torchfts_first_step_sync(tmp_path):
+    """With ``init_sync=True`` (torchft's default) replica 1 heals in step 0 while counted
+    among the participants: every method commits every step and both replicas, started from
+    different models, end equal bit for bit."""
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        _finish([_start("first", tmp_path, lighthouse.address(), 0, r) for r in (0, 1)])
+    finally:
+        lighthouse.shutdown()
+    seen = [json.loads((tmp_path / f"first{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(seen[0]) == sorted(seen[1]) == [m for m in available() if not m.startswith("test-")]
+    for method in seen[0]:
+        assert seen[0][method] == seen[1][method] == [True] * len(seen[0][method]), method
+        a, b = (torch.load(tmp_path / f"first-{method}{r}.pt", weights_only=True) for r in (0, 1))
+        assert all(torch.equal(a[k], b[k]) for k in a), method
+
+
 def test_a_killed_replica_skips_the_step_and_its_restart_heals_bit_for_bit(tmp_path):
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30000, heartbeat_timeout_ms=2000)
     meet = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)

@@ -20,6 +20,7 @@ results of the step's collectives are kept (:attr:`ManagerBackend.log`) so the h
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -30,10 +31,12 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 
 from commpress.comm.backend import Backend, Channel, future_on
 from commpress.comm.callbacks import when_done
-from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, Finite, Reduction
+from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, Finite, Reduction, relayed
 from commpress.errors import CollectiveError
 
-__all__ = ["ManagerBackend", "replay"]
+__all__ = ["ManagerBackend", "replay", "report"]
+
+log = logging.getLogger("commpress.manager")
 
 _OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}
 _FAILED = object()  # what manager.wrap_future hands back for a failed collective
@@ -56,11 +59,13 @@ class ManagerBackend(Backend):
 
     def begin_step(self) -> None:
         """Wait for the step's quorum; take its participants (the world size), this
-        replica's rank among them and whether it heals; forget the last step's failure."""
+        replica's rank among them and whether it heals; forget the last step's failure.
+        A healing replica reads the step's results as participant 0 does: its own entry
+        is not among them (at torchft's first-step sync it has a rank of its own)."""
         m = self.manager
         self.world_size = m.num_participants()
         self.participating = m.is_participating()
-        self.rank = m.participating_rank() or 0
+        self.rank = (m.participating_rank() or 0) if self.participating else 0
         self._failure = None
         self.log = None if self.participating else []
 
@@ -78,7 +83,7 @@ class ManagerBackend(Backend):
         if self.log is not None:
             entry: list[Any] = []
             self.log.append(entry)
-            reduction = _recorded(reduction, entry)
+            reduction = relayed(reduction, after=lambda _, result: entry.append(_cloned(result)))
         out = future_on(device)
         with self._lock:
             previous, self._tail = self._tail, out
@@ -129,6 +134,15 @@ class ManagerBackend(Backend):
         return wrapped
 
 
+def report(manager: Any, exc: Exception) -> None:
+    """Fail the manager's step with ``exc``. A lost or failed collective (or a non-finite
+    average) is what the step's failure survives; anything else is also logged with its
+    traceback, since retrying the step will not make it go away."""
+    if not isinstance(exc, (CollectiveError, FloatingPointError)):
+        log.error("the step failed and will not be committed: %s", exc, exc_info=exc)
+    manager.report_error(exc)
+
+
 def _identity(op: str, dtype: torch.dtype) -> float:
     """What a healing replica contributes to an all-reduce ``op``: nothing (sum: 0; max: the
     dtype's lowest value, -inf for floats)."""
@@ -148,16 +162,9 @@ def _forward(out: torch.futures.Future, fut: torch.futures.Future) -> None:
         out.set_exception(exc)
 
 
-def _recorded(reduction: Reduction, log: list[Any]) -> Reduction:
-    """``reduction``, with a copy of every collective's result appended to ``log``."""
-    try:
-        request = next(reduction)
-        while True:
-            result = yield request
-            log.append([t.clone() for t in result] if isinstance(result, list) else result.clone())
-            request = reduction.send(result)
-    except StopIteration as done:
-        return done.value
+def _cloned(result: Any) -> Any:
+    """A copy of a collective's result (a tensor, or an all-gather's list of them)."""
+    return [t.clone() for t in result] if isinstance(result, list) else result.clone()
 
 
 def replay(reduction: Reduction, results: list[Any]) -> Finite:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from commpress.comm.manager_backend import ManagerBackend, replay
+from commpress.comm.manager_backend import ManagerBackend, replay, report
 from commpress.compressors import Bucket, Context
 from commpress.config import Config
 from commpress.errors import ConfigError
@@ -120,7 +120,7 @@ class ManagedCommState(CommState):
         try:
             return fut.value()
         except Exception as exc:
-            self.manager.report_error(exc)
+            report(self.manager, exc)
             return buffer
 
     def end_step(self) -> None:
@@ -166,7 +166,7 @@ class ManagedCommState(CommState):
                         replay(self.groups.composite.reduce(bucket, ctx), results)
             except Exception as exc:
                 self.groups.end_step(False)
-                self.manager.report_error(exc)
+                report(self.manager, exc)
                 return
             self._ran_at = ran_at
             with self._done:

@@ -38,7 +38,7 @@ from torch import nn
 
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
-from commpress.comm.manager_backend import ManagerBackend, replay
+from commpress.comm.manager_backend import ManagerBackend, replay, report
 from commpress.compressors import Context
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
@@ -161,7 +161,7 @@ class ManagedDiLoCo(DiLoCo):
         try:
             average = self._wait(flight.average)
         except Exception as exc:  # a failed collective or a non-finite average: the sync does not count
-            self.manager.report_error(exc)
+            report(self.manager, exc)
             average, finite = None, not isinstance(exc, FloatingPointError)
         committed = self.manager.should_commit()  # a healing replica takes its peer's state here
         self.commits.append(committed)
