@@ -50,7 +50,7 @@ from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks import CommState
 from commpress.hooks.ddp import attach_ddp_hook
 from commpress.local_sgd import LocalSGD, from_config
-from commpress.optim import OneBitAdam, check_adam
+from commpress.optim import ManagedOneBitAdam, OneBitAdam, check_adam
 from commpress.replica_state import ReplicaState
 
 __all__ = ["Registration", "register"]
@@ -83,7 +83,7 @@ class Registration:
         *,
         hook: CommState | None = None,
         local_sgd: LocalSGD | None = None,
-        onebit_adam: OneBitAdam | None = None,
+        onebit_adam: OneBitAdam | ManagedOneBitAdam | None = None,
         fsdp: FSDP2State | QuantizedState | None = None,
         groups_hook: CrossGroupHook | None = None,
         remove_hook: Callable[[], None] | None = None,
@@ -238,6 +238,8 @@ def register(
     if manager is not None:
         if cfg.section("local_sgd") is not None:
             return Registration(cfg, local_sgd=_managed_diloco(model, cfg, optimizer, manager, total_steps))
+        if cfg.section("onebit_adam") is not None:
+            return Registration(cfg, onebit_adam=_managed_onebit_adam(model, cfg, optimizer, manager, total_steps))
         state, remove = attach_ddp_hook(model, cfg, process_group, optimizer, manager)
         return Registration(cfg, hook=state, remove_hook=remove)
     part = part_for(cfg, model_kind(model, cfg.backend, mesh))
@@ -291,6 +293,23 @@ def _managed_diloco(
     trainer = managed_from_config(model, optimizer, cfg, manager, total_steps)
     trainer.register_optimizer_hooks()
     return trainer
+
+
+def _managed_onebit_adam(
+    model: torch.nn.Module, cfg: Config, optimizer: torch.optim.Optimizer | None, manager: Any, total_steps: int | None
+) -> ManagedOneBitAdam:
+    """1-bit Adam of ``[onebit_adam]`` whose averages go through the torchft ``manager``."""
+    from commpress.hooks.manager import check_managed
+
+    if optimizer is None:
+        raise TypeError("the config's [onebit_adam] table takes over AdamW's step: pass register(..., optimizer=adamw)")
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"[onebit_adam] under a torchft Manager runs under managed_ddp(module); got {type(model).__name__}")
+    check_managed(cfg)
+    warmup = cfg.section("onebit_adam").warmup_steps(total_steps)
+    onebit = ManagedOneBitAdam(optimizer, model, manager, warmup, cfg.method, cfg.params)
+    onebit.attach(model)
+    return onebit
 
 
 def _onebit_adam(

@@ -11,6 +11,9 @@ Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA
   that step left its model and commpress state as they were, trains alone, and when the
   restarted replica 1 (``joiner``, another model init) has healed, both train
   :data:`TOGETHER` more steps and write their model and shared commpress state.
+- ``adam``: 1-bit Adam (a warm-up step, then momenta in signs) through the manager and
+  through a plain gloo group, as ``same``; then through a manager of its own with the
+  first-step sync, each replica from another model init.
 - ``first``: every method through a manager of its own with torchft's first-step sync
   (``init_sync=True``: in step 0 every replica but one heals, though it counts among the
   participants), each replica from another model init; writes which steps committed and
@@ -157,6 +160,37 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
     manager.shutdown(wait=False)
 
 
+#: 1-bit Adam: one exact step, then the momentum in signs (per tensor, every tensor)
+ONEBIT_ADAM = {"method": "onebit", "params": {"min_numel": 0}, "onebit_adam": {"warmup": 1}}
+
+
+def onebit_adam_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
+    import commpress
+
+    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
+    plain = DistributedDataParallel(model(0), bucket_cap_mb=BUCKET_MB)
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    commpress.register(plain, ONEBIT_ADAM, optimizer=opt)
+    for step in range(STEPS):
+        step_plain(plain, opt, replica, step)
+    seen: dict[str, Any] = {}
+    for run, init_sync in (("same", False), ("first", True)):
+        manager = make_manager(replica, lighthouse, min_size=2, init_sync=init_sync, name=f"adam_{run}")
+        net = managed_ddp(model(0 if run == "same" else replica), bucket_cap_mb=BUCKET_MB)
+        inner = torch.optim.AdamW(net.parameters(), lr=0.01)
+        manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
+        manager.register_state_dict_fn("optimizer", inner.load_state_dict, inner.state_dict)
+        reg = commpress.register(net, ONEBIT_ADAM, optimizer=inner, manager=manager)
+        seen[run] = {
+            "committed": [step_managed(net, inner, manager, replica, step) for step in range(STEPS)],
+            "plain": all(torch.equal(a, b) for a, b in zip(plain.module.parameters(), net.module.parameters())),
+            "sent": reg.traffic.bytes_sent,
+        }
+        torch.save(net.module.state_dict(), out / f"adam-{run}{replica}.pt")
+        manager.shutdown(wait=False)
+    (out / f"adam{replica}.json").write_text(json.dumps(seen))
+
+
 def first_steps(out: Path, lighthouse: str, replica: int) -> None:
     seen: dict[str, Any] = {}
     for method in os.environ.get("METHODS", " ".join(available())).split():
@@ -216,13 +250,14 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     manager.shutdown(wait=False)
 
 
-def run(
-    same_runs: Callable[..., None], failing: Callable[..., None], argv: list[str], first: Callable[..., None] | None = None
-) -> None:
-    """A worker's entry: ``SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA`` (``same``, ``first`` or a failure scenario)."""
+def run(same_runs: Callable[..., None], failing: Callable[..., None], argv: list[str]) -> None:
+    """A worker's entry: ``SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA`` (``same``, ``first``,
+    ``adam`` or a failure scenario)."""
     scenario, outdir, lighthouse, port, replica = argv[:5]
-    if scenario == "first" and first is not None:
-        first(Path(outdir), lighthouse, int(replica))
+    if scenario == "first":
+        first_steps(Path(outdir), lighthouse, int(replica))
+    elif scenario == "adam":
+        onebit_adam_runs(Path(outdir), lighthouse, int(port), int(replica))
     elif scenario == "same":
         same_runs(Path(outdir), lighthouse, int(port), int(replica))
     else:
@@ -230,4 +265,4 @@ def run(
 
 
 if __name__ == "__main__":
-    run(same_runs, failing, sys.argv[1:], first_steps)
+    run(same_runs, failing, sys.argv[1:])

@@ -253,7 +253,7 @@ def _attach(args: argparse.Namespace, module: torch.nn.Module, manager: Any) -> 
         reg = register(module, cfg, optimizer=inner, manager=manager)
         return _plain_step(module, inner), reg.finish
     ddp = managed_ddp(module)
-    register(ddp, cfg, optimizer=inner, manager=manager)
+    register(ddp, cfg, optimizer=inner, manager=manager, total_steps=args.max_steps)
     return _managed_step(ddp, OptimizerWrapper(manager, inner)), lambda: None
 
 

@@ -32,7 +32,6 @@ __all__ = ["ManagedCommState", "check_managed", "managed_ddp"]
 #: tables that do not run under a Manager (yet), and why ([local_sgd]: DiLoCo runs,
 #: :mod:`commpress.local_sgd.managed`)
 _REFUSED = {
-    "onebit_adam": "1-bit Adam",
     "fsdp": "FSDP",
     "bandwidth": "the bandwidth layer (it measures links between fixed ranks)",
     "layerwise": "the layer-wise plan",

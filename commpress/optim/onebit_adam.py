@@ -51,7 +51,7 @@ from commpress.errors import ConfigError
 from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 from commpress.local_sgd.local_sgd import check_finite
 
-__all__ = ["OneBitAdam", "check_adam"]
+__all__ = ["OneBitAdam", "adam_parameters", "check_adam", "frozen_update"]
 
 _WHERE = "[onebit_adam]"
 
@@ -79,6 +79,58 @@ def check_adam(optimizer: Any) -> None:
         for p in group["params"]:
             if p.is_complex() or not p.is_floating_point():
                 raise ConfigError(f"{_WHERE}: param group {i} holds a {p.dtype} parameter; 1-bit Adam takes real floats")
+
+
+def adam_parameters(
+    optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The trainable ``named_parameters``, checked: the optimizer holds every one and all
+    are float32 (the momentum is averaged as float32)."""
+    named = [(n, p) for n, p in named_parameters if p.requires_grad]
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [n for n, p in named if id(p) not in owned]
+    if missing:
+        raise ConfigError(f"{_WHERE}: the optimizer does not hold parameters {', '.join(missing[:3])}: give it every parameter")
+    dtypes = {p.dtype for _, p in named}
+    if dtypes != {torch.float32}:
+        found = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise ConfigError(f"{_WHERE}: the momentum is averaged as one float32 vector; the parameters are {found}")
+    return named
+
+
+def check_warmup(warmup_steps: Any) -> None:
+    """Refuse a warm-up that is not an integer >= 0."""
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ConfigError(f"{_WHERE}: warmup_steps = {warmup_steps!r} is not accepted; expected an integer >= 0")
+
+
+def adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, warmup_steps: int, what: str) -> dict[str, Any]:
+    """``optimizer``'s Adam state of ``p``, which must hold the variance measured in the warm-up."""
+    state = optimizer.state[p]
+    if "exp_avg_sq" not in state:
+        raise RuntimeError(
+            f"{what}: the optimizer holds no Adam state for a parameter at the freeze (warmup_steps = "
+            f"{warmup_steps}): the variance must have been measured; use warmup_steps >= 1"
+        )
+    return state
+
+
+@torch.no_grad()
+def frozen_update(
+    group: Mapping[str, Any], state: dict[str, Any], p: torch.nn.Parameter, momentum: torch.Tensor, frozen_steps: int
+) -> None:
+    """AdamW's step of ``p`` (its param ``group`` and Adam ``state``) with the averaged
+    ``momentum`` and the variance frozen ``frozen_steps`` steps ago (see the module's formula)."""
+    beta1, beta2 = group["betas"]
+    lr, eps = float(group["lr"]), group["eps"]
+    state["exp_avg"].copy_(momentum)
+    state["step"] += 1
+    t = int(state["step"])
+    freeze = t - 1 - frozen_steps  # the step at which v froze
+    p.mul_(1 - lr * group["weight_decay"])
+    m_hat = state["exp_avg"] / (1 - beta1**t)
+    denom = torch.maximum(state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**freeze), m_hat.abs()).add_(eps)
+    p.addcdiv_(m_hat, denom, value=-lr)
 
 
 def _mean(tensor: torch.Tensor, world_size: int) -> Reduction:
@@ -130,19 +182,8 @@ class OneBitAdam(BoundToProcess):
         warmup_steps: int,
     ) -> None:
         check_adam(optimizer)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ConfigError(f"{_WHERE}: warmup_steps = {warmup_steps!r} is not accepted; expected an integer >= 0")
-        named = [(n, p) for n, p in named_parameters if p.requires_grad]
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        missing = [n for n, p in named if id(p) not in owned]
-        if missing:
-            raise ConfigError(
-                f"{_WHERE}: the optimizer does not hold parameters {', '.join(missing[:3])}: give it every parameter"
-            )
-        dtypes = {p.dtype for _, p in named}
-        if dtypes != {torch.float32}:
-            found = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-            raise ConfigError(f"{_WHERE}: the momentum is averaged as one float32 vector; the parameters are {found}")
+        check_warmup(warmup_steps)
+        named = adam_parameters(optimizer, named_parameters)
         self.optimizer = optimizer
         self.averager = averager
         self.warmup_steps = warmup_steps
@@ -235,26 +276,11 @@ class OneBitAdam(BoundToProcess):
         check_finite(self._flat, self.name, self.steps)
         frozen_steps = self.steps - self.warmup_steps
         for slot, p in zip(self.slots, self.params):
-            group, state = self._group_of[id(p)], self._state(p)
-            beta1, beta2 = group["betas"]
-            lr, eps = float(group["lr"]), group["eps"]
-            state["exp_avg"].copy_(self._flat[slot.offset : slot.offset + slot.numel].view(p.shape))
-            state["step"] += 1
-            t = int(state["step"])
-            freeze = t - 1 - frozen_steps  # the step at which v froze
-            p.mul_(1 - lr * group["weight_decay"])
-            m_hat = state["exp_avg"] / (1 - beta1**t)
-            denom = torch.maximum(state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**freeze), m_hat.abs()).add_(eps)
-            p.addcdiv_(m_hat, denom, value=-lr)
+            momentum = self._flat[slot.offset : slot.offset + slot.numel].view(p.shape)
+            frozen_update(self._group_of[id(p)], self._state(p), p, momentum, frozen_steps)
 
     def _state(self, p: torch.nn.Parameter) -> dict[str, Any]:
-        state = self.optimizer.state[p]
-        if "exp_avg_sq" not in state:
-            raise RuntimeError(
-                f"{self.name}: the optimizer holds no Adam state for a parameter at the freeze (warmup_steps = "
-                f"{self.warmup_steps}): the variance must have been measured; use warmup_steps >= 1"
-            )
-        return state
+        return adam_state(self.optimizer, p, self.warmup_steps, self.name)
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """The step counter and the compressor's state (error feedback), tagged with this

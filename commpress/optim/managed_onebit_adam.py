@@ -1,0 +1,147 @@
+"""1-bit Adam under a torchft ``Manager``: the compressed momentum average survives a lost
+replica group.
+
+Every optimizer step is one manager step, as for the DDP hook under a manager, and the
+loop is torchft's (``OptimizerWrapper``: ``zero_grad()`` starts the quorum, ``step()``
+steps only if ``should_commit()``). A failure must be able to un-commit the step, so
+everything goes through the manager inside the backward pass, before ``should_commit()``:
+during the warm-up the DDP hook averages the gradients exactly; after it, the hook first
+turns each bucket's gradient into this replica's momentum ``beta1 * m + (1 - beta1) * g``
+and averages that with the method, so ``p.grad`` holds the averaged momentum when the
+optimizer steps. Both run through a :class:`~commpress.hooks.manager.ManagedCommState`
+whose ``start_iter`` is the warm-up; it keeps the method's state (committed with the step,
+dropped with it) and heals a (re)joining replica. The step, if committed, is AdamW's own
+in the warm-up and after it AdamW's update with the averaged momentum and the frozen
+variance (:func:`~commpress.optim.onebit_adam.frozen_update`), the same update as
+:class:`~commpress.optim.OneBitAdam`'s.
+
+A healing replica adds nothing to the averages (its momentum is not formed: its optimizer
+state is stale until the manager hands it a peer's, with the model, at ``should_commit()``)
+and then applies the participants' average to that state, so it ends the step equal to
+its peers. Its per-rank error feedback starts from zero.
+"""
+
+# No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+from commpress.comm import Traffic
+from commpress.comm.pickling import BoundToProcess
+from commpress.hooks.manager import ManagedCommState
+from commpress.hooks.removable import CommHookSwitch, register_removable_hook
+from commpress.local_sgd.local_sgd import check_finite
+from commpress.optim.onebit_adam import adam_parameters, adam_state, check_adam, check_warmup, frozen_update
+
+__all__ = ["ManagedOneBitAdam"]
+
+
+def managed_hook(state: "ManagedOneBitAdam", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook of 1-bit Adam under a manager: after the warm-up the bucket's gradient
+    becomes this replica's momentum; then the step's average through the manager."""
+    state.begin_bucket(bucket.buffer(), bucket.parameters())
+    return state.comm.reduce(bucket.index(), bucket.buffer(), bucket.parameters(), advance=bucket.is_last())
+
+
+class ManagedOneBitAdam(BoundToProcess):
+    """1-bit Adam attached to ``optimizer`` (AdamW) of the ``model`` made by
+    :func:`~commpress.hooks.manager.managed_ddp`, its averages through ``manager``: exact for
+    ``warmup_steps`` committed steps, then the momentum with ``method`` and ``params``."""
+
+    name = "1-bit Adam under a torchft Manager"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: DistributedDataParallel,
+        manager: Any,
+        warmup_steps: int,
+        method: str = "onebit",
+        params: Mapping[str, Any] | None = None,
+        key: str = "commpress_onebit_adam",
+    ) -> None:
+        check_adam(optimizer)
+        check_warmup(warmup_steps)
+        self.params = [p for _, p in adam_parameters(optimizer, model.module.named_parameters())]
+        self.optimizer = optimizer
+        self.manager = manager
+        self.warmup_steps = warmup_steps
+        config = {"method": method, "params": dict(params or {}), "start_iter": warmup_steps}
+        self.comm = ManagedCommState(config, model.module, manager, key=key)
+        self._base = manager.current_step()  # steps are counted from here, as the hook counts them
+        self._group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        self._step: int | None = None  # the step whose backward ran, if it was past the warm-up
+        self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        self._hooks: list[RemovableHandle] = []
+        self._switch: CommHookSwitch | None = None
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes this replica sent: the warm-up's gradients and the momenta."""
+        return self.comm.traffic
+
+    def attach(self, model: DistributedDataParallel) -> None:
+        """Register the DDP comm hook on ``model`` and the optimizer's step hooks."""
+        self._switch = register_removable_hook(model, self, managed_hook)
+        self._hooks = [
+            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
+            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
+        ]
+
+    def detach(self) -> None:
+        """Take off what :meth:`attach` registered."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self._switch is not None:
+            self._switch.remove()
+
+    def begin_bucket(self, buffer: torch.Tensor, params: list[torch.Tensor]) -> None:
+        """Past the warm-up, write this replica's momentum of ``params`` over their gradients
+        in ``buffer`` (a healing replica's stays: it counts as nothing)."""
+        self.manager.wait_quorum()
+        step = self.manager.current_step() - self._base
+        self._step = step if step >= self.warmup_steps else None
+        if self._step is None or not self.manager.is_participating():
+            return
+        offset = 0
+        for p in params:
+            grad = buffer[offset : offset + p.numel()].view(p.shape)
+            beta1 = self._group_of[id(p)]["betas"][0]
+            grad.copy_(self._state(p)["exp_avg"].clone().lerp_(grad, 1 - beta1))
+            offset += p.numel()
+
+    def _pre_step(self) -> None:
+        """Past the warm-up (the step committed): AdamW's update with the averaged momentum
+        in ``p.grad``; AdamW's own step then skips every parameter."""
+        if self._step is None:
+            return
+        for p in self.params:
+            check_finite(p.grad, self.name, self._step)
+        for p in self.params:
+            frozen_update(self._group_of[id(p)], self._state(p), p, p.grad, self._step - self.warmup_steps)
+        self._hidden = [(p, p.grad) for p in self.params]
+        for p in self.params:
+            p.grad = None
+
+    def _post_step(self) -> None:
+        for p, grad in self._hidden:
+            p.grad = grad
+        self._hidden = []
+        self._step = None
+
+    def _state(self, p: torch.nn.Parameter) -> dict[str, Any]:
+        return adam_state(self.optimizer, p, self.warmup_steps, self.name)
+
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """The hook's state (the step and the method's error feedback); the momentum and the
+        frozen variance are the optimizer's state, which the manager recovers with the model."""
+        return self.comm.state_dict(full=full)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.comm.load_state_dict(state)
