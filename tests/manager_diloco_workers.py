@@ -4,8 +4,9 @@ under a torchft Manager, the lighthouse in the test process.
 Run as ``python manager_diloco_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA``:
 
 - ``same``: for each method of :data:`METHODS`, DiLoCo over a plain gloo group
-  (``init_process_group`` on STORE_PORT) and through the manager, in the same process;
-  writes whether the models and anchors came out bit for bit equal.
+  (``init_process_group`` on STORE_PORT) and through the manager, in the same process, and
+  Local SGD likewise (:data:`LOCAL_SGD`); writes whether the models and anchors came out
+  bit for bit equal.
 - ``survivor-M`` / ``killed-M`` / ``joiner-M`` (M: ``topk`` or ``terngrad``, entropy-coded):
   replica 1 dies inside the average of sync
   :data:`KILL_SYNC`; replica 0 checks that the sync left its anchor, outer state and
@@ -45,6 +46,8 @@ from commpress.local_sgd.managed import managed_from_config
 
 #: the methods compared with the plain run, and their parameters
 METHODS: dict[str, dict[str, Any]] = {"none": {}, "terngrad": {"entropy": True}, "topk": {"ratio": 0.3}}
+#: Local SGD, which runs under the manager as DiLoCo with the plain average as outer step
+LOCAL_SGD = {"method": "none", "local_sgd": {"algorithm": "local_sgd", "period": 4}}
 STEPS = 9  # inner steps of the comparison (a round in progress at the end: finish() syncs it)
 KILL_SYNC = 3
 TOGETHER = 3
@@ -72,8 +75,8 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
     manager = make_manager(replica, lighthouse, min_size=2)
     seen: dict[str, Any] = {}
-    for method in METHODS:
-        cfg = config(method, sync_delay=1)
+    for method in [*METHODS, "local_sgd"]:
+        cfg = config(method, sync_delay=1) if method in METHODS else LOCAL_SGD
         plain = model(0)
         opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
         reg = commpress.register(plain, cfg, optimizer=opt)

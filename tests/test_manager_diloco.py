@@ -38,7 +38,7 @@ pytestmark = pytest.mark.multiproc
 WORKERS = "manager_diloco_workers.py"
 
 
-def test_diloco_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path):
+def test_diloco_and_local_sgd_through_the_manager_are_the_plain_runs_bit_for_bit(tmp_path):
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         port = _port()
@@ -47,7 +47,7 @@ def test_diloco_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path):
         lighthouse.shutdown()
     for replica in (0, 1):
         seen = json.loads((tmp_path / f"same{replica}.json").read_text())
-        assert sorted(seen) == ["none", "terngrad", "topk"]
+        assert sorted(seen) == ["local_sgd", "none", "terngrad", "topk"]
         for method, s in seen.items():
             assert s["commits"] and all(s["commits"]), (method, s)
             assert (s["model"], s["anchor"], s["changed"]) == (True, True, True), (method, s)

@@ -245,17 +245,22 @@ def managed_from_config(
     key: str = "commpress_diloco",
 ) -> ManagedDiLoCo:
     """The :class:`ManagedDiLoCo` of a config whose ``[local_sgd]`` table says
-    ``algorithm = "diloco"`` with a constant period; the top-level ``method`` and ``params``
-    compress the pseudo-gradients; ``key`` names its state with the manager."""
+    ``algorithm = "diloco"`` or ``"local_sgd"`` with a constant period; the top-level
+    ``method`` and ``params`` compress the pseudo-gradients; ``key`` names its state with
+    the manager. Local SGD is DiLoCo whose outer step is the plain average (outer SGD at lr
+    1, no momentum: the anchor becomes the replicas' mean), one fragment, no delay."""
     section = config.section("local_sgd")
     assert section is not None
-    if section.algorithm != "diloco" or section.qsr_alpha is not None:
-        what = f"algorithm = {section.algorithm!r}" if section.algorithm != "diloco" else "qsr_alpha (QSR)"
+    if section.algorithm == "co2" or section.qsr_alpha is not None:
+        what = "algorithm = 'co2'" if section.algorithm == "co2" else "qsr_alpha (QSR)"
         raise ConfigError(
-            f"[local_sgd] {what} does not run under a torchft Manager yet; expected algorithm = \"diloco\" with a "
-            "constant period (Streaming DiLoCo's fragments, sync_delay and merge included)"
+            f"[local_sgd] {what} does not run under a torchft Manager yet; expected algorithm = \"diloco\" (Streaming "
+            "DiLoCo's fragments, sync_delay and merge included) or \"local_sgd\", with a constant period"
         )
     keys = ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay")
+    outer = {k: section.value(k) for k in keys}
+    if section.algorithm == "local_sgd":
+        outer = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False, "fragments": 1, "sync_delay": 0}
     return ManagedDiLoCo(
         model,
         optimizer,
@@ -268,5 +273,5 @@ def managed_from_config(
         key=key,
         merge=section.merge,
         merge_alpha=section.merge_alpha,
-        **{k: section.value(k) for k in keys},
+        **outer,
     )
