@@ -15,7 +15,6 @@ PIECES = [("a", 0, (2, 3)), ("b", 6, (4,))]
 def _staged(values: torch.Tensor) -> ErrorMemory:
     mem = ErrorMemory()
     mem.stage("error", PIECES, values)
-    mem.stage_count("a", 3)
     return mem
 
 
@@ -25,18 +24,18 @@ def test_nothing_stored_gathers_zeros_and_names_everything_missing():
     assert torch.equal(out, torch.zeros(10)) and missing == ["a", "b"]
     filled, _ = mem.gather("error", PIECES, 10, CPU, fill=lambda: torch.full((10,), 7.0))
     assert torch.equal(filled, torch.full((10,), 7.0))
-    assert mem.count("a") == 0 and not mem.staged
+    assert not mem.staged
 
 
 def test_staged_changes_wait_for_commit_and_discard_drops_them():
     values = torch.arange(10.0)
     mem = _staged(values)
-    assert mem.staged and mem.tensors("error") == {} and mem.count("a") == 0
+    assert mem.staged and mem.tensors("error") == {}
     mem.discard()
     assert not mem.staged and mem.gather("error", PIECES, 10, CPU)[1] == ["a", "b"]
     mem = _staged(values)
     mem.commit()
-    assert not mem.staged and mem.count("a") == 3 and mem.count("b") == 0
+    assert not mem.staged
     saved = mem.tensors("error")
     assert torch.equal(saved["a"], values[:6].view(2, 3)) and torch.equal(saved["b"], values[6:])
     saved["a"].zero_()  # a copy: the memory is untouched
@@ -67,7 +66,6 @@ def test_another_layout_gathers_by_name():
 def test_a_restored_entry_moves_to_the_device_through_the_host_seam(monkeypatch):
     mem = ErrorMemory()
     mem.load("q", {"w": torch.ones(2, 2, dtype=torch.float16)})
-    mem.load_counts({"w": 5})
     moved = []
 
     def to_device(t, device):
@@ -78,9 +76,8 @@ def test_a_restored_entry_moves_to_the_device_through_the_host_seam(monkeypatch)
     meta = torch.device("meta")  # a device other than the CPU, on any machine
     out, missing = mem.gather("q", [("w", 2, (2, 2))], 6, meta)
     assert out.device == meta and out.dtype == torch.float32 and missing == [] and moved == [("cpu", "meta")]
-    assert mem.count("w") == 5 and mem.counts() == {"w": 5}
     mem.clear()
-    assert mem.tensors("q") == {} and mem.counts() == {}
+    assert mem.tensors("q") == {}
 
 
 def test_loading_something_else_than_tensors_is_a_clear_error():

@@ -61,7 +61,7 @@ class ManagedOneBitAdam(BoundToProcess):
         model: DistributedDataParallel,
         manager: Any,
         warmup_steps: int,
-        method: str = "onebit",
+        method: str,
         params: Mapping[str, Any] | None = None,
         key: str = "commpress_onebit_adam",
     ) -> None:
