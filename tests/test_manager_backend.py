@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from commpress.comm.manager_backend import ManagerBackend, replay
+from commpress.comm.manager_backend import ManagerBackend, replay, report
 from commpress.compressors import AllGather, AllReduce
+from commpress.errors import CollectiveError
 
 
 class _Group:
@@ -121,3 +122,16 @@ def test_a_failed_collective_fails_the_reduction_and_reaches_the_manager():
     backend.begin_step()  # the next step starts clean; the manager still refuses until its next quorum
     with pytest.raises(Exception, match="already failed this step"):
         backend.run(_once(AllReduce(torch.ones(3)))).wait()
+
+
+def test_a_failure_retrying_will_not_cure_is_logged_and_a_lost_collective_is_not(caplog):
+    reported = []
+    manager = type("Manager", (), {"report_error": lambda _, exc: reported.append(exc)})()
+    with caplog.at_level("ERROR", logger="commpress.manager"):
+        report(manager, CollectiveError("a peer was lost"))
+        report(manager, FloatingPointError("the average is not finite"))
+        assert not caplog.records
+        report(manager, ValueError("a bad bucket"))
+    assert [type(e) for e in reported] == [CollectiveError, FloatingPointError, ValueError]
+    (record,) = caplog.records
+    assert "a bad bucket" in record.getMessage() and record.exc_info[0] is ValueError

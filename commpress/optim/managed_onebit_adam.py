@@ -122,6 +122,11 @@ class ManagedOneBitAdam(BoundToProcess):
         if self._step is None:
             return
         for p in self.params:
+            if p.grad is None:
+                raise RuntimeError(
+                    f"{self.name}: a parameter has no gradient at step {self._step}; its averaged momentum is its "
+                    "gradient here: do not clear or skip gradients between backward() and step()"
+                )
             check_finite(p.grad, self.name, self._step)
         for p in self.params:
             frozen_update(self._group_of[id(p)], self._state(p), p, p.grad, self._step - self.warmup_steps)
