@@ -6,7 +6,9 @@ Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA
 - ``same``: every method trained through the manager and, in the same process, through a
   plain gloo group (``init_process_group`` on STORE_PORT); writes whether the models and
   commpress states came out bit for bit equal.
-- ``survivor`` / ``killed`` / ``joiner``: replica 0 trains; replica 1 dies inside its
+- ``survivor-W`` / ``killed-W`` / ``joiner-W`` (W: ``hook``, the DDP hook of :data:`FAILING`,
+  or ``adam``, 1-bit Adam of :data:`ONEBIT_ADAM`, killed past its warm-up): replica 0
+  trains; replica 1 dies inside its
   backward pass at :data:`KILL_STEP` (after some buckets were reduced); replica 0 checks
   that step left its model and commpress state as they were, trains alone, and when the
   restarted replica 1 (``joiner``, another model init) has healed, both train
@@ -207,12 +209,20 @@ def first_steps(out: Path, lighthouse: str, replica: int) -> None:
 
 
 def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
+    import commpress
+
+    scenario, _, what = scenario.partition("-")  # what: "hook" (FAILING) or "adam" (ONEBIT_ADAM)
     meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
     manager = make_manager(replica, lighthouse)
     net = managed_ddp(model(7 if scenario == "joiner" else 0), bucket_cap_mb=BUCKET_MB)
     manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
-    state = register_ddp_hook(net, FAILING, manager=manager)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if what == "adam":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+        manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
+        state = commpress.register(net, ONEBIT_ADAM, optimizer=opt, manager=manager).onebit_adam.comm
+    else:
+        state = register_ddp_hook(net, FAILING, manager=manager)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
     if scenario != "joiner":
         meet.add("ready", 1)
         while int(meet.add("ready", 0)) < 2:
@@ -245,8 +255,8 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
             elif not meet.check(["stop"]):
                 meet.set("stop", str(manager.current_step() - 1 + TOGETHER))
     seen["step"] = manager.current_step()
-    torch.save({"model": net.module.state_dict(), "shared": state.shared_state_dict()}, out / f"{scenario}.pt")
-    (out / f"{scenario}.json").write_text(json.dumps(seen))
+    torch.save({"model": net.module.state_dict(), "shared": state.shared_state_dict()}, out / f"{scenario}-{what}.pt")
+    (out / f"{scenario}-{what}.json").write_text(json.dumps(seen))
     manager.shutdown(wait=False)
 
 
