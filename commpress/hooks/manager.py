@@ -29,8 +29,8 @@ from commpress.hooks.state import CommState
 
 __all__ = ["ManagedCommState", "check_managed", "managed_ddp"]
 
-#: tables that do not run under a Manager (yet), and why ([local_sgd]: DiLoCo runs,
-#: :mod:`commpress.local_sgd.managed`)
+#: tables that do not run under a Manager (yet), and why ([local_sgd]: DiLoCo and Local SGD
+#: run, :mod:`commpress.local_sgd.managed`; [onebit_adam]: :mod:`commpress.optim.managed_onebit_adam`)
 _REFUSED = {
     "fsdp": "FSDP",
     "bandwidth": "the bandwidth layer (it measures links between fixed ranks)",

@@ -1,5 +1,5 @@
 """Compression that takes over part of the optimizer's step: 1-bit Adam (the momentum
-averaged compressed once AdamW's variance is frozen)."""
+averaged compressed once AdamW's variance is frozen), also under a torchft Manager."""
 
 from commpress.optim.managed_onebit_adam import ManagedOneBitAdam
 from commpress.optim.onebit_adam import OneBitAdam, check_adam
