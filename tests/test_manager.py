@@ -58,13 +58,18 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 150) -> None:
         assert p.returncode == 0, Path(p.args[3], f"{p.args[2]}{p.args[6]}.log").read_text()[-3000:]
 
 
-def test_every_method_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path):
+def _both(scenario: str, out: Path, worker: str = WORKER.name) -> None:
+    """Replicas 0 and 1 run ``scenario`` to its end, with a lighthouse that waits for both."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
         port = _port()
-        _finish([_start("same", tmp_path, lighthouse.address(), port, r) for r in (0, 1)])
+        _finish([_start(scenario, out, lighthouse.address(), port, r, worker) for r in (0, 1)])
     finally:
         lighthouse.shutdown()
+
+
+def test_every_method_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path):
+    _both("same", tmp_path)
     for replica in (0, 1):
         seen = json.loads((tmp_path / f"same{replica}.json").read_text())
         assert sorted(seen) == [m for m in available() if not m.startswith("test-")]  # the tests' own methods aside
@@ -76,11 +81,7 @@ def test_every_method_commits_from_torchfts_first_step_sync(tmp_path):
     """With ``init_sync=True`` (torchft's default) replica 1 heals in step 0 while counted
     among the participants: every method commits every step and both replicas, started from
     different models, end equal bit for bit."""
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-    try:
-        _finish([_start("first", tmp_path, lighthouse.address(), 0, r) for r in (0, 1)])
-    finally:
-        lighthouse.shutdown()
+    _both("first", tmp_path)
     seen = [json.loads((tmp_path / f"first{r}.json").read_text()) for r in (0, 1)]
     assert sorted(seen[0]) == sorted(seen[1]) == [m for m in available() if not m.startswith("test-")]
     for method in seen[0]:
@@ -93,12 +94,7 @@ def test_one_bit_adam_through_the_manager_is_the_plain_run_and_heals(tmp_path):
     """1-bit Adam's warm-up step and compressed momenta through the manager give the plain
     gloo run bit for bit; from torchft's first-step sync (replica 1 heals in the warm-up,
     from another model init) both replicas end equal."""
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-    try:
-        port = _port()
-        _finish([_start("adam", tmp_path, lighthouse.address(), port, r) for r in (0, 1)])
-    finally:
-        lighthouse.shutdown()
+    _both("adam", tmp_path)
     seen = [json.loads((tmp_path / f"adam{r}.json").read_text()) for r in (0, 1)]
     for s in seen:
         assert s["same"]["committed"] == s["first"]["committed"] == [True] * len(s["same"]["committed"]), s

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 
-from test_manager import _finish, _port, _same, _start
+from test_manager import _both, _finish, _same, _start
 from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 
@@ -39,12 +39,7 @@ WORKERS = "manager_diloco_workers.py"
 
 
 def test_diloco_and_local_sgd_through_the_manager_are_the_plain_runs_bit_for_bit(tmp_path):
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
-    try:
-        port = _port()
-        _finish([_start("same", tmp_path, lighthouse.address(), port, r, WORKERS) for r in (0, 1)])
-    finally:
-        lighthouse.shutdown()
+    _both("same", tmp_path, WORKERS)
     for replica in (0, 1):
         seen = json.loads((tmp_path / f"same{replica}.json").read_text())
         assert sorted(seen) == ["local_sgd", "none", "terngrad", "topk"]
