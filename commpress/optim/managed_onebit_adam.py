@@ -29,14 +29,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic
-from commpress.comm.pickling import BoundToProcess
 from commpress.hooks.manager import ManagedCommState
-from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 from commpress.local_sgd.local_sgd import check_finite
-from commpress.optim.onebit_adam import adam_parameters, adam_state, check_adam, check_warmup, frozen_update
+from commpress.optim.onebit_adam import (
+    AdamStepTakeover,
+    adam_parameters,
+    adam_state,
+    check_adam,
+    check_warmup,
+    frozen_update,
+)
 
 __all__ = ["ManagedOneBitAdam"]
 
@@ -48,7 +52,7 @@ def managed_hook(state: "ManagedOneBitAdam", bucket: dist.GradBucket) -> torch.f
     return state.comm.reduce(bucket.index(), bucket.buffer(), bucket.parameters(), advance=bucket.is_last())
 
 
-class ManagedOneBitAdam(BoundToProcess):
+class ManagedOneBitAdam(AdamStepTakeover):
     """1-bit Adam attached to ``optimizer`` (AdamW) of the ``model`` made by
     :func:`~commpress.hooks.manager.managed_ddp`, its averages through ``manager``: exact for
     ``warmup_steps`` committed steps, then the momentum with ``method`` and ``params``."""
@@ -76,9 +80,6 @@ class ManagedOneBitAdam(BoundToProcess):
         self._base = manager.current_step()  # steps are counted from here, as the hook counts them
         self._group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self._step: int | None = None  # the step whose backward ran, if it was past the warm-up
-        self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
-        self._hooks: list[RemovableHandle] = []
-        self._switch: CommHookSwitch | None = None
 
     @property
     def traffic(self) -> Traffic:
@@ -87,19 +88,7 @@ class ManagedOneBitAdam(BoundToProcess):
 
     def attach(self, model: DistributedDataParallel) -> None:
         """Register the DDP comm hook on ``model`` and the optimizer's step hooks."""
-        self._switch = register_removable_hook(model, self, managed_hook)
-        self._hooks = [
-            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
-            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
-        ]
-
-    def detach(self) -> None:
-        """Take off what :meth:`attach` registered."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        if self._switch is not None:
-            self._switch.remove()
+        self._attach(model, managed_hook)
 
     def begin_bucket(self, buffer: torch.Tensor, params: list[torch.Tensor]) -> None:
         """Past the warm-up, write this replica's momentum of ``params`` over their gradients
@@ -116,11 +105,11 @@ class ManagedOneBitAdam(BoundToProcess):
             grad.copy_(self._state(p)["exp_avg"].clone().lerp_(grad, 1 - beta1))
             offset += p.numel()
 
-    def _pre_step(self) -> None:
+    def _take_step(self) -> bool:
         """Past the warm-up (the step committed): AdamW's update with the averaged momentum
-        in ``p.grad``; AdamW's own step then skips every parameter."""
+        in ``p.grad``."""
         if self._step is None:
-            return
+            return False
         for p in self.params:
             if p.grad is None:
                 raise RuntimeError(
@@ -130,14 +119,9 @@ class ManagedOneBitAdam(BoundToProcess):
             check_finite(p.grad, self.name, self._step)
         for p in self.params:
             frozen_update(self._group_of[id(p)], self._state(p), p, p.grad, self._step - self.warmup_steps)
-        self._hidden = [(p, p.grad) for p in self.params]
-        for p in self.params:
-            p.grad = None
+        return True
 
-    def _post_step(self) -> None:
-        for p, grad in self._hidden:
-            p.grad = grad
-        self._hidden = []
+    def _stepped(self) -> None:
         self._step = None
 
     def _state(self, p: torch.nn.Parameter) -> dict[str, Any]:

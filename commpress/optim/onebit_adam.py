@@ -51,7 +51,7 @@ from commpress.errors import ConfigError
 from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 from commpress.local_sgd.local_sgd import check_finite
 
-__all__ = ["OneBitAdam", "adam_parameters", "check_adam", "frozen_update"]
+__all__ = ["AdamStepTakeover", "OneBitAdam", "adam_parameters", "check_adam", "frozen_update"]
 
 _WHERE = "[onebit_adam]"
 
@@ -160,7 +160,57 @@ def comm_hook(state: "OneBitAdam", bucket: dist.GradBucket) -> torch.futures.Fut
     return state.averager.backend.run(reduction, buffer.device).then(lambda fut: (fut.value(), buffer)[1])
 
 
-class OneBitAdam(BoundToProcess):
+class AdamStepTakeover(BoundToProcess):
+    """AdamW's step taken over through its step hooks, as both 1-bit Adams do: the DDP comm
+    hook and the optimizer's hooks go on at :meth:`_attach` and off at :meth:`detach`; the
+    pre-hook runs :meth:`_take_step` and, where that applied the update, hides the gradients
+    so AdamW's own step skips every parameter; the post-hook gives them back, then
+    :meth:`_stepped`. Subclasses set ``optimizer`` and ``params``."""
+
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    _hooks: tuple[RemovableHandle, ...] = ()
+    _switch: CommHookSwitch | None = None
+    _hidden: tuple[tuple[torch.nn.Parameter, torch.Tensor | None], ...] = ()  # during AdamW's step
+
+    def _attach(self, model: DistributedDataParallel, hook: Any) -> None:
+        self._switch = register_removable_hook(model, self, hook)
+        self._hooks = (
+            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
+            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
+        )
+
+    def detach(self) -> None:
+        """Take off what :meth:`attach` registered: DDP all-reduces gradients again and
+        ``optimizer.step()`` is AdamW's own step."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = ()
+        if self._switch is not None:
+            self._switch.remove()
+
+    def _take_step(self) -> bool:
+        """Apply this step's update, if it is this object's; whether it did."""
+        raise NotImplementedError
+
+    def _stepped(self) -> None:
+        """After the optimizer's step."""
+
+    def _pre_step(self) -> None:
+        if not self._take_step():
+            return
+        self._hidden = tuple((p, p.grad) for p in self.params)
+        for p in self.params:
+            p.grad = None  # AdamW's own step skips every parameter: this step is done
+
+    def _post_step(self) -> None:
+        for p, grad in self._hidden:
+            p.grad = grad
+        self._hidden = ()
+        self._stepped()
+
+
+class OneBitAdam(AdamStepTakeover):
     """1-bit Adam attached to ``optimizer`` (``torch.optim.AdamW``) for the parameters
     ``named_parameters``; the momentum is averaged by ``averager`` (any commpress method)
     after ``warmup_steps`` exact steps. :meth:`attach` registers the DDP comm hook and the
@@ -200,9 +250,6 @@ class OneBitAdam(BoundToProcess):
             "model": [[n, list(p.shape)] for n, p in named],
         }
         self._check_resume = False
-        self._hidden: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
-        self._hooks: list[RemovableHandle] = []
-        self._switch: CommHookSwitch | None = None
         self.wait_seconds: list[float] = []
 
     @property
@@ -221,36 +268,19 @@ class OneBitAdam(BoundToProcess):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
         self.averager.connect(self.settings, self.name, process_group)  # the one set-up exchange
-        self._switch = register_removable_hook(model, self, comm_hook)
-        self._hooks = [
-            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
-            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
-        ]
+        self._attach(model, comm_hook)
 
-    def detach(self) -> None:
-        """Take off what :meth:`attach` registered: DDP all-reduces gradients again and
-        ``optimizer.step()`` is AdamW's own step."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        if self._switch is not None:
-            self._switch.remove()
-
-    def _pre_step(self) -> None:
+    def _take_step(self) -> bool:
+        """After the freeze: the momentum averaged and AdamW's update with it."""
         if not self.frozen:
-            return
+            return False
         if self._check_resume and self.averager.can_block:
             checkpoint.check_resume(self.averager.backend, self.steps, digest_of(self.settings), self.name)
         self._check_resume = False
         self.finish_step(self.start_step())
-        self._hidden = [(p, p.grad) for p in self.params]
-        for p in self.params:
-            p.grad = None  # AdamW's own step skips every parameter: this step is done
+        return True
 
-    def _post_step(self) -> None:
-        for p, grad in self._hidden:
-            p.grad = grad
-        self._hidden = []
+    def _stepped(self) -> None:
         self.steps += 1
 
     def start_step(self) -> torch.futures.Future:
