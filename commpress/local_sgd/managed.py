@@ -257,10 +257,10 @@ def managed_from_config(
             f"[local_sgd] {what} does not run under a torchft Manager yet; expected algorithm = \"diloco\" (Streaming "
             "DiLoCo's fragments, sync_delay and merge included) or \"local_sgd\", with a constant period"
         )
-    keys = ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay")
-    outer = {k: section.value(k) for k in keys}
     if section.algorithm == "local_sgd":
         outer = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False, "fragments": 1, "sync_delay": 0}
+    else:
+        outer = {k: section.value(k) for k in ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay")}
     return ManagedDiLoCo(
         model,
         optimizer,
