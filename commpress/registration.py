@@ -222,7 +222,8 @@ def register(
     communicates in (default: the model's, or the world; FSDP uses its own mesh).
     ``total_steps``: lets QSR cap the last round. ``manager``: a ``torchft.Manager`` every
     collective goes through (docs/fault_tolerance.md): the DDP hook's (the model wrapped by
-    :func:`commpress.hooks.managed_ddp`), or DiLoCo's syncs with ``[local_sgd]``. ``mesh``:
+    :func:`commpress.hooks.managed_ddp`), 1-bit Adam's, or the syncs of ``[local_sgd]`` (a
+    constant period). ``mesh``:
     the 2-D ``DeviceMesh`` (``"replicate"``, ``"shard"``) of a model sharded with FSDP2 over
     ``mesh["shard"]`` inside each replica group (:mod:`commpress.comm.mesh`): ``[local_sgd]``
     then averages each rank's shard over the groups, and a config without it averages
@@ -283,7 +284,7 @@ def _local_sgd(
 def _managed_diloco(
     model: torch.nn.Module, cfg: Config, optimizer: torch.optim.Optimizer | None, manager: Any, total_steps: int | None
 ) -> LocalSGD:
-    """DiLoCo of ``[local_sgd]`` whose syncs go through the torchft ``manager``."""
+    """The Local SGD / CO2 / DiLoCo trainer of ``[local_sgd]`` whose syncs go through the torchft ``manager``."""
     from commpress.hooks.manager import check_managed
     from commpress.local_sgd.managed import managed_from_config
 

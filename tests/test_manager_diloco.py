@@ -81,9 +81,14 @@ def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bi
 
 
 def test_what_does_not_run_under_a_manager_is_refused():
-    for table, match in (({"algorithm": "co2"}, "co2"), ({"algorithm": "diloco", "qsr_alpha": 0.2}, "QSR")):
+    refused = (
+        ({"algorithm": "co2", "qsr_alpha": 0.2}, r"QSR.*torchft Manager"),
+        ({"algorithm": "diloco", "qsr_alpha": 0.2}, r"QSR.*torchft Manager"),
+        ({"algorithm": "co2", "staleness_penalty": "adaptive"}, r"CO2 under a torchft Manager: staleness_penalty"),
+    )
+    for table, match in refused:
         cfg = Config.load({"local_sgd": table})
-        with pytest.raises(ConfigError, match=rf"{match}.*torchft Manager"):
+        with pytest.raises(ConfigError, match=match):
             managed_from_config(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()), cfg, object())
     with pytest.raises(ConfigError, match=r"\[local_sgd\].*register"):
         ManagedCommState({"local_sgd": {"algorithm": "diloco"}}, None, object())

@@ -57,9 +57,7 @@ class AdaptiveLayer:
     """Measure, plan, and run hierarchical reductions of ``groups``' buckets over the ranks
     of ``main``, the backend of the hook state; bytes across domains count in ``main``'s traffic."""
 
-    def __init__(
-        self, groups: MethodGroups, settings: BandwidthConfig, model: torch.nn.Module | None, main: Backend
-    ) -> None:
+    def __init__(self, groups: MethodGroups, settings: BandwidthConfig, model: torch.nn.Module | None, main: Backend) -> None:
         if model is None:
             raise ConfigError("[bandwidth] adaptive = true needs the model (pass model= to CommState) to size the plan")
         if not isinstance(main, MeasurableBackend):

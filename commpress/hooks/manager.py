@@ -45,8 +45,8 @@ def check_managed(config: Config) -> None:
         if config.section(table) is not None:
             raise ConfigError(
                 f"the config's [{table}] table ({what}) does not run under a torchft Manager yet: remove it; the DDP "
-                "hook's method, params, overrides and start_iter do, [onebit_adam], and [local_sgd] with algorithm = "
-                '"diloco" or "local_sgd"'
+                "hook's method, params, overrides and start_iter do, [onebit_adam], and [local_sgd] with a constant "
+                "period"
             )
     if config.backend != "torch":
         raise ConfigError(

@@ -27,31 +27,27 @@ to its peers'. Per-rank error feedback starts from zero there.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from commpress.comm import SimulatedWorld
-from commpress.comm.averager import ParameterAverager
-from commpress.comm.manager_backend import ManagerBackend, replay, report
-from commpress.compressors import Context
+from commpress.comm.manager_backend import report
 from commpress.config import Config
-from commpress.config.groups import MethodGroups
 from commpress.config.tables import SQRT_REPLICAS
 from commpress.errors import ConfigError
 from commpress.local_sgd.diloco import DiLoCo, _InFlight
 from commpress.local_sgd.fragments import Fragment
-from commpress.local_sgd.periods import Constant, Period
+from commpress.local_sgd.managed_co2 import ManagedCO2
+from commpress.local_sgd.manager_syncs import ManagerSyncs, check_constant
+from commpress.local_sgd.periods import Period
 
 __all__ = ["ManagedDiLoCo", "managed_from_config"]
 
 
-class ManagedDiLoCo(DiLoCo):
+class ManagedDiLoCo(ManagerSyncs, DiLoCo):
     """:class:`DiLoCo` whose syncs go through ``manager`` (a ``torchft.Manager``), its
     shared state registered with it under ``key``. ``method`` and ``params`` compress the
     pseudo-gradients; the other arguments are :class:`DiLoCo`'s (a constant period)."""
@@ -70,58 +66,11 @@ class ManagedDiLoCo(DiLoCo):
         key: str = "commpress_diloco",
         **kwargs: Any,
     ) -> None:
-        if period is not None and not isinstance(period, (int, Constant)):
-            raise ConfigError(f"{self.name}: period = {period!r} is not accepted; expected a constant period (an int)")
-        self.manager = manager
-        groups = MethodGroups(Config(method=method, params=dict(params or {})))
-        averager = ParameterAverager(method, params, backend=ManagerBackend(manager, groups.rounds))
-        self._settling = threading.RLock()  # the manager reads the shared state from its quorum thread
-        self._replays: list[tuple[Fragment, Context]] = []  # per average in flight: what a replay needs
+        check_constant(self.name, period)
+        averager = self._through(manager, method, params)
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
-        self._base = manager.current_step()  # syncs are counted from here (0 in a fresh job, on every replica)
-        self.commits: list[bool] = []  # should_commit() of every sync, in order
-        self._healed = False  # set when the manager hands this replica a peer's state
-        self._load_kernels(groups)
-        manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
-
-    def _load_kernels(self, groups: MethodGroups) -> None:
-        """Run the method once on zeros in a world of one, before this replica's first
-        quorum: a fresh process loads the compressor's CPU kernels from numba's cache here
-        (0.9 s for TernGrad), not inside its first sync, which its peers wait for. Its own
-        compressor (``groups`` is not the averager's), so no state of the real one changes."""
         fragment = self.fragments[0]
-        zeros = torch.zeros(fragment.stop - fragment.start, dtype=self.anchor.dtype, device=self.anchor.device)
-        reduction = groups.composite.reduce(fragment.bucket(zeros), Context(rank=0, world_size=1, step=0))
-        SimulatedWorld(1).run([reduction])
-
-    @property
-    def backend(self) -> ManagerBackend:
-        backend = self.averager.backend
-        assert isinstance(backend, ManagerBackend)
-        return backend
-
-    @property
-    def syncs(self) -> int:
-        """Committed syncs since registration: the manager's step, the same on every replica."""
-        return self.manager.current_step() - self._base
-
-    def _check_ranks(self) -> None:
-        """Membership is the manager's business: nothing to compare at a sync."""
-
-    def _begin_step(self) -> None:
-        self.manager.disallow_state_dict_read()  # the inner step changes the model a peer may be reading
-        super()._begin_step()
-
-    def _end_step(self) -> None:
-        self.manager.allow_state_dict_read()
-        super()._end_step()
-
-    def _quorum(self) -> None:
-        """A new manager step: its quorum, participants and this replica's role in it."""
-        self.manager.allow_state_dict_read()  # a healing peer may read this replica's state now
-        self.manager.start_quorum()
-        self.backend.begin_step()
-        self._follow_participants()
+        self._register(key, fragment.bucket, fragment.stop - fragment.start)
 
     def _follow_participants(self) -> None:
         """``outer_lr = "sqrt_replicas"``: sqrt(M), M this sync's participants (a healing
@@ -149,8 +98,7 @@ class ManagedDiLoCo(DiLoCo):
         self._start_fragment(fragment, self.clock.step + self.sync_delay)
 
     def _start_fragment(self, fragment: Fragment, due: int, replace: bool = False) -> None:
-        self.averager.calls = self.syncs  # the compressors' step: the same on every replica
-        self._replays.append((fragment, self.averager.next_context()))
+        self._record(fragment.bucket, fragment.stop - fragment.start)
         super()._start_fragment(fragment, due, replace)
 
     def _land_one(self, flight: _InFlight) -> None:
@@ -195,46 +143,6 @@ class ManagedDiLoCo(DiLoCo):
         self.flat.write(local, fragment.tensors)
         self.fresh[fragment.index] = -1
 
-    # ---- live recovery -----------------------------------------------------------------
-
-    def shared_state_dict(self) -> dict[str, Any]:
-        """What every replica shares and a healing one receives: the anchor, the outer
-        optimizer's state and the compressor's state without its per-rank entries."""
-        with self._settling:
-            compressor = self.averager.compressor
-            state = compressor.state_dict()
-            shared = {k: ({} if k in compressor.per_rank_state else v) for k, v in state.items()}
-            return {
-                "anchor": self.anchor.clone(),
-                "outer": copy.deepcopy(self.outer_optimizer.state_dict()),
-                "compressor": shared,
-            }
-
-    def load_shared(self, state: Mapping[str, Any]) -> None:
-        """Take a healthy peer's shared state (the manager calls it in ``should_commit``),
-        then replay the syncs in flight on the received compressor state, so this replica
-        stages what its peers staged."""
-        with self._settling:
-            self._healed = True
-            self.anchor.copy_(state["anchor"])
-            self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer"]))
-            self._follow_participants()  # the peer's lr may be its last sync's, read before its quorum
-            self.averager.compressor.load_state_dict(copy.deepcopy(state["compressor"]))
-            log = self.backend.log or []
-            for (fragment, ctx), results in zip(self._replays, log):
-                zeros = torch.zeros(fragment.stop - fragment.start, dtype=self.anchor.dtype, device=self.anchor.device)
-                replay(self.averager.groups.composite.reduce(fragment.bucket(zeros), ctx), results)
-
-    def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """This replica's state (:meth:`DiLoCo.state_dict`); ``full=True`` is refused: the
-        replicas change between syncs."""
-        if full:
-            raise RuntimeError(
-                f"{self.name}: state_dict(full=True) gathers fixed ranks; under a torchft Manager save each replica's "
-                "own state_dict()"
-            )
-        return super().state_dict()
-
 
 def managed_from_config(
     model: nn.Module,
@@ -243,35 +151,28 @@ def managed_from_config(
     manager: Any,
     total_steps: int | None = None,
     key: str = "commpress_diloco",
-) -> ManagedDiLoCo:
-    """The :class:`ManagedDiLoCo` of a config whose ``[local_sgd]`` table says
-    ``algorithm = "diloco"`` or ``"local_sgd"`` with a constant period; the top-level
+) -> ManagedDiLoCo | ManagedCO2:
+    """The trainer of a config's ``[local_sgd]`` table under ``manager``, with a constant
+    period: :class:`ManagedDiLoCo` for ``algorithm = "diloco"`` or ``"local_sgd"``,
+    :class:`~commpress.local_sgd.managed_co2.ManagedCO2` for ``"co2"``; the top-level
     ``method`` and ``params`` compress the pseudo-gradients; ``key`` names its state with
     the manager. Local SGD is DiLoCo whose outer step is the plain average (outer SGD at lr
     1, no momentum: the anchor becomes the replicas' mean), one fragment, no delay."""
     section = config.section("local_sgd")
     assert section is not None
-    if section.algorithm == "co2" or section.qsr_alpha is not None:
-        what = "algorithm = 'co2'" if section.algorithm == "co2" else "qsr_alpha (QSR)"
+    if section.qsr_alpha is not None:
         raise ConfigError(
-            f"[local_sgd] {what} does not run under a torchft Manager yet; expected algorithm = \"diloco\" (Streaming "
-            "DiLoCo's fragments, sync_delay and merge included) or \"local_sgd\", with a constant period"
+            "[local_sgd] qsr_alpha (QSR) does not run under a torchft Manager yet: each replica would choose its rounds "
+            "from its own step count and learning rate; expected no qsr_alpha (a constant period)"
         )
+    common = {"method": config.method, "params": config.params, "average_buffers": section.average_buffers}
+    common.update(total_steps=total_steps, key=key)
+    if section.algorithm == "co2":
+        co2 = {k: section.value(k) for k in ("outer_lr", "outer_momentum", "staleness_penalty")}
+        return ManagedCO2(model, optimizer, manager, section.period, clip=section.clip, **co2, **common)
     if section.algorithm == "local_sgd":
         outer = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False, "fragments": 1, "sync_delay": 0}
     else:
         outer = {k: section.value(k) for k in ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay")}
-    return ManagedDiLoCo(
-        model,
-        optimizer,
-        manager,
-        section.period,
-        method=config.method,
-        params=config.params,
-        average_buffers=section.average_buffers,
-        total_steps=total_steps,
-        key=key,
-        merge=section.merge,
-        merge_alpha=section.merge_alpha,
-        **outer,
-    )
+    merge = {"merge": section.merge, "merge_alpha": section.merge_alpha}
+    return ManagedDiLoCo(model, optimizer, manager, section.period, **merge, **outer, **common)

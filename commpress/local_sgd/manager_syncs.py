@@ -1,0 +1,152 @@
+"""What the Local SGD trainers under a torchft ``Manager`` (:mod:`commpress.local_sgd.managed`,
+:mod:`commpress.local_sgd.managed_co2`) share: an averager whose collectives go through the
+manager, one manager step per sync (a quorum, the average, ``should_commit()``), the
+compressors' step taken from the manager's committed steps (so replicas that joined at
+different times use the same seeds), state reads by a healing peer allowed only between
+inner steps, and live recovery: a (re)joining replica receives a healthy peer's anchor,
+outer optimizer state and compressor state (its per-rank entries left out: error feedback
+starts from zero there), then replays the syncs in flight on that compressor state, so it
+stages what its peers staged.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from commpress.comm import SimulatedWorld
+from commpress.comm.averager import ParameterAverager
+from commpress.comm.manager_backend import ManagerBackend, replay
+from commpress.compressors import Context
+from commpress.config import Config
+from commpress.config.groups import MethodGroups
+from commpress.errors import ConfigError
+from commpress.local_sgd.periods import Constant, Period
+
+__all__ = ["ManagerSyncs", "check_constant"]
+
+#: what a replayed sync needs: the bucket its values go in, their count, its context
+Replay = tuple[Callable[[torch.Tensor], Any], int, Context]
+
+
+def check_constant(name: str, period: int | Period | None) -> None:
+    """Refuse a period that is not constant: each replica would choose its rounds from its
+    own step count and learning rate, which a rejoining replica does not share."""
+    if period is not None and not isinstance(period, (int, Constant)):
+        raise ConfigError(f"{name}: period = {period!r} is not accepted; expected a constant period (an int)")
+
+
+class ManagerSyncs:
+    """Mixed in before a :class:`~commpress.local_sgd.LocalSGD` trainer: call
+    :meth:`_through` for the averager before the trainer's ``__init__``, :meth:`_register`
+    after it, :meth:`_quorum` and :meth:`_record` when a sync starts."""
+
+    manager: Any
+    name: str
+    anchor: torch.Tensor
+    averager: ParameterAverager
+    outer_optimizer: torch.optim.Optimizer
+
+    def _through(self, manager: Any, method: str, params: Mapping[str, Any] | None) -> ParameterAverager:
+        """The averager of ``method`` whose collectives go through ``manager``."""
+        self.manager = manager
+        self._groups = MethodGroups(Config(method=method, params=dict(params or {})))
+        self._settling = threading.RLock()  # the manager reads the shared state from its quorum thread
+        self._replays: list[Replay] = []  # per average in flight: what a replay needs
+        return ParameterAverager(method, params, backend=ManagerBackend(manager, self._groups.rounds))
+
+    def _register(self, key: str, bucket: Callable[[torch.Tensor], Any], numel: int) -> None:
+        """Count syncs from the manager's step now (0 in a fresh job, on every replica),
+        load the compressor's kernels, register the shared state with the manager under ``key``."""
+        self._base = self.manager.current_step()
+        self.commits: list[bool] = []  # should_commit() of every sync, in order
+        self._healed = False  # set when the manager hands this replica a peer's state
+        self._load_kernels(bucket, numel)
+        self.manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
+
+    def _load_kernels(self, bucket: Callable[[torch.Tensor], Any], numel: int) -> None:
+        """Run the method once on zeros in a world of one, before this replica's first
+        quorum: a fresh process loads the compressor's CPU kernels from numba's cache here
+        (0.9 s for TernGrad), not inside its first sync, which its peers wait for. Its own
+        compressor (not the averager's), so no state of the real one changes."""
+        zeros = torch.zeros(numel, dtype=self.anchor.dtype, device=self.anchor.device)
+        SimulatedWorld(1).run([self._groups.composite.reduce(bucket(zeros), Context(rank=0, world_size=1, step=0))])
+
+    @property
+    def backend(self) -> ManagerBackend:
+        backend = self.averager.backend
+        assert isinstance(backend, ManagerBackend)
+        return backend
+
+    @property
+    def syncs(self) -> int:
+        """Committed syncs since registration: the manager's step, the same on every replica."""
+        return self.manager.current_step() - self._base
+
+    def _check_ranks(self) -> None:
+        """Membership is the manager's business: nothing to compare at a sync."""
+
+    def _begin_step(self) -> None:
+        self.manager.disallow_state_dict_read()  # the inner step changes the model a peer may be reading
+        super()._begin_step()  # type: ignore[misc]
+
+    def _end_step(self) -> None:
+        self.manager.allow_state_dict_read()
+        super()._end_step()  # type: ignore[misc]
+
+    def _quorum(self) -> None:
+        """A new manager step: its quorum, participants and this replica's role in it."""
+        self.manager.allow_state_dict_read()  # a healing peer may read this replica's state now
+        self.manager.start_quorum()
+        self.backend.begin_step()
+        self._follow_participants()
+
+    def _follow_participants(self) -> None:
+        """What changes with the sync's participants (nothing here)."""
+
+    def _record(self, bucket: Callable[[torch.Tensor], Any], numel: int) -> None:
+        """A sync of ``numel`` values put in ``bucket`` starts: the compressors' step is
+        the manager's, and what a replay of it needs is kept until it lands."""
+        self.averager.calls = self.syncs
+        self._replays.append((bucket, numel, self.averager.next_context()))
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """What every replica shares and a healing one receives: the anchor, the outer
+        optimizer's state and the compressor's state without its per-rank entries."""
+        with self._settling:
+            compressor = self.averager.compressor
+            state = compressor.state_dict()
+            shared = {k: ({} if k in compressor.per_rank_state else v) for k, v in state.items()}
+            return {
+                "anchor": self.anchor.clone(),
+                "outer": copy.deepcopy(self.outer_optimizer.state_dict()),
+                "compressor": shared,
+            }
+
+    def load_shared(self, state: Mapping[str, Any]) -> None:
+        """Take a healthy peer's shared state (the manager calls it in ``should_commit``),
+        then replay the syncs in flight on the received compressor state, so this replica
+        stages what its peers staged."""
+        with self._settling:
+            self._healed = True
+            self.anchor.copy_(state["anchor"])
+            self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer"]))
+            self._follow_participants()  # the peer's lr may be its last sync's, read before its quorum
+            self.averager.compressor.load_state_dict(copy.deepcopy(state["compressor"]))
+            for (bucket, numel, ctx), results in zip(self._replays, self.backend.log or []):
+                zeros = torch.zeros(numel, dtype=self.anchor.dtype, device=self.anchor.device)
+                replay(self.averager.groups.composite.reduce(bucket(zeros), ctx), results)
+
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """This replica's state (the trainer's ``state_dict``); ``full=True`` is refused:
+        the replicas change between syncs."""
+        if full:
+            raise RuntimeError(
+                f"{self.name}: state_dict(full=True) gathers fixed ranks; under a torchft Manager save each replica's "
+                "own state_dict()"
+            )
+        return super().state_dict()  # type: ignore[misc]

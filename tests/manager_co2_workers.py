@@ -1,0 +1,147 @@
+"""Replica groups (one process each) for tests/test_manager_co2.py: CO2 under a torchft
+Manager, the lighthouse in the test process.
+
+Run as ``python manager_co2_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA``:
+
+- ``same``: for each config of :data:`CONFIGS`, CO2 over a plain gloo group
+  (``init_process_group`` on STORE_PORT) and through the manager, in the same process (the
+  managed run saves its ``state_dict()`` in mid-round, with a sync in flight); writes
+  whether the models and anchors came out bit for bit equal.
+- ``survivor`` / ``killed`` / ``joiner``: replica 1 dies as it starts the average of sync
+  :data:`KILL_SYNC`; replica 0 checks that the sync, landing a round later, left its anchor,
+  outer state and compressor state as they were, syncs alone, and when the restarted
+  replica 1 (``joiner``, another model init, its model not registered with the manager:
+  the heal restarts it from the received anchor) has healed, both sync :data:`TOGETHER`
+  more times, finish, and write their model and shared state.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from manager_diloco_workers import inner_step
+from manager_workers import make_manager, model, run, same
+
+import commpress
+from commpress.config import Config
+from commpress.local_sgd.managed import managed_from_config
+
+#: the compared configs: the outer step's every setting, and error feedback (Top-k)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "none": {
+        "method": "none",
+        "local_sgd": {
+            "algorithm": "co2",
+            "period": 3,
+            "outer_lr": 0.7,
+            "outer_momentum": 0.5,
+            "staleness_penalty": 1.5,
+            "clip": 0.01,
+        },
+    },
+    "topk": {
+        "method": "topk",
+        "params": {"ratio": 0.3},
+        "local_sgd": {"algorithm": "co2", "period": 3, "outer_lr": 0.8, "outer_momentum": 0.5},
+    },
+}
+STEPS = 11  # inner steps (a round in progress at the end: finish() syncs it)
+SAVE_STEP = 4  # the managed run's state_dict(), a sync in flight
+KILL_SYNC = 3
+TOGETHER = 3
+
+
+def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
+    manager = make_manager(replica, lighthouse, min_size=2)
+    seen: dict[str, Any] = {}
+    for name, cfg in CONFIGS.items():
+        plain = model(0)
+        opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+        reg = commpress.register(plain, cfg, optimizer=opt)
+        for step in range(STEPS):
+            inner_step(plain, opt, replica, step)
+        reg.finish()
+        managed = model(0)
+        mopt = torch.optim.AdamW(managed.parameters(), lr=0.01)
+        trainer = managed_from_config(managed, mopt, Config.load(cfg), manager, key=name)  # a key per run
+        trainer.register_optimizer_hooks()
+        saved: dict[str, Any] = {}
+        for step in range(STEPS):
+            inner_step(managed, mopt, replica, step)
+            if step + 1 == SAVE_STEP:
+                saved = {"state": trainer.state_dict(), "commits": list(trainer.commits)}
+        trainer.finish()
+        seen[name] = {
+            "commits": trainer.commits,
+            "penalties": [reg.local_sgd.penalties, trainer.penalties],
+            "saved": [saved["state"]["pending"] is not None, saved["commits"]],
+            "model": all(torch.equal(a, b) for a, b in zip(plain.parameters(), managed.parameters())),
+            "anchor": torch.equal(reg.local_sgd.anchor, trainer.anchor),
+            "changed": not torch.equal(next(model(0).parameters()), next(managed.parameters())),
+        }
+    (out / f"same{replica}.json").write_text(json.dumps(seen))
+    manager.shutdown(wait=False)
+
+
+def failing(role: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
+    meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
+    manager = make_manager(replica, lighthouse)
+    net = model(7 if role == "joiner" else 0)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    if role != "joiner":  # CO2's heal restarts the joiner from the received anchor: its own model is not needed
+        manager.register_state_dict_fn("model", net.load_state_dict, net.state_dict)
+    manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
+    trainer = commpress.register(net, CONFIGS["topk"], optimizer=opt, manager=manager).local_sgd
+    if role == "killed":
+        start = trainer.averager.start
+        trainer.averager.start = lambda *a, **k: os._exit(0) if manager.current_step() == KILL_SYNC else start(*a, **k)
+    if role != "joiner":
+        meet.add("ready", 1)
+        while int(meet.add("ready", 0)) < 2:
+            time.sleep(0.05)
+    seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": []}
+    deadline, step = time.monotonic() + 150, 0
+    while time.monotonic() < deadline:
+        outer, compressor = trainer.outer_optimizer.state_dict(), trainer.averager.compressor.state_dict()
+        before = (trainer.anchor.clone(), copy.deepcopy(outer), copy.deepcopy(compressor))
+        syncs = len(trainer.commits)
+        inner_step(net, opt, replica, step)
+        step += 1
+        if len(trainer.commits) == syncs:
+            continue
+        seen["participants"].append(trainer.backend.world_size)
+        if not trainer.backend.participating:
+            seen["healed"] = True
+            seen["restarted"] = torch.equal(trainer.flat.read(), trainer.anchor)  # from the received anchor
+        if role == "survivor" and not trainer.commits[-1] and "kept" not in seen:
+            seen["kept"] = [
+                torch.equal(before[0], trainer.anchor),
+                same(before[1], trainer.outer_optimizer.state_dict()),
+                same(before[2], trainer.averager.compressor.state_dict()),
+            ]
+        if role == "survivor" and "kept" in seen and trainer.commits[-1]:
+            if trainer.backend.world_size == 1:
+                seen["alone"] += 1
+                time.sleep(0.3)  # leave the restarted replica time to join
+            elif not meet.check(["stop"]):
+                meet.set("stop", str(manager.current_step() + TOGETHER))
+        if meet.check(["stop"]) and manager.current_step() >= int(meet.get("stop")):
+            break
+    trainer.finish()
+    seen["step"] = manager.current_step()
+    torch.save({"model": net.state_dict(), "shared": trainer.shared_state_dict()}, out / f"{role}.pt")
+    (out / f"{role}.json").write_text(json.dumps(seen))
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    run(same_runs, failing, sys.argv[1:])
