@@ -222,8 +222,7 @@ def register(
     communicates in (default: the model's, or the world; FSDP uses its own mesh).
     ``total_steps``: lets QSR cap the last round. ``manager``: a ``torchft.Manager`` every
     collective goes through (docs/fault_tolerance.md): the DDP hook's (the model wrapped by
-    :func:`commpress.hooks.managed_ddp`), 1-bit Adam's, or the syncs of ``[local_sgd]`` (a
-    constant period). ``mesh``:
+    :func:`commpress.hooks.managed_ddp`), 1-bit Adam's, or the syncs of ``[local_sgd]``. ``mesh``:
     the 2-D ``DeviceMesh`` (``"replicate"``, ``"shard"``) of a model sharded with FSDP2 over
     ``mesh["shard"]`` inside each replica group (:mod:`commpress.comm.mesh`): ``[local_sgd]``
     then averages each rank's shard over the groups, and a config without it averages

@@ -34,7 +34,7 @@ import commpress
 from commpress.config import Config
 from commpress.local_sgd.managed import managed_from_config
 
-#: the compared configs: the outer step's every setting, and error feedback (Top-k)
+#: the compared configs: the outer step's every setting, error feedback (Top-k), QSR's rounds
 CONFIGS: dict[str, dict[str, Any]] = {
     "none": {
         "method": "none",
@@ -52,6 +52,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "params": {"ratio": 0.3},
         "local_sgd": {"algorithm": "co2", "period": 3, "outer_lr": 0.8, "outer_momentum": 0.5},
     },
+    #: 2 steps in the warm-up, then (0.02 / lr) ** 2 = 4 at AdamW's lr 0.01
+    "qsr": {"method": "none", "local_sgd": {"algorithm": "co2", "period": 2, "qsr_alpha": 0.02, "warmup_steps": 4}},
 }
 STEPS = 11  # inner steps (a round in progress at the end: finish() syncs it)
 SAVE_STEP = 4  # the managed run's state_dict(), a sync in flight
@@ -87,6 +89,7 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
             "model": all(torch.equal(a, b) for a, b in zip(plain.parameters(), managed.parameters())),
             "anchor": torch.equal(reg.local_sgd.anchor, trainer.anchor),
             "changed": not torch.equal(next(model(0).parameters()), next(managed.parameters())),
+            "periods": trainer.clock.periods,
         }
     (out / f"same{replica}.json").write_text(json.dumps(seen))
     manager.shutdown(wait=False)
@@ -138,6 +141,7 @@ def failing(role: str, out: Path, lighthouse: str, port: int, replica: int) -> N
             break
     trainer.finish()
     seen["step"] = manager.current_step()
+    seen["clock"] = trainer.clock.state_dict()
     torch.save({"model": net.state_dict(), "shared": trainer.shared_state_dict()}, out / f"{role}.pt")
     (out / f"{role}.json").write_text(json.dumps(seen))
     manager.shutdown(wait=False)

@@ -5,8 +5,8 @@ Run as ``python manager_diloco_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT 
 
 - ``same``: for each method of :data:`METHODS`, DiLoCo over a plain gloo group
   (``init_process_group`` on STORE_PORT) and through the manager, in the same process, and
-  Local SGD likewise (:data:`LOCAL_SGD`); writes whether the models and anchors came out
-  bit for bit equal.
+  Local SGD with QSR's rounds likewise (:data:`LOCAL_SGD`); writes whether the models and
+  anchors came out bit for bit equal.
 - ``survivor-M`` / ``killed-M`` / ``joiner-M`` (M: ``topk`` or ``terngrad``, entropy-coded):
   replica 1 dies inside the average of sync
   :data:`KILL_SYNC`; replica 0 checks that the sync left its anchor, outer state and
@@ -46,8 +46,12 @@ from commpress.local_sgd.managed import managed_from_config
 
 #: the methods compared with the plain run, and their parameters
 METHODS: dict[str, dict[str, Any]] = {"none": {}, "terngrad": {"entropy": True}, "topk": {"ratio": 0.3}}
-#: Local SGD, which runs under the manager as DiLoCo with the plain average as outer step
-LOCAL_SGD = {"method": "none", "local_sgd": {"algorithm": "local_sgd", "period": 4}}
+#: Local SGD, which runs under the manager as DiLoCo with the plain average as outer step,
+#: with QSR's rounds (2 steps in the warm-up, then (0.02 / lr) ** 2 = 4 at AdamW's lr 0.01)
+LOCAL_SGD = {
+    "method": "none",
+    "local_sgd": {"algorithm": "local_sgd", "period": 2, "qsr_alpha": 0.02, "warmup_steps": 4},
+}
 STEPS = 9  # inner steps of the comparison (a round in progress at the end: finish() syncs it)
 KILL_SYNC = 3
 TOGETHER = 3
@@ -95,6 +99,7 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
             "model": all(torch.equal(a, b) for a, b in zip(plain.parameters(), managed.parameters())),
             "anchor": torch.equal(reg.local_sgd.anchor, trainer.anchor),
             "changed": not torch.equal(next(model(0).parameters()), next(managed.parameters())),
+            "periods": trainer.clock.periods,
         }
     (out / f"same{replica}.json").write_text(json.dumps(seen))
     manager.shutdown(wait=False)
@@ -165,6 +170,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
             break
     trainer.finish()
     seen["step"] = manager.current_step()
+    seen["clock"] = trainer.clock.state_dict()
     shared = trainer.shared_state_dict()
     torch.save({"model": net.state_dict(), "shared": shared}, out / f"{scenario}.pt")
     (out / f"{scenario}.json").write_text(json.dumps(seen))

@@ -3,7 +3,8 @@ as processes: tests/manager_co2_workers.py).
 
 Without failures the syncs through the manager are the plain gloo run's, bit for bit: the
 one-round-stale average with momentum, clipping and a staleness penalty, and Top-k's error
-feedback; a ``state_dict()`` saved with a sync in flight lands it early and changes no bit.
+feedback, and QSR's rounds; a ``state_dict()`` saved with a sync in flight lands it early
+and changes no bit.
 A replica killed as it starts a sync's average leaves the survivor's anchor, outer state
 and compressor state as they were when that sync lands a round later; the restarted replica
 heals at its first sync and ends with the survivor's model and shared state, bit for bit.
@@ -22,8 +23,6 @@ from test_manager import _both, _finish, _same, _start
 from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 
-from commpress.local_sgd.managed_co2 import ManagedCO2
-
 pytestmark = pytest.mark.multiproc
 WORKERS = "manager_co2_workers.py"
 
@@ -32,13 +31,15 @@ def test_co2_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path):
     _both("same", tmp_path, WORKERS)
     for replica in (0, 1):
         seen = json.loads((tmp_path / f"same{replica}.json").read_text())
-        assert sorted(seen) == ["none", "topk"]
+        assert sorted(seen) == ["none", "qsr", "topk"]
         for name, s in seen.items():
-            assert len(s["commits"]) == 4 and all(s["commits"]), (name, s)  # rounds end at 3, 6, 9, finish at 11
-            assert s["saved"] == [True, [True]], (name, s)  # the sync started at step 3 landed by the save at 4
+            assert len(s["commits"]) == 4 and all(s["commits"]), (name, s)  # 3 rounds' ends and finish()
+            started = 2 if name == "qsr" else 1  # syncs started by the save at step 4 (QSR: at 2 and 4; else at 3)
+            assert s["saved"] == [True, [True] * started], (name, s)  # each landed: the one in flight by the save
             plain, managed = s["penalties"]
             assert plain == managed and len(plain) == 4, (name, s)
             assert (s["model"], s["anchor"], s["changed"]) == (True, True, True), (name, s)
+        assert seen["qsr"]["periods"] == [2, 2, 4, 4], seen  # QSR's rounds (finish() syncs the last, at step 11)
 
 
 def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bit(tmp_path):
@@ -57,14 +58,7 @@ def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bi
     assert s["alone"] >= 1 and not s["healed"], s
     assert {1, 2} <= set(s["participants"]), s
     assert j["healed"] and j["restarted"] and j["step"] == s["step"], (s, j)
+    assert j["clock"] == s["clock"], (s, j)  # the restarted replica took its peer's step count when it healed
     a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("survivor", "joiner"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert _same(a["shared"], b["shared"])
-
-
-def test_a_period_that_changes_is_refused():
-    from commpress.errors import ConfigError
-    from commpress.local_sgd.periods import QSR
-
-    with pytest.raises(ConfigError, match=r"CO2 under a torchft Manager: period = QSR"):
-        ManagedCO2(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()), object(), QSR(0.2, 2))

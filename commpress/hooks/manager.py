@@ -45,8 +45,7 @@ def check_managed(config: Config) -> None:
         if config.section(table) is not None:
             raise ConfigError(
                 f"the config's [{table}] table ({what}) does not run under a torchft Manager yet: remove it; the DDP "
-                "hook's method, params, overrides and start_iter do, [onebit_adam], and [local_sgd] with a constant "
-                "period"
+                "hook's method, params, overrides and start_iter do, as do [onebit_adam] and [local_sgd]"
             )
     if config.backend != "torch":
         raise ConfigError(

@@ -37,11 +37,11 @@ from torch import nn
 from commpress.comm.manager_backend import report
 from commpress.config import Config
 from commpress.config.tables import SQRT_REPLICAS
-from commpress.errors import ConfigError
+from commpress.local_sgd.config import period_policy
 from commpress.local_sgd.diloco import DiLoCo, _InFlight
 from commpress.local_sgd.fragments import Fragment
 from commpress.local_sgd.managed_co2 import ManagedCO2
-from commpress.local_sgd.manager_syncs import ManagerSyncs, check_constant
+from commpress.local_sgd.manager_syncs import ManagerSyncs
 from commpress.local_sgd.periods import Period
 
 __all__ = ["ManagedDiLoCo", "managed_from_config"]
@@ -50,7 +50,7 @@ __all__ = ["ManagedDiLoCo", "managed_from_config"]
 class ManagedDiLoCo(ManagerSyncs, DiLoCo):
     """:class:`DiLoCo` whose syncs go through ``manager`` (a ``torchft.Manager``), its
     shared state registered with it under ``key``. ``method`` and ``params`` compress the
-    pseudo-gradients; the other arguments are :class:`DiLoCo`'s (a constant period)."""
+    pseudo-gradients; the other arguments are :class:`DiLoCo`'s."""
 
     name = "DiLoCo under a torchft Manager"
     commits_when_averaged = False  # the manager's should_commit() decides
@@ -66,9 +66,9 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         key: str = "commpress_diloco",
         **kwargs: Any,
     ) -> None:
-        check_constant(self.name, period)
         averager = self._through(manager, method, params)
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
+        self.heals_clock = self.sync_delay == 0  # a delayed sync heals steps after its peers' quorum
         fragment = self.fragments[0]
         self._register(key, fragment.bucket, fragment.stop - fragment.start)
 
@@ -152,27 +152,22 @@ def managed_from_config(
     total_steps: int | None = None,
     key: str = "commpress_diloco",
 ) -> ManagedDiLoCo | ManagedCO2:
-    """The trainer of a config's ``[local_sgd]`` table under ``manager``, with a constant
-    period: :class:`ManagedDiLoCo` for ``algorithm = "diloco"`` or ``"local_sgd"``,
+    """The trainer of a config's ``[local_sgd]`` table under ``manager``:
+    :class:`ManagedDiLoCo` for ``algorithm = "diloco"`` or ``"local_sgd"``,
     :class:`~commpress.local_sgd.managed_co2.ManagedCO2` for ``"co2"``; the top-level
     ``method`` and ``params`` compress the pseudo-gradients; ``key`` names its state with
     the manager. Local SGD is DiLoCo whose outer step is the plain average (outer SGD at lr
     1, no momentum: the anchor becomes the replicas' mean), one fragment, no delay."""
     section = config.section("local_sgd")
     assert section is not None
-    if section.qsr_alpha is not None:
-        raise ConfigError(
-            "[local_sgd] qsr_alpha (QSR) does not run under a torchft Manager yet: each replica would choose its rounds "
-            "from its own step count and learning rate; expected no qsr_alpha (a constant period)"
-        )
     common = {"method": config.method, "params": config.params, "average_buffers": section.average_buffers}
     common.update(total_steps=total_steps, key=key)
     if section.algorithm == "co2":
         co2 = {k: section.value(k) for k in ("outer_lr", "outer_momentum", "staleness_penalty")}
-        return ManagedCO2(model, optimizer, manager, section.period, clip=section.clip, **co2, **common)
+        return ManagedCO2(model, optimizer, manager, period_policy(section), clip=section.clip, **co2, **common)
     if section.algorithm == "local_sgd":
         outer = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False, "fragments": 1, "sync_delay": 0}
     else:
         outer = {k: section.value(k) for k in ("outer_lr", "outer_momentum", "nesterov", "fragments", "sync_delay")}
     merge = {"merge": section.merge, "merge_alpha": section.merge_alpha}
-    return ManagedDiLoCo(model, optimizer, manager, section.period, **merge, **outer, **common)
+    return ManagedDiLoCo(model, optimizer, manager, period_policy(section), **merge, **outer, **common)

@@ -31,7 +31,7 @@ from commpress.comm.manager_backend import report
 from commpress.errors import ConfigError
 from commpress.local_sgd.co2 import CO2
 from commpress.local_sgd.local_sgd import Average
-from commpress.local_sgd.manager_syncs import ManagerSyncs, check_constant
+from commpress.local_sgd.manager_syncs import ManagerSyncs
 from commpress.local_sgd.periods import Period
 
 __all__ = ["ManagedCO2"]
@@ -40,8 +40,7 @@ __all__ = ["ManagedCO2"]
 class ManagedCO2(ManagerSyncs, CO2):
     """:class:`CO2` whose syncs go through ``manager`` (a ``torchft.Manager``), its shared
     state registered with it under ``key``. ``method`` and ``params`` compress the
-    pseudo-gradients; the other arguments are :class:`CO2`'s (a constant period, a constant
-    staleness penalty)."""
+    pseudo-gradients; the other arguments are :class:`CO2`'s (a constant staleness penalty)."""
 
     name = "CO2 under a torchft Manager"
     commits_when_averaged = False  # the manager's should_commit() decides
@@ -57,7 +56,6 @@ class ManagedCO2(ManagerSyncs, CO2):
         key: str = "commpress_co2",
         **kwargs: Any,
     ) -> None:
-        check_constant(self.name, period)
         if kwargs.get("staleness_penalty") == "adaptive":
             raise ConfigError(
                 f"{self.name}: staleness_penalty = 'adaptive' is not accepted: its all-reduce would run between two "
@@ -82,10 +80,10 @@ class ManagedCO2(ManagerSyncs, CO2):
         self._quorum()
         self._record(self.flat.bucket, send.numel())
         self._pending = Average(self.averager.start(self.flat.bucket(send), False), send, self.clock.rounds)
-        self.clock.round_done()
         if not self.backend.participating:
             self._land()
             self.flat.write(self.anchor)  # the peer's
+        self.clock.round_done()
 
     def _apply(self, local: torch.Tensor) -> None:
         """The outer step from the stale average, scaled by the staleness penalty, if its

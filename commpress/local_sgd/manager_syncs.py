@@ -24,20 +24,12 @@ from commpress.comm.manager_backend import ManagerBackend, replay
 from commpress.compressors import Context
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
-from commpress.errors import ConfigError
-from commpress.local_sgd.periods import Constant, Period
+from commpress.local_sgd.rounds import RoundClock
 
-__all__ = ["ManagerSyncs", "check_constant"]
+__all__ = ["ManagerSyncs"]
 
 #: what a replayed sync needs: the bucket its values go in, their count, its context
 Replay = tuple[Callable[[torch.Tensor], Any], int, Context]
-
-
-def check_constant(name: str, period: int | Period | None) -> None:
-    """Refuse a period that is not constant: each replica would choose its rounds from its
-    own step count and learning rate, which a rejoining replica does not share."""
-    if period is not None and not isinstance(period, (int, Constant)):
-        raise ConfigError(f"{name}: period = {period!r} is not accepted; expected a constant period (an int)")
 
 
 class ManagerSyncs:
@@ -50,6 +42,10 @@ class ManagerSyncs:
     anchor: torch.Tensor
     averager: ParameterAverager
     outer_optimizer: torch.optim.Optimizer
+    clock: RoundClock
+    #: whether a healing replica takes its peer's step count (its heal comes in the sync's
+    #: own step: no delay)
+    heals_clock = True
 
     def _through(self, manager: Any, method: str, params: Mapping[str, Any] | None) -> ParameterAverager:
         """The averager of ``method`` whose collectives go through ``manager``."""
@@ -116,7 +112,8 @@ class ManagerSyncs:
 
     def shared_state_dict(self) -> dict[str, Any]:
         """What every replica shares and a healing one receives: the anchor, the outer
-        optimizer's state and the compressor's state without its per-rank entries."""
+        optimizer's state, the compressor's state without its per-rank entries, and the
+        step count (a restarted replica then chooses QSR's rounds as its peers do)."""
         with self._settling:
             compressor = self.averager.compressor
             state = compressor.state_dict()
@@ -125,6 +122,7 @@ class ManagerSyncs:
                 "anchor": self.anchor.clone(),
                 "outer": copy.deepcopy(self.outer_optimizer.state_dict()),
                 "compressor": shared,
+                "clock": self.clock.state_dict(),
             }
 
     def load_shared(self, state: Mapping[str, Any]) -> None:
@@ -137,6 +135,8 @@ class ManagerSyncs:
             self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer"]))
             self._follow_participants()  # the peer's lr may be its last sync's, read before its quorum
             self.averager.compressor.load_state_dict(copy.deepcopy(state["compressor"]))
+            if self.heals_clock:
+                self.clock.load_state_dict(state["clock"])
             for (bucket, numel, ctx), results in zip(self._replays, self.backend.log or []):
                 zeros = torch.zeros(numel, dtype=self.anchor.dtype, device=self.anchor.device)
                 replay(self.averager.groups.composite.reduce(bucket(zeros), ctx), results)
