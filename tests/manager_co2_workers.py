@@ -5,8 +5,8 @@ Run as ``python manager_co2_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REP
 
 - ``same``: for each config of :data:`CONFIGS`, CO2 over a plain gloo group
   (``init_process_group`` on STORE_PORT) and through the manager, in the same process (the
-  managed run saves its ``state_dict()`` in mid-round, with a sync in flight); writes
-  whether the models and anchors came out bit for bit equal.
+  managed run saved in mid-round, with a sync in flight, and resumed by a second trainer:
+  ``resumed_run``); writes whether the models and anchors came out bit for bit equal.
 - ``survivor`` / ``killed`` / ``joiner``: replica 1 dies as it starts the average of sync
   :data:`KILL_SYNC`; replica 0 checks that the sync, landing a round later, left its anchor,
   outer state and compressor state as they were, syncs alone, and when the restarted
@@ -27,12 +27,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from manager_diloco_workers import inner_step
+from manager_diloco_workers import inner_step, resumed_run
 from manager_workers import make_manager, model, run, same
 
 import commpress
-from commpress.config import Config
-from commpress.local_sgd.managed import managed_from_config
 
 #: the compared configs: the outer step's every setting, error feedback (Top-k), QSR's rounds
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -55,10 +53,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     #: 2 steps in the warm-up, then (0.02 / lr) ** 2 = 4 at AdamW's lr 0.01
     "qsr": {"method": "none", "local_sgd": {"algorithm": "co2", "period": 2, "qsr_alpha": 0.02, "warmup_steps": 4}},
 }
-STEPS = 11  # inner steps (a round in progress at the end: finish() syncs it)
-SAVE_STEP = 4  # the managed run's state_dict(), a sync in flight
 KILL_SYNC = 3
 TOGETHER = 3
+STEPS = 11  # inner steps (a round in progress at the end: finish() syncs it); saved after 4
 
 
 def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
@@ -72,20 +69,11 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
         for step in range(STEPS):
             inner_step(plain, opt, replica, step)
         reg.finish()
-        managed = model(0)
-        mopt = torch.optim.AdamW(managed.parameters(), lr=0.01)
-        trainer = managed_from_config(managed, mopt, Config.load(cfg), manager, key=name)  # a key per run
-        trainer.register_optimizer_hooks()
-        saved: dict[str, Any] = {}
-        for step in range(STEPS):
-            inner_step(managed, mopt, replica, step)
-            if step + 1 == SAVE_STEP:
-                saved = {"state": trainer.state_dict(), "commits": list(trainer.commits)}
-        trainer.finish()
+        managed, trainer, first, state = resumed_run(cfg, manager, name, replica, STEPS)
         seen[name] = {
-            "commits": trainer.commits,
-            "penalties": [reg.local_sgd.penalties, trainer.penalties],
-            "saved": [saved["state"]["pending"] is not None, saved["commits"]],
+            "commits": first.commits + trainer.commits,
+            "penalties": [reg.local_sgd.penalties, first.penalties + trainer.penalties],
+            "saved": [state["pending"] is not None, first.commits],
             "model": all(torch.equal(a, b) for a, b in zip(plain.parameters(), managed.parameters())),
             "anchor": torch.equal(reg.local_sgd.anchor, trainer.anchor),
             "changed": not torch.equal(next(model(0).parameters()), next(managed.parameters())),

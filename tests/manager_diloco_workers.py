@@ -5,7 +5,8 @@ Run as ``python manager_diloco_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT 
 
 - ``same``: for each method of :data:`METHODS`, DiLoCo over a plain gloo group
   (``init_process_group`` on STORE_PORT) and through the manager, in the same process, and
-  Local SGD with QSR's rounds likewise (:data:`LOCAL_SGD`); writes whether the models and
+  Local SGD with QSR's rounds likewise (:data:`LOCAL_SGD`); the managed run saves its
+  ``state_dict()`` at :data:`SAVE_STEP` and loads it back; writes whether the models and
   anchors came out bit for bit equal.
 - ``survivor-M`` / ``killed-M`` / ``joiner-M`` (M: ``topk`` or ``terngrad``, entropy-coded):
   replica 1 dies inside the average of sync
@@ -53,6 +54,7 @@ LOCAL_SGD = {
     "local_sgd": {"algorithm": "local_sgd", "period": 2, "qsr_alpha": 0.02, "warmup_steps": 4},
 }
 STEPS = 9  # inner steps of the comparison (a round in progress at the end: finish() syncs it)
+SAVE_STEP = 4  # the managed run's state_dict(): DiLoCo's sync started at step 4 in flight
 KILL_SYNC = 3
 TOGETHER = 3
 
@@ -87,22 +89,42 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
         for step in range(STEPS):
             inner_step(plain, opt, replica, step)
         reg.finish()
-        managed = model(0)
-        mopt = torch.optim.AdamW(managed.parameters(), lr=0.01)
-        trainer = managed_from_config(managed, mopt, Config.load(cfg), manager, key=method)  # a key per run
-        trainer.register_optimizer_hooks()
-        for step in range(STEPS):
-            inner_step(managed, mopt, replica, step)
-        trainer.finish()
+        managed, trainer, first, state = resumed_run(cfg, manager, method, replica)
         seen[method] = {
-            "commits": trainer.commits,
+            "commits": first.commits + trainer.commits,
             "model": all(torch.equal(a, b) for a, b in zip(plain.parameters(), managed.parameters())),
             "anchor": torch.equal(reg.local_sgd.anchor, trainer.anchor),
             "changed": not torch.equal(next(model(0).parameters()), next(managed.parameters())),
             "periods": trainer.clock.periods,
+            "outcomes": state["outcomes"],
         }
     (out / f"same{replica}.json").write_text(json.dumps(seen))
     manager.shutdown(wait=False)
+
+
+def resumed_run(
+    cfg: dict[str, Any], manager: Any, key: str, replica: int, steps: int = STEPS
+) -> tuple[nn.Module, Any, Any, dict[str, Any]]:
+    """``steps`` inner steps of ``cfg`` through ``manager``, its trainer's state saved
+    after :data:`SAVE_STEP` and loaded into a second trainer (registered at the start, so
+    both count syncs from the same manager step) that takes the run over with copies of the
+    model and optimizer: the resumed model, its trainer, the first trainer, the state."""
+    nets = [model(0), model(0)]
+    opts = [torch.optim.AdamW(net.parameters(), lr=0.01) for net in nets]
+    trainers = [managed_from_config(n, o, Config.load(cfg), manager, key=f"{key}{i}") for i, (n, o) in enumerate(zip(nets, opts))]
+    for trainer in trainers:
+        trainer.register_optimizer_hooks()
+    state: dict[str, Any] = {}
+    for step in range(steps):
+        run = int(step >= SAVE_STEP)
+        inner_step(nets[run], opts[run], replica, step)
+        if step + 1 == SAVE_STEP:
+            state = trainers[0].state_dict()
+            nets[1].load_state_dict(nets[0].state_dict())
+            opts[1].load_state_dict(opts[0].state_dict())
+            trainers[1].load_state_dict(copy.deepcopy(state))
+    trainers[1].finish()
+    return nets[1], trainers[1], trainers[0], state
 
 
 def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:

@@ -36,6 +36,7 @@ from commpress.local_sgd.managed import ManagedDiLoCo, managed_from_config
 
 pytestmark = pytest.mark.multiproc
 WORKERS = "manager_diloco_workers.py"
+METHOD_NAMES = ("none", "terngrad", "topk")
 
 
 def test_diloco_and_local_sgd_through_the_manager_are_the_plain_runs_bit_for_bit(tmp_path):
@@ -46,6 +47,9 @@ def test_diloco_and_local_sgd_through_the_manager_are_the_plain_runs_bit_for_bit
         for method, s in seen.items():
             assert s["commits"] and all(s["commits"]), (method, s)
             assert (s["model"], s["anchor"], s["changed"]) == (True, True, True), (method, s)
+        for method in METHOD_NAMES:  # the sync in flight at the save, asked then and saved as it lands
+            assert seen[method]["outcomes"] == ["apply"], seen
+        assert seen["local_sgd"]["outcomes"] == [], seen  # no delay: nothing in flight between steps
         assert seen["local_sgd"]["periods"] == [2, 2, 4, 4], seen  # QSR's rounds (finish() syncs the last, at step 9)
 
 

@@ -69,6 +69,8 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         averager = self._through(manager, method, params)
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
         self.heals_clock = self.sync_delay == 0  # a delayed sync heals steps after its peers' quorum
+        #: per sync in flight, oldest first, how it lands once asked (:meth:`_settle`)
+        self._outcomes: list[str] = []
         fragment = self.fragments[0]
         self._register(key, fragment.bucket, fragment.stop - fragment.start)
 
@@ -102,28 +104,50 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         super()._start_fragment(fragment, due, replace)
 
     def _land_one(self, flight: _InFlight) -> None:
-        """Wait for the average, ask the manager whether the sync counts, then the outer step
-        and the merge, or the sync skipped (:meth:`_skip`)."""
+        """Land a sync: the outer step and the merge, or the sync skipped (:meth:`_skip`).
+        Whether it counts is asked now (:meth:`_ask`), or was when the state was saved."""
+        if self._outcomes:
+            outcome = self._outcomes.pop(0)
+            with self._settling:
+                self._land_as(flight, outcome)
+            return
+        verdict = self._ask(flight)
+        with self._settling:  # the compressor's state and the anchor change together for a reading peer
+            self._land_as(flight, self._settle(flight, *verdict))
+
+    def _ask(self, flight: _InFlight) -> tuple[bool, bool, bool]:
+        """Wait for the average and ask the manager whether the sync counts (a healing
+        replica takes its peer's state in ``should_commit``): whether the average landed,
+        whether it is finite, whether the step commits."""
         self._replays.pop(0)
-        finite = True
+        landed, finite = True, True
         try:
-            average = self._wait(flight.average)
+            self._wait(flight.average)
         except Exception as exc:  # a failed collective or a non-finite average: the sync does not count
             report(self.manager, exc)
-            average, finite = None, not isinstance(exc, FloatingPointError)
-        committed = self.manager.should_commit()  # a healing replica takes its peer's state here
+            landed, finite = False, not isinstance(exc, FloatingPointError)
+        committed = self.manager.should_commit()
         self.commits.append(committed)
-        with self._settling:
-            self.averager.settle(committed and average is not None)
-            healed, self._healed = self._healed, False
-            if committed and average is not None:
-                if healed and flight.start is not None:  # its model is now a peer's: no steps of its own to keep
-                    flight = dataclasses.replace(flight, replace=True)
-                self._apply(flight, average)
-            elif healed or not finite:  # a peer's model, or values that may hold the inf: the anchor
-                self._to_anchor(flight.fragment)
-            else:
-                self._skip(flight)
+        return landed, finite, committed
+
+    def _settle(self, flight: _InFlight, landed: bool, finite: bool, committed: bool) -> str:
+        """Keep or drop the compressor's staged state; how the sync lands: ``"apply"``,
+        ``"replace"`` (applied, the local values taking the anchor's: a healed replica's
+        model is its peer's, no steps of its own to keep), ``"anchor"`` (not counted, and a
+        peer's model or values that may hold the inf) or ``"skip"``."""
+        self.averager.settle(committed and landed)
+        healed, self._healed = self._healed, False
+        if committed and landed:
+            return "replace" if healed and flight.start is not None else "apply"
+        return "anchor" if healed or not finite else "skip"
+
+    def _land_as(self, flight: _InFlight, outcome: str) -> None:
+        if outcome in ("apply", "replace"):
+            self._apply(dataclasses.replace(flight, replace=outcome == "replace" or flight.replace), flight.average.buffer)
+        elif outcome == "anchor":
+            self._to_anchor(flight.fragment)
+        else:
+            self._skip(flight)
 
     def _skip(self, flight: _InFlight) -> None:
         """A sync that does not count leaves the fragment's local values as if it had not
@@ -142,6 +166,26 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         local.sub_(flight.start).add_(torch.lerp(anchor, flight.start, 1 / lr))  # the values before the move
         self.flat.write(local, fragment.tensors)
         self.fresh[fragment.index] = -1
+
+    def _part(self) -> dict[str, Any]:
+        """Asks first whether each sync in flight counts, as landing it would (the run goes
+        on alike): the saved state holds the outcomes, and a restored run lands them at
+        the same steps without asking again."""
+        for flight in self._in_flight[len(self._outcomes) :]:
+            verdict = self._ask(flight)
+            with self._settling:
+                self._outcomes.append(self._settle(flight, *verdict))
+        for flight, outcome in zip(self._in_flight, self._outcomes):
+            if outcome in ("anchor", "skip"):  # its average is not used (and may have failed): saved as it is
+                done: torch.futures.Future = torch.futures.Future()
+                done.set_result(flight.average.buffer)
+                flight.average = dataclasses.replace(flight.average, future=done)
+        return {**super()._part(), "outcomes": list(self._outcomes)}
+
+    def _load_part(self, part: Mapping[str, Any]) -> None:
+        super()._load_part(part)
+        self._outcomes = [str(outcome) for outcome in part["outcomes"]]
+        self._replays = []  # every sync in flight has its outcome
 
 
 def managed_from_config(

@@ -87,23 +87,27 @@ class ManagedCO2(ManagerSyncs, CO2):
 
     def _apply(self, local: torch.Tensor) -> None:
         """The outer step from the stale average, scaled by the staleness penalty, if its
-        sync counts (waited for and asked here, unless a healing replica did at its start)."""
-        if self._landed is None:
-            self._land()
-        assert self._landed is not None
-        (average,), self._landed, self._pending = self._landed, None, None
-        if average is None:
-            return
-        penalty = float(self.staleness_penalty)
-        self.penalties.append(penalty)
-        if penalty != 1.0:
-            average.mul_(1.0 / penalty)
-        with self._settling:
-            self.outer_step(0, average)
+        sync counts: asked now, or already (a healing replica at its sync's start, a save)."""
+        if self._landed is not None:
+            (average,), self._landed = self._landed, None
+            with self._settling:
+                self._step(average)
+        else:
+            verdict = self._ask()
+            with self._settling:  # the compressor's state and the anchor change together for a reading peer
+                self._step(self._settle(*verdict))
+        self._pending = None
 
     def _land(self) -> None:
+        """Ask now whether the sync in flight counts, and keep its average for the round's end."""
+        verdict = self._ask()
+        with self._settling:
+            self._landed = (self._settle(*verdict),)
+
+    def _ask(self) -> tuple[torch.Tensor | None, bool]:
         """Wait for the sync in flight and ask the manager whether it counts (a healing
-        replica takes its peer's state here); keep or drop the compressor's staged state."""
+        replica takes its peer's state in ``should_commit``): its average (None: failed or
+        not finite) and whether the step commits."""
         assert self._pending is not None
         self._replays.pop(0)
         try:
@@ -113,10 +117,24 @@ class ManagedCO2(ManagerSyncs, CO2):
             average = None
         committed = self.manager.should_commit()
         self.commits.append(committed)
-        with self._settling:
-            self.averager.settle(committed and average is not None)
-            self._healed = False
-        self._landed = (average if committed else None,)
+        return average, committed
+
+    def _settle(self, average: torch.Tensor | None, committed: bool) -> torch.Tensor | None:
+        """Keep or drop the compressor's staged state; the average to apply (None: none)."""
+        counts = committed and average is not None
+        self.averager.settle(counts)
+        self._healed = False
+        return average if counts else None
+
+    def _step(self, average: torch.Tensor | None) -> None:
+        """The outer step from ``average`` divided by the staleness penalty (None: no step)."""
+        if average is None:
+            return
+        penalty = float(self.staleness_penalty)
+        self.penalties.append(penalty)
+        if penalty != 1.0:
+            average.mul_(1.0 / penalty)
+        self.outer_step(0, average)
 
     def _part(self) -> dict[str, Any]:
         """Lands the sync in flight first (as a healing replica does), so the state says
@@ -131,3 +149,4 @@ class ManagedCO2(ManagerSyncs, CO2):
     def _load_part(self, state: Mapping[str, Any]) -> None:
         super()._load_part(state)
         self._landed = None if self._pending is None else (self._pending.buffer,)
+        self._replays = []  # the sync in flight, if any, has landed
