@@ -150,3 +150,21 @@ def test_torchfts_own_ddp_is_refused_with_the_wrapper_to_use():
     model = DistributedDataParallel(object(), torch.nn.Linear(4, 4))  # its hook's state: any object
     with pytest.raises(TypeError, match="managed_ddp"):
         commpress.register(model, {"method": "powersgd"}, manager=object())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_averaged_momentum_stops_the_managed_1bit_adam_step(bad):
+    """The step's check covers every parameter in one host sync (the largest magnitude of
+    each): a bad value in the last parameter, past an empty one, stops the step before
+    AdamW's update touches any parameter."""
+    from commpress.optim.managed_onebit_adam import ManagedOneBitAdam
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(0)), torch.nn.Parameter(torch.ones(4))]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[2].grad[1] = bad
+    onebit = ManagedOneBitAdam.__new__(ManagedOneBitAdam)  # only what the step's check reads
+    onebit.params, onebit._step = params, 7
+    with pytest.raises(FloatingPointError, match="round 7 is not finite"):
+        onebit._take_step()
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)

@@ -91,6 +91,11 @@ class ManagedCommState(CommState):
         self._joined = False  # shared state loaded from a peer: drop per-rank state at its commit
         manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
 
+    @property
+    def steps(self) -> int:
+        """Committed steps since registration: the manager's step, the same on every replica."""
+        return self.manager.current_step() - self._base
+
     def connect(self) -> None:
         if self._backend is None:
             self._backend = ManagerBackend(self.manager, self.groups.rounds)
@@ -104,7 +109,7 @@ class ManagedCommState(CommState):
             self.end_step()
             self.connect()
             self._backend.begin_step()
-            self.step = self.manager.current_step() - self._base
+            self.step = self.steps
             self._check_resume = False  # membership is the manager's business
             self._heal = []
         ctx = Context(rank=self.rank, world_size=self.world_size, step=self.step)

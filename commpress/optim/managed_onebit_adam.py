@@ -23,6 +23,7 @@ its peers. Its per-rank error feedback starts from zero.
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -77,7 +78,6 @@ class ManagedOneBitAdam(AdamStepTakeover):
         self.warmup_steps = warmup_steps
         config = {"method": method, "params": dict(params or {}), "start_iter": warmup_steps}
         self.comm = ManagedCommState(config, model.module, manager, key=key)
-        self._base = manager.current_step()  # steps are counted from here, as the hook counts them
         self._group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self._step: int | None = None  # the step whose backward ran, if it was past the warm-up
 
@@ -94,7 +94,7 @@ class ManagedOneBitAdam(AdamStepTakeover):
         """Past the warm-up, write this replica's momentum of ``params`` over their gradients
         in ``buffer`` (a healing replica's stays: it counts as nothing)."""
         self.manager.wait_quorum()
-        step = self.manager.current_step() - self._base
+        step = self.comm.steps
         self._step = step if step >= self.warmup_steps else None
         if self._step is None or not self.manager.is_participating():
             return
@@ -110,13 +110,15 @@ class ManagedOneBitAdam(AdamStepTakeover):
         in ``p.grad``."""
         if self._step is None:
             return False
-        for p in self.params:
-            if p.grad is None:
-                raise RuntimeError(
-                    f"{self.name}: a parameter has no gradient at step {self._step}; its averaged momentum is its "
-                    "gradient here: do not clear or skip gradients between backward() and step()"
-                )
-            check_finite(p.grad, self.name, self._step)
+        if any(p.grad is None for p in self.params):
+            raise RuntimeError(
+                f"{self.name}: a parameter has no gradient at step {self._step}; its averaged momentum is its "
+                "gradient here: do not clear or skip gradients between backward() and step()"
+            )
+        # one host sync for all: the largest magnitude of each momentum (a NaN or an inf carries through)
+        peaks = [torch.linalg.vector_norm(p.grad, ord=math.inf) for p in self.params if p.grad.numel()]
+        if peaks:
+            check_finite(torch.stack(peaks), self.name, self._step)
         for p in self.params:
             frozen_update(self._group_of[id(p)], self._state(p), p, p.grad, self._step - self.warmup_steps)
         return True
