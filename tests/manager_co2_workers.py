@@ -7,6 +7,9 @@ Run as ``python manager_co2_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REP
   (``init_process_group`` on STORE_PORT) and through the manager, in the same process (the
   managed run saved in mid-round, with a sync in flight, and resumed by a second trainer:
   ``resumed_run``); writes whether the models and anchors came out bit for bit equal.
+- ``first``: CO2 and the slow-link config's DiLoCo (:data:`FIRST`), each through a manager
+  of its own with torchft's first-step sync, each replica from another model init; writes
+  which syncs committed, the models and the shared state.
 - ``survivor`` / ``killed`` / ``joiner``: replica 1 dies as it starts the average of sync
   :data:`KILL_SYNC`; replica 0 checks that the sync, landing a round later, left its anchor,
   outer state and compressor state as they were, syncs alone, and when the restarted
@@ -55,6 +58,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 KILL_SYNC = 3
 TOGETHER = 3
+#: the configs run from torchft's first-step sync: CO2, and the slow-link config as shipped
+FIRST: dict[str, Any] = {
+    "co2": CONFIGS["topk"],
+    "diloco": str(Path(__file__).parents[1] / "docs" / "configs" / "slow-link.toml"),
+}
 STEPS = 11  # inner steps (a round in progress at the end: finish() syncs it); saved after 4
 
 
@@ -81,6 +89,27 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
         }
     (out / f"same{replica}.json").write_text(json.dumps(seen))
     manager.shutdown(wait=False)
+
+
+def first_syncs(out: Path, lighthouse: str, replica: int) -> None:
+    """Each config of :data:`FIRST` through a manager of its own with torchft's first-step
+    sync (``init_sync=True``: replica 1 heals in sync 0), each replica from another model
+    init and its model registered with the manager: which syncs committed, and the models."""
+    seen: dict[str, Any] = {}
+    for name, cfg in FIRST.items():
+        manager = make_manager(replica, lighthouse, min_size=2, init_sync=True, name=name)
+        net = model(replica)
+        opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+        manager.register_state_dict_fn("model", net.load_state_dict, net.state_dict)
+        manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
+        trainer = commpress.register(net, cfg, optimizer=opt, manager=manager).local_sgd
+        for step in range(STEPS):
+            inner_step(net, opt, replica, step)
+        trainer.finish()
+        seen[name] = trainer.commits
+        torch.save({"model": net.state_dict(), "shared": trainer.shared_state_dict()}, out / f"first-{name}{replica}.pt")
+        manager.shutdown(wait=False)
+    (out / f"first{replica}.json").write_text(json.dumps(seen))
 
 
 def failing(role: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
@@ -136,4 +165,7 @@ def failing(role: str, out: Path, lighthouse: str, port: int, replica: int) -> N
 
 
 if __name__ == "__main__":
-    run(same_runs, failing, sys.argv[1:])
+    if sys.argv[1] == "first":
+        first_syncs(Path(sys.argv[2]), sys.argv[3], int(sys.argv[5]))
+    else:
+        run(same_runs, failing, sys.argv[1:])

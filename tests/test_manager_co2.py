@@ -7,7 +7,8 @@ feedback, and QSR's rounds; a ``state_dict()`` saved with a sync in flight lands
 and changes no bit.
 A replica killed as it starts a sync's average leaves the survivor's anchor, outer state
 and compressor state as they were when that sync lands a round later; the restarted replica
-heals at its first sync and ends with the survivor's model and shared state, bit for bit.
+heals at its first sync and ends with the survivor's model and shared state, bit for bit;
+from torchft's first-step sync CO2 and the slow-link config's DiLoCo commit every sync.
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ def test_co2_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path):
             assert plain == managed and len(plain) == 4, (name, s)
             assert (s["model"], s["anchor"], s["changed"]) == (True, True, True), (name, s)
         assert seen["qsr"]["periods"] == [2, 2, 4, 4], seen  # QSR's rounds (finish() syncs the last, at step 11)
+
+
+def test_co2_and_diloco_commit_from_torchfts_first_step_sync(tmp_path):
+    """With ``init_sync=True`` (torchft's default) replica 1 heals in the first sync: CO2
+    lands it at once and restarts from the received anchor; the slow-link config's DiLoCo
+    (delayed, TernGrad entropy-coded) takes the new anchor. Every sync commits, and the
+    replicas, started from different models, end equal."""
+    _both("first", tmp_path, WORKERS)
+    seen = [json.loads((tmp_path / f"first{r}.json").read_text()) for r in (0, 1)]
+    for name in ("co2", "diloco"):
+        assert seen[0][name] and all(seen[0][name]) and seen[0][name] == seen[1][name], (name, seen)
+        a, b = (torch.load(tmp_path / f"first-{name}{r}.pt", weights_only=True) for r in (0, 1))
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), name
+        assert _same(a["shared"], b["shared"]), name
 
 
 def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bit(tmp_path):
