@@ -11,18 +11,17 @@ Run as ``python manager_co2_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REP
   of its own with torchft's first-step sync, each replica from another model init; writes
   which syncs committed, the models and the shared state.
 - ``survivor`` / ``killed`` / ``joiner``: replica 1 dies as it starts the average of sync
-  :data:`KILL_SYNC`; replica 0 checks that the sync, landing a round later, left its anchor,
-  outer state and compressor state as they were, syncs alone, and when the restarted
-  replica 1 (``joiner``, another model init, its model not registered with the manager:
-  the heal restarts it from the received anchor) has healed, both sync :data:`TOGETHER`
-  more times, finish, and write their model and shared state.
+  ``KILL_SYNC`` (the DiLoCo workers' helpers run the scenario's frame); replica 0 checks
+  that the sync, landing a round later, left its anchor, outer state and compressor state
+  as they were, syncs alone, and when the restarted replica 1 (``joiner``, another model
+  init, its model not registered with the manager: the heal restarts it from the received
+  anchor) has healed, both sync ``TOGETHER`` more times, finish, and write their model
+  and shared state.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from manager_diloco_workers import inner_step, resumed_run
-from manager_workers import make_manager, model, run, same
+from manager_diloco_workers import begin, end, inner_step, kept, paced, resumed_run, snapshot
+from manager_workers import make_manager, model, run
 
 import commpress
 
@@ -56,8 +55,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     #: 2 steps in the warm-up, then (0.02 / lr) ** 2 = 4 at AdamW's lr 0.01
     "qsr": {"method": "none", "local_sgd": {"algorithm": "co2", "period": 2, "qsr_alpha": 0.02, "warmup_steps": 4}},
 }
-KILL_SYNC = 3
-TOGETHER = 3
 #: the configs run from torchft's first-step sync: CO2, and the slow-link config as shipped
 FIRST: dict[str, Any] = {
     "co2": CONFIGS["topk"],
@@ -121,18 +118,11 @@ def failing(role: str, out: Path, lighthouse: str, port: int, replica: int) -> N
         manager.register_state_dict_fn("model", net.load_state_dict, net.state_dict)
     manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
     trainer = commpress.register(net, CONFIGS["topk"], optimizer=opt, manager=manager).local_sgd
-    if role == "killed":
-        start = trainer.averager.start
-        trainer.averager.start = lambda *a, **k: os._exit(0) if manager.current_step() == KILL_SYNC else start(*a, **k)
-    if role != "joiner":
-        meet.add("ready", 1)
-        while int(meet.add("ready", 0)) < 2:
-            time.sleep(0.05)
+    begin(role, trainer, manager, meet)
     seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": []}
     deadline, step = time.monotonic() + 150, 0
     while time.monotonic() < deadline:
-        outer, compressor = trainer.outer_optimizer.state_dict(), trainer.averager.compressor.state_dict()
-        before = (trainer.anchor.clone(), copy.deepcopy(outer), copy.deepcopy(compressor))
+        before = snapshot(trainer)
         syncs = len(trainer.commits)
         inner_step(net, opt, replica, step)
         step += 1
@@ -143,25 +133,10 @@ def failing(role: str, out: Path, lighthouse: str, port: int, replica: int) -> N
             seen["healed"] = True
             seen["restarted"] = torch.equal(trainer.flat.read(), trainer.anchor)  # from the received anchor
         if role == "survivor" and not trainer.commits[-1] and "kept" not in seen:
-            seen["kept"] = [
-                torch.equal(before[0], trainer.anchor),
-                same(before[1], trainer.outer_optimizer.state_dict()),
-                same(before[2], trainer.averager.compressor.state_dict()),
-            ]
-        if role == "survivor" and "kept" in seen and trainer.commits[-1]:
-            if trainer.backend.world_size == 1:
-                seen["alone"] += 1
-                time.sleep(0.3)  # leave the restarted replica time to join
-            elif not meet.check(["stop"]):
-                meet.set("stop", str(manager.current_step() + TOGETHER))
-        if meet.check(["stop"]) and manager.current_step() >= int(meet.get("stop")):
+            seen["kept"] = kept(before, trainer)
+        if paced(seen, role == "survivor" and "kept" in seen, trainer, manager, meet):
             break
-    trainer.finish()
-    seen["step"] = manager.current_step()
-    seen["clock"] = trainer.clock.state_dict()
-    torch.save({"model": net.state_dict(), "shared": trainer.shared_state_dict()}, out / f"{role}.pt")
-    (out / f"{role}.json").write_text(json.dumps(seen))
-    manager.shutdown(wait=False)
+    end(role, out, seen, net, trainer, manager)
 
 
 if __name__ == "__main__":

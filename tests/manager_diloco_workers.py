@@ -147,18 +147,11 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     trainer = commpress.register(net, config(method, sync_delay=0), optimizer=opt, manager=manager).local_sgd
     backend.append(trainer.backend)
     loaded.append(any(f.signatures for f in kernels))  # at registration, before the first quorum
-    if role == "killed":
-        start = trainer.averager.start
-        trainer.averager.start = lambda *a, **k: os._exit(0) if manager.current_step() == KILL_SYNC else start(*a, **k)
-    if role != "joiner":
-        meet.add("ready", 1)
-        while int(meet.add("ready", 0)) < 2:
-            time.sleep(0.05)
+    begin(role, trainer, manager, meet)
     seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": [], "lrs": [], "kernels": loaded, "outside": outside}
     deadline, step = time.monotonic() + 150, 0
     while time.monotonic() < deadline:
-        outer, compressor = trainer.outer_optimizer.state_dict(), trainer.averager.compressor.state_dict()
-        before = (trainer.anchor.clone(), copy.deepcopy(outer), copy.deepcopy(compressor))
+        before = snapshot(trainer)
         twin = copy.deepcopy(net)  # the step without its sync
         twin_opt = torch.optim.AdamW(twin.parameters(), lr=0.01)
         twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
@@ -176,26 +169,62 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
             fragment = trainer.fragments[KILL_SYNC % len(trainer.fragments)]
             seen["failed_sync"] = syncs
             seen["kept"] = [
-                torch.equal(before[0], trainer.anchor),
-                same(before[1], trainer.outer_optimizer.state_dict()),
-                same(before[2], trainer.averager.compressor.state_dict()),
+                *kept(before, trainer),
                 torch.equal(trainer.flat.read(tensors=fragment.tensors), FlatModel(twin).read(tensors=fragment.tensors)),
                 not torch.equal(trainer.flat.read(tensors=fragment.tensors), trainer.anchor[fragment.where]),
             ]
-        if role == "survivor" and "failed_sync" in seen and trainer.commits[-1]:
-            if trainer.backend.world_size == 1:
-                seen["alone"] += 1
-                time.sleep(0.3)  # leave the restarted replica time to join
-            elif not meet.check(["stop"]):
-                meet.set("stop", str(manager.current_step() + TOGETHER))
-        if meet.check(["stop"]) and manager.current_step() >= int(meet.get("stop")):
+        if paced(seen, role == "survivor" and "failed_sync" in seen, trainer, manager, meet):
             break
+    end(scenario, out, seen, net, trainer, manager)
+
+
+def begin(role: str, trainer: Any, manager: Any, meet: dist.TCPStore) -> None:
+    """The killed replica exits as it starts the average of sync :data:`KILL_SYNC`; the
+    first two replicas start together."""
+    if role == "killed":
+        start = trainer.averager.start
+        trainer.averager.start = lambda *a, **k: os._exit(0) if manager.current_step() == KILL_SYNC else start(*a, **k)
+    if role != "joiner":
+        meet.add("ready", 1)
+        while int(meet.add("ready", 0)) < 2:
+            time.sleep(0.05)
+
+
+def snapshot(trainer: Any) -> tuple[torch.Tensor, dict[str, Any], dict[str, Any]]:
+    """The anchor, outer state and compressor state, copied."""
+    outer, compressor = trainer.outer_optimizer.state_dict(), trainer.averager.compressor.state_dict()
+    return trainer.anchor.clone(), copy.deepcopy(outer), copy.deepcopy(compressor)
+
+
+def kept(before: tuple[torch.Tensor, dict[str, Any], dict[str, Any]], trainer: Any) -> list[bool]:
+    """Whether the anchor, outer state and compressor state are as :func:`snapshot` saw them."""
+    return [
+        torch.equal(before[0], trainer.anchor),
+        same(before[1], trainer.outer_optimizer.state_dict()),
+        same(before[2], trainer.averager.compressor.state_dict()),
+    ]
+
+
+def paced(seen: dict[str, Any], recovered: bool, trainer: Any, manager: Any, meet: dist.TCPStore) -> bool:
+    """After a sync: the survivor past the failed sync (``recovered``) counts syncs alone,
+    leaving the restarted replica time to join, and once both sync sets the stop
+    :data:`TOGETHER` syncs on; whether this replica is there."""
+    if recovered and trainer.commits[-1]:
+        if trainer.backend.world_size == 1:
+            seen["alone"] += 1
+            time.sleep(0.3)  # leave the restarted replica time to join
+        elif not meet.check(["stop"]):
+            meet.set("stop", str(manager.current_step() + TOGETHER))
+    return meet.check(["stop"]) and manager.current_step() >= int(meet.get("stop"))
+
+
+def end(name: str, out: Path, seen: dict[str, Any], net: nn.Module, trainer: Any, manager: Any) -> None:
+    """Finish, and write the manager's step, the clock, the model and the shared state."""
     trainer.finish()
     seen["step"] = manager.current_step()
     seen["clock"] = trainer.clock.state_dict()
-    shared = trainer.shared_state_dict()
-    torch.save({"model": net.state_dict(), "shared": shared}, out / f"{scenario}.pt")
-    (out / f"{scenario}.json").write_text(json.dumps(seen))
+    torch.save({"model": net.state_dict(), "shared": trainer.shared_state_dict()}, out / f"{name}.pt")
+    (out / f"{name}.json").write_text(json.dumps(seen))
     manager.shutdown(wait=False)
 
 
