@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from commpress.comm.manager_backend import report
 from commpress.config import Config
 from commpress.config.tables import SQRT_REPLICAS
 from commpress.local_sgd.config import period_policy
@@ -68,11 +67,15 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
     ) -> None:
         averager = self._through(manager, method, params)
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
-        self.heals_clock = self.sync_delay == 0  # a delayed sync heals steps after its peers' quorum
         #: per sync in flight, oldest first, how it lands once asked (:meth:`_settle`)
         self._outcomes: list[str] = []
         fragment = self.fragments[0]
         self._register(key, fragment.bucket, fragment.stop - fragment.start)
+
+    @property
+    def heals_clock(self) -> bool:  # type: ignore[override]
+        """A delayed sync heals ``sync_delay`` steps after its peers' quorum: their count is not its."""
+        return self.sync_delay == 0
 
     def _follow_participants(self) -> None:
         """``outer_lr = "sqrt_replicas"``: sqrt(M), M this sync's participants (a healing
@@ -111,30 +114,16 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
             with self._settling:
                 self._land_as(flight, outcome)
             return
-        verdict = self._ask(flight)
+        verdict = self._ask(flight.average)
         with self._settling:  # the compressor's state and the anchor change together for a reading peer
             self._land_as(flight, self._settle(flight, *verdict))
 
-    def _ask(self, flight: _InFlight) -> tuple[bool, bool, bool]:
-        """Wait for the average and ask the manager whether the sync counts (a healing
-        replica takes its peer's state in ``should_commit``): whether the average landed,
-        whether it is finite, whether the step commits."""
-        self._replays.pop(0)
-        landed, finite = True, True
-        try:
-            self._wait(flight.average)
-        except Exception as exc:  # a failed collective or a non-finite average: the sync does not count
-            report(self.manager, exc)
-            landed, finite = False, not isinstance(exc, FloatingPointError)
-        committed = self.manager.should_commit()
-        self.commits.append(committed)
-        return landed, finite, committed
-
-    def _settle(self, flight: _InFlight, landed: bool, finite: bool, committed: bool) -> str:
+    def _settle(self, flight: _InFlight, average: torch.Tensor | None, finite: bool, committed: bool) -> str:
         """Keep or drop the compressor's staged state; how the sync lands: ``"apply"``,
         ``"replace"`` (applied, the local values taking the anchor's: a healed replica's
         model is its peer's, no steps of its own to keep), ``"anchor"`` (not counted, and a
         peer's model or values that may hold the inf) or ``"skip"``."""
+        landed = average is not None
         self.averager.settle(committed and landed)
         healed, self._healed = self._healed, False
         if committed and landed:
@@ -172,7 +161,7 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         on alike): the saved state holds the outcomes, and a restored run lands them at
         the same steps without asking again."""
         for flight in self._in_flight[len(self._outcomes) :]:
-            verdict = self._ask(flight)
+            verdict = self._ask(flight.average)
             with self._settling:
                 self._outcomes.append(self._settle(flight, *verdict))
         for flight, outcome in zip(self._in_flight, self._outcomes):
@@ -185,7 +174,6 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
     def _load_part(self, part: Mapping[str, Any]) -> None:
         super()._load_part(part)
         self._outcomes = [str(outcome) for outcome in part["outcomes"]]
-        self._replays = []  # every sync in flight has its outcome
 
 
 def managed_from_config(

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from commpress.comm.manager_backend import report
 from commpress.errors import ConfigError
 from commpress.local_sgd.co2 import CO2
 from commpress.local_sgd.local_sgd import Average
@@ -88,39 +87,27 @@ class ManagedCO2(ManagerSyncs, CO2):
     def _apply(self, local: torch.Tensor) -> None:
         """The outer step from the stale average, scaled by the staleness penalty, if its
         sync counts: asked now, or already (a healing replica at its sync's start, a save)."""
+        assert self._pending is not None
         if self._landed is not None:
             (average,), self._landed = self._landed, None
             with self._settling:
                 self._step(average)
         else:
-            verdict = self._ask()
+            verdict = self._ask(self._pending)
             with self._settling:  # the compressor's state and the anchor change together for a reading peer
                 self._step(self._settle(*verdict))
         self._pending = None
 
     def _land(self) -> None:
         """Ask now whether the sync in flight counts, and keep its average for the round's end."""
-        verdict = self._ask()
+        assert self._pending is not None
+        verdict = self._ask(self._pending)
         with self._settling:
             self._landed = (self._settle(*verdict),)
 
-    def _ask(self) -> tuple[torch.Tensor | None, bool]:
-        """Wait for the sync in flight and ask the manager whether it counts (a healing
-        replica takes its peer's state in ``should_commit``): its average (None: failed or
-        not finite) and whether the step commits."""
-        assert self._pending is not None
-        self._replays.pop(0)
-        try:
-            average: torch.Tensor | None = self._wait(self._pending)
-        except Exception as exc:  # a failed collective or a non-finite average: the sync does not count
-            report(self.manager, exc)
-            average = None
-        committed = self.manager.should_commit()
-        self.commits.append(committed)
-        return average, committed
-
-    def _settle(self, average: torch.Tensor | None, committed: bool) -> torch.Tensor | None:
-        """Keep or drop the compressor's staged state; the average to apply (None: none)."""
+    def _settle(self, average: torch.Tensor | None, finite: bool, committed: bool) -> torch.Tensor | None:
+        """Keep or drop the compressor's staged state; the average to apply (None: none;
+        a non-finite one is dropped as a failed one: the model restarted from the anchor)."""
         counts = committed and average is not None
         self.averager.settle(counts)
         self._healed = False
@@ -149,4 +136,3 @@ class ManagedCO2(ManagerSyncs, CO2):
     def _load_part(self, state: Mapping[str, Any]) -> None:
         super()._load_part(state)
         self._landed = None if self._pending is None else (self._pending.buffer,)
-        self._replays = []  # the sync in flight, if any, has landed

@@ -20,10 +20,11 @@ import torch
 
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
-from commpress.comm.manager_backend import ManagerBackend, replay
+from commpress.comm.manager_backend import ManagerBackend, replay, report
 from commpress.compressors import Context
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
+from commpress.local_sgd.local_sgd import Average
 from commpress.local_sgd.rounds import RoundClock
 
 __all__ = ["ManagerSyncs"]
@@ -110,6 +111,23 @@ class ManagerSyncs:
         self.averager.calls = self.syncs
         self._replays.append((bucket, numel, self.averager.next_context()))
 
+    def _ask(self, average: Average) -> tuple[torch.Tensor | None, bool, bool]:
+        """Wait for the oldest sync in flight, ``average``, and ask the manager whether it
+        counts (a healing replica takes its peer's state in ``should_commit``): the averaged
+        values (None: a failed collective or a non-finite average), whether they are
+        finite, whether the step commits."""
+        self._replays.pop(0)
+        values: torch.Tensor | None = None
+        finite = True
+        try:
+            values = self._wait(average)  # type: ignore[attr-defined]
+        except Exception as exc:  # a failed collective or a non-finite average: the sync does not count
+            report(self.manager, exc)
+            finite = not isinstance(exc, FloatingPointError)
+        committed = self.manager.should_commit()
+        self.commits.append(committed)
+        return values, finite, committed
+
     def shared_state_dict(self) -> dict[str, Any]:
         """What every replica shares and a healing one receives: the anchor, the outer
         optimizer's state, the compressor's state without its per-rank entries, and the
@@ -140,6 +158,10 @@ class ManagerSyncs:
             for (bucket, numel, ctx), results in zip(self._replays, self.backend.log or []):
                 zeros = torch.zeros(numel, dtype=self.anchor.dtype, device=self.anchor.device)
                 replay(self.averager.groups.composite.reduce(bucket(zeros), ctx), results)
+
+    def _load_part(self, part: Mapping[str, Any]) -> None:
+        super()._load_part(part)  # type: ignore[misc]
+        self._replays = []  # what was in flight was asked about when saved: nothing left to replay
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """This replica's state (the trainer's ``state_dict``); ``full=True`` is refused:
