@@ -180,11 +180,14 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
 
 def begin(role: str, trainer: Any, manager: Any, meet: dist.TCPStore) -> None:
     """The killed replica exits as it starts the average of sync :data:`KILL_SYNC`; the
-    first two replicas start together."""
+    first two replicas start together, the restarted one once the survivor has synced alone."""
     if role == "killed":
         start = trainer.averager.start
         trainer.averager.start = lambda *a, **k: os._exit(0) if manager.current_step() == KILL_SYNC else start(*a, **k)
-    if role != "joiner":
+    if role == "joiner":
+        while not meet.check(["alone"]):  # rejoin once the survivor has synced alone
+            time.sleep(0.05)
+    else:
         meet.add("ready", 1)
         while int(meet.add("ready", 0)) < 2:
             time.sleep(0.05)
@@ -212,6 +215,7 @@ def paced(seen: dict[str, Any], recovered: bool, trainer: Any, manager: Any, mee
     if recovered and trainer.commits[-1]:
         if trainer.backend.world_size == 1:
             seen["alone"] += 1
+            meet.set("alone", "1")  # the restarted replica waits for it
             time.sleep(0.3)  # leave the restarted replica time to join
         elif not meet.check(["stop"]):
             meet.set("stop", str(manager.current_step() + TOGETHER))

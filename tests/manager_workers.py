@@ -6,12 +6,17 @@ Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA
 - ``same``: every method trained through the manager and, in the same process, through a
   plain gloo group (``init_process_group`` on STORE_PORT); writes whether the models and
   commpress states came out bit for bit equal.
-- ``survivor-W`` / ``killed-W`` / ``joiner-W`` (W: ``hook``, the DDP hook of :data:`FAILING`,
-  or ``adam``, 1-bit Adam of :data:`ONEBIT_ADAM`, killed past its warm-up): replica 0
+- ``layerwise``: as ``same`` for the layer-wise plans of :data:`LAYERWISE` (plans switch
+  tensors between settings, moving their state); writes the plans too.
+- ``survivor-W`` / ``killed-W`` / ``joiner-W`` (W: ``hook``, the DDP hook of :data:`FAILING`;
+  ``layerwise``, a plan every step (:data:`PLAN_EVERY_STEP`), so the killed step and the
+  step the joiner heals in both plan; or ``adam``, 1-bit Adam of :data:`ONEBIT_ADAM`,
+  killed past its warm-up): replica 0
   trains; replica 1 dies inside its
   backward pass at :data:`KILL_STEP` (after some buckets were reduced); replica 0 checks
   that step left its model and commpress state as they were, trains alone, and when the
-  restarted replica 1 (``joiner``, another model init) has healed, both train
+  restarted replica 1 (``joiner``, another model init, started once replica 0 has
+  trained alone) has healed, both train
   :data:`TOGETHER` more steps and write their model and shared commpress state.
 - ``adam``: 1-bit Adam (a warm-up step, then momenta in signs) through the manager and
   through a plain gloo group, as ``same``; then through a manager of its own with the
@@ -62,6 +67,13 @@ FAILING = {
     "overrides": [{"params": ["2.*"], "method": "topk", "method_params": {"ratio": 0.3}}],
 }
 BUCKET_MB = 0.001  # about one parameter per bucket: several buckets, several rounds in flight
+#: layer-wise plans (measured at steps 0, 2, 4, planned at 1, 3, 5) and the steps to run them
+LAYERWISE = {
+    "topk": {"method": "topk", "params": {"ratio": 0.1, "min_numel": 0}, "layerwise": {"enabled": True, "every": 2}},
+    "powersgd": {"method": "powersgd", "params": PARAMS["powersgd"], "layerwise": {"enabled": True, "every": 2}},
+}
+LAYERWISE_STEPS = 6
+PLAN_EVERY_STEP = {**LAYERWISE["topk"], "layerwise": {"enabled": True, "every": 1}}
 
 
 def model(seed: int, hidden: int = 32) -> nn.Module:
@@ -134,23 +146,25 @@ def compared(state: dict[str, Any]) -> dict[str, Any]:
     return {"compressors": state["compressors"], "step": state["step"]}
 
 
-def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
+def same_runs(out: Path, lighthouse: str, port: int, replica: int, layerwise: bool = False) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
     manager = make_manager(replica, lighthouse, min_size=2)
     seen: dict[str, Any] = {}
-    for method in os.environ.get("METHODS", " ".join(available())).split():
-        cfg = {"method": method, "params": PARAMS.get(method, {})}
+    configs = LAYERWISE if layerwise else {m: {"method": m, "params": PARAMS.get(m, {})} for m in available()}
+    steps = LAYERWISE_STEPS if layerwise else STEPS
+    for method in os.environ.get("METHODS", " ".join(configs)).split():
+        cfg = configs[method]
         plain = DistributedDataParallel(model(0), find_unused_parameters=True, bucket_cap_mb=BUCKET_MB)
         state = CommState(cfg, model=plain.module)
         plain.register_comm_hook(state, ddp_hook)
         opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-        for step in range(STEPS):
+        for step in range(steps):
             step_plain(plain, opt, replica, step)
         managed = managed_ddp(model(0), bucket_cap_mb=BUCKET_MB)
         mstate = ManagedCommState(cfg, managed.module, manager, key=method)
         managed.register_comm_hook(mstate, ddp_hook)
         mopt = torch.optim.SGD(managed.parameters(), lr=0.1)
-        committed = [step_managed(managed, mopt, manager, replica, step) for step in range(STEPS)]
+        committed = [step_managed(managed, mopt, manager, replica, step) for step in range(steps)]
         seen[method] = {
             "committed": all(committed),
             "participants": manager.num_participants(),
@@ -158,8 +172,15 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
             "state": same(compared(state.state_dict()), compared(mstate.state_dict())),
             "changed": not torch.equal(next(model(0).parameters()), next(managed.module.parameters())),
         }
-    (out / f"same{replica}.json").write_text(json.dumps(seen))
+        if layerwise:
+            seen[method]["plans"] = [state.plan.to_dict(), mstate.plan.to_dict()]
+    (out / f"{'layerwise' if layerwise else 'same'}{replica}.json").write_text(json.dumps(seen))
     manager.shutdown(wait=False)
+
+
+def layerwise_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
+    """``same`` for the configs of :data:`LAYERWISE`."""
+    same_runs(out, lighthouse, port, replica, layerwise=True)
 
 
 #: 1-bit Adam: one exact step, then the momentum in signs (per tensor, every tensor)
@@ -211,7 +232,7 @@ def first_steps(out: Path, lighthouse: str, replica: int) -> None:
 def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
     import commpress
 
-    scenario, _, what = scenario.partition("-")  # what: "hook" (FAILING) or "adam" (ONEBIT_ADAM)
+    scenario, _, what = scenario.partition("-")  # what: "hook" (FAILING), "layerwise" or "adam" (ONEBIT_ADAM)
     meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
     manager = make_manager(replica, lighthouse)
     net = managed_ddp(model(7 if scenario == "joiner" else 0), bucket_cap_mb=BUCKET_MB)
@@ -221,9 +242,12 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
         state = commpress.register(net, ONEBIT_ADAM, optimizer=opt, manager=manager).onebit_adam.comm
     else:
-        state = register_ddp_hook(net, FAILING, manager=manager)
+        state = register_ddp_hook(net, PLAN_EVERY_STEP if what == "layerwise" else FAILING, manager=manager)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    if scenario != "joiner":
+    if scenario == "joiner":
+        while not meet.check(["alone"]):  # rejoin once the survivor has trained alone
+            time.sleep(0.05)
+    else:
         meet.add("ready", 1)
         while int(meet.add("ready", 0)) < 2:
             time.sleep(0.05)
@@ -248,9 +272,10 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
             seen["failed_step_committed"] = committed
             seen["model_kept"] = all(torch.equal(a, b) for a, b in zip(before[0], net.parameters()))
             seen["state_kept"] = same(before[1], state.state_dict())
-        if scenario == "survivor" and step > KILL_STEP:
+        if scenario == "survivor" and "failed_step_committed" in seen and committed:
             if manager.num_participants() == 1:
                 seen["alone"] += 1
+                meet.set("alone", "1")  # the restarted replica waits for it
                 time.sleep(0.2)  # leave the restarted replica time to join
             elif not meet.check(["stop"]):
                 meet.set("stop", str(manager.current_step() - 1 + TOGETHER))
@@ -270,6 +295,8 @@ def run(same_runs: Callable[..., None], failing: Callable[..., None], argv: list
         onebit_adam_runs(Path(outdir), lighthouse, int(port), int(replica))
     elif scenario == "same":
         same_runs(Path(outdir), lighthouse, int(port), int(replica))
+    elif scenario == "layerwise":
+        layerwise_runs(Path(outdir), lighthouse, int(port), int(replica))
     else:
         failing(scenario, Path(outdir), lighthouse, int(port), int(replica))
 

@@ -30,7 +30,7 @@ import commpress  # noqa: E402
 from commpress.compressors import available  # noqa: E402
 from commpress.config import Config  # noqa: E402
 from commpress.errors import ConfigError  # noqa: E402
-from commpress.hooks.manager import check_managed  # noqa: E402
+from commpress.hooks.manager import ManagedCommState, check_managed  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 WORKER = Path(__file__).with_name("manager_workers.py")
@@ -77,6 +77,19 @@ def test_every_method_through_the_manager_is_the_plain_run_bit_for_bit(tmp_path)
             assert s == {"committed": True, "participants": 2, "model": True, "state": True, "changed": True}, (method, s)
 
 
+def test_layerwise_plans_through_the_manager_are_the_plain_run_bit_for_bit(tmp_path):
+    """Plans at steps 1, 3 and 5 (one of them moving tensors between settings) through the
+    manager: the plain gloo run's plans, models and states, bit for bit."""
+    _both("layerwise", tmp_path)
+    seen = [json.loads((tmp_path / f"layerwise{r}.json").read_text()) for r in (0, 1)]
+    for method in ("topk", "powersgd"):
+        plans = [plan for s in seen for plan in s[method].pop("plans")]
+        assert all(plan == plans[0] for plan in plans) and plans[0]["step"] == 5, (method, plans)
+        assert len(set(plans[0]["labels"].values())) > 1, plans[0]  # tensors in several groups
+        for s in seen:
+            assert s[method] == {"committed": True, "participants": 2, "model": True, "state": True, "changed": True}
+
+
 def test_every_method_commits_from_torchfts_first_step_sync(tmp_path):
     """With ``init_sync=True`` (torchft's default) replica 1 heals in step 0 while counted
     among the participants: every method commits every step and both replicas, started from
@@ -103,10 +116,11 @@ def test_one_bit_adam_through_the_manager_is_the_plain_run_and_heals(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("what", ["hook", "adam"])
+@pytest.mark.parametrize("what", ["hook", "layerwise", "adam"])
 def test_a_killed_replica_skips_the_step_and_its_restart_heals_bit_for_bit(tmp_path, what):
-    """The DDP hook (PowerSGD with a Top-k layer), and 1-bit Adam killed past its warm-up
-    (the momentum averaged in the backward pass)."""
+    """The DDP hook (PowerSGD with a Top-k layer; Top-k with a layer-wise plan every step,
+    so the killed step and the joiner's healing step plan), and 1-bit Adam killed past its
+    warm-up (the momentum averaged in the backward pass)."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30000, heartbeat_timeout_ms=2000)
     meet = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     try:
@@ -129,6 +143,10 @@ def test_a_killed_replica_skips_the_step_and_its_restart_heals_bit_for_bit(tmp_p
         lowrank = a["shared"]["compressors"]["main"]
         assert lowrank["q"] and not lowrank["error"]  # warm starts are shared, error feedback is not
     assert _same(a["shared"]["compressors"], b["shared"]["compressors"]) and a["shared"]["step"] == b["shared"]["step"]
+    if what == "layerwise":
+        plan = a["shared"]["layerwise"]
+        assert plan["plan"]["step"] == s["step"] - 1 and not plan["carry"] and not plan["measured"], plan
+        assert _same(plan, b["shared"]["layerwise"])
 
 
 def _same(a, b) -> bool:
@@ -137,11 +155,16 @@ def _same(a, b) -> bool:
     return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
 
-@pytest.mark.parametrize("table", ["bandwidth", "layerwise"])
-def test_tables_that_do_not_run_under_a_manager_are_refused(table):
-    cfg = Config.load({"method": "powersgd", table: {}})
-    with pytest.raises(ConfigError, match=rf"\[{table}\].*torchft Manager"):
+def test_the_bandwidth_layer_is_refused_under_a_manager():
+    cfg = Config.load({"method": "powersgd", "bandwidth": {}})
+    with pytest.raises(ConfigError, match=r"\[bandwidth\].*torchft Manager"):
         check_managed(cfg)
+
+
+def test_layerwise_under_a_manager_needs_the_model():
+    cfg = {"method": "topk", "layerwise": {"enabled": True}}
+    with pytest.raises(ConfigError, match=r"\[layerwise\].*needs the model"):
+        ManagedCommState(cfg, None, object())
 
 
 def test_torchfts_own_ddp_is_refused_with_the_wrapper_to_use():

@@ -101,6 +101,15 @@ class LayerwiseGroups(MethodGroups):
         self._measured: dict[str, _Measured] = {}  # committed: the next plan's input
         self._staged: dict[str, _Measured] = {}  # measured in the step in progress
         self._states: dict[str, dict[str, Any]] | None = None  # committed compressor states, while measuring
+        #: plans follow the step index, and a dropped step undoes its plan (module docstring)
+        self.by_step = False
+        #: every planned tensor of the model: name -> (shape, element size)
+        self.tensors = {
+            n: (tuple(p.shape), p.element_size())
+            for n, p in (model.named_parameters() if model is not None else ())
+            if p.requires_grad and p.numel() and self.planned(n)
+        }
+        self._undo: tuple[dict[str, Any], dict[str, dict[str, Any]]] | None = None  # before this step's plan
         #: what measuring and planning have cost this rank
         self.cost = PlanningCost()
 
@@ -176,6 +185,11 @@ class LayerwiseGroups(MethodGroups):
                 self._carry.pop(name, None)
             self._measured.update(self._staged)
         self._consumed, self._staged, self._states = set(), {}, None
+        undo, self._undo = self._undo, None
+        if undo is not None and not commit:
+            self.load_plan_state(undo[0])
+            for key, state in undo[1].items():
+                self.compressors[key].load_state_dict(state)
 
     # ---- planning ------------------------------------------------------------------------
 
@@ -184,17 +198,32 @@ class LayerwiseGroups(MethodGroups):
         """Whether a measured step waits for its plan (made at the next step's first bucket)."""
         return bool(self._measured)
 
-    def replan(self, backend: Backend, step: int) -> None:
+    def due(self, step: int) -> bool:
+        """Whether ``step`` plans at its first bucket: a measurement waits; with
+        :attr:`by_step`, the step before was measured and this step has not planned yet."""
+        if self.by_step:
+            return self.measuring(step - 1) and self._undo is None
+        return self.waiting
+
+    def hold(self) -> None:
+        """Keep what a plan changes (plan, carries, measurement, the candidates' committed
+        states) until the step ends: :meth:`end_step` restores it if the step is dropped."""
+        self._undo = (self.plan_state(), {key: self.compressors[key].state_dict() for key in self.candidates})
+
+    def replan(self, backend: Backend, step: int) -> bool:
         """At the first bucket of ``step``: plan from the last measured step, if one is
-        waiting (two small collectives; nothing may be in flight). Per link, ``backend``
-        is the bandwidth layer's: the plan is made over this rank's cross group."""
-        if not self.waiting:
-            return
+        waiting (two small collectives; nothing may be in flight); whether it planned.
+        Per link, ``backend`` is the bandwidth layer's: the plan is made over this rank's
+        cross group."""
+        if not self.due(step):
+            return False
         if not backend.can_block:
             raise ConfigError(
                 "[layerwise] plans with collectives a hook must wait for: it needs ranks in separate processes "
                 "(a torch.distributed or MPI backend)"
             )
+        if self.by_step:
+            self.hold()
         t0 = time.perf_counter()
         if self.per_link:
             backend.run(in_scope(self.planning(step, tuple(backend.members("cross"))), "cross")).wait()
@@ -202,10 +231,18 @@ class LayerwiseGroups(MethodGroups):
             backend.run(self.planning(step)).wait()
         self.cost.plans += 1
         self.cost.plan_seconds += time.perf_counter() - t0
+        return True
 
     def planning(self, step: int, ranks: tuple[int, ...] = ()) -> Reduction:
         """The plan as a reduction: sum the ranks' errors, solve, compare digests, switch.
-        ``ranks``: those that take part when they are not every rank (for the plan's record)."""
+        ``ranks``: those that take part when they are not every rank (for the plan's record).
+        With :attr:`by_step`, every planned tensor, with zero errors where none were measured."""
+        if self.by_step:
+            unknown = sorted(set(self._measured) - set(self.tensors))
+            if unknown:
+                raise RuntimeError(f"[layerwise] measured tensors the model does not plan: {unknown}")
+            for name, (shape, size) in self.tensors.items():
+                self._measured.setdefault(name, _Measured(shape, size, [0.0] * len(self.candidates)))
         names = sorted(self._measured)
         errors = torch.tensor([self._measured[n].errors for n in names], dtype=torch.float64)
         summed = yield AllReduce(errors)
@@ -282,6 +319,11 @@ class LayerwiseGroups(MethodGroups):
             "measured": {n: [list(m.shape), m.element_size, list(m.errors)] for n, m in self._measured.items()},
         }
 
+    @staticmethod
+    def shared_plan_state(state: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`plan_state` without its per-rank entries (carries, measurement): the plan."""
+        return {"plan": state["plan"], "carry": {}, "measured": {}}
+
     def holds_per_rank(self, state: Mapping[str, Any]) -> bool:
         per_link = self.per_link and state.get("plan") is not None  # one plan per cross group
         return per_link or bool(state.get("carry")) or bool(state.get("measured"))
@@ -298,7 +340,7 @@ class LayerwiseGroups(MethodGroups):
             str(n): _Measured(tuple(int(d) for d in shape), int(size), [float(e) for e in errors])
             for n, (shape, size, errors) in state["measured"].items()
         }
-        self._consumed, self._staged, self._states = set(), {}, None
+        self._consumed, self._staged, self._states, self._undo = set(), {}, None, None
 
     @staticmethod
     def combine_plan_states(shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scale: float) -> dict[str, Any]:

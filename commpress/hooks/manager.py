@@ -10,6 +10,11 @@ manager hands it a healthy peer's shared state (model, optimizer and this, regis
 ``register_state_dict_fn``), it replays the step's recorded collectives on that state, so
 its shared state ends the step equal to its peers'. Its per-rank state (error feedback,
 residuals, local momentum) starts from zero.
+
+A ``[layerwise]`` plan is made at the step after a measured one by every participant, a
+healing replica sending zero errors (:attr:`~commpress.adaptive.layerwise.LayerwiseGroups.by_step`);
+its two collectives are part of the step: replayed by a healing replica before its buckets,
+undone with the step's other staged state when the step is not committed.
 """
 
 from __future__ import annotations
@@ -34,7 +39,6 @@ __all__ = ["ManagedCommState", "check_managed", "managed_ddp"]
 _REFUSED = {
     "fsdp": "FSDP",
     "bandwidth": "the bandwidth layer (it measures links between fixed ranks)",
-    "layerwise": "the layer-wise plan",
 }
 
 
@@ -45,7 +49,7 @@ def check_managed(config: Config) -> None:
         if config.section(table) is not None:
             raise ConfigError(
                 f"the config's [{table}] table ({what}) does not run under a torchft Manager yet: remove it; the DDP "
-                "hook's method, params, overrides and start_iter do, as do [onebit_adam] and [local_sgd]"
+                "hook's method, params, overrides, start_iter and [layerwise] do, as do [onebit_adam] and [local_sgd]"
             )
     if config.backend != "torch":
         raise ConfigError(
@@ -85,9 +89,14 @@ class ManagedCommState(CommState):
         self.manager = manager
         self._settling = threading.RLock()  # the manager reads the shared state from its quorum thread
         super().__init__(config, model)
+        if self.layerwise is not None:
+            if model is None:
+                raise ConfigError("[layerwise] under a torchft Manager needs the model (model=): every replica plans its tensors")
+            self.layerwise.by_step = True
         self._base = manager.current_step()
         self._ran_at: int | None = None  # the manager's step whose reductions ran
-        self._heal: list[tuple[int, int, torch.dtype, torch.device, tuple, Context]] = []
+        #: per collective this healing step ran: a bucket's layout, or the step a plan was made at
+        self._heal: list[tuple[int, int, torch.dtype, torch.device, tuple, Context] | int] = []
         self._joined = False  # shared state loaded from a peer: drop per-rank state at its commit
         manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
 
@@ -112,6 +121,8 @@ class ManagedCommState(CommState):
             self.step = self.steps
             self._check_resume = False  # membership is the manager's business
             self._heal = []
+            if self.layerwise is not None:
+                self._plan()
         ctx = Context(rank=self.rank, world_size=self.world_size, step=self.step)
         fut = super().reduce(index, buffer, params, advance)
         if first:
@@ -119,6 +130,17 @@ class ManagedCommState(CommState):
         if self._backend.log is not None:
             self._heal.append((index, buffer.numel(), buffer.dtype, buffer.device, self._layouts[index][1], ctx))
         return fut.then(lambda f: self._handed_back(buffer, f))
+
+    def _plan(self) -> None:
+        """The layer-wise plan of this step, if due; a failed one is reported to the
+        manager (the step is then not committed), not raised in the backward pass."""
+        try:
+            planned = self.layerwise.replan(self._backend, self.step)
+        except Exception as exc:
+            report(self.manager, exc)
+            return
+        if planned and self._backend.log is not None:
+            self._heal.append(self.step)
 
     def _handed_back(self, buffer: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
         try:
@@ -150,7 +172,10 @@ class ManagedCommState(CommState):
         the per-rank entries): what the manager sends a healing replica."""
         with self._settling:
             state = self.state_dict()
-        return {**state, "compressors": self._without_per_rank(state["compressors"])}
+        shared = {**state, "compressors": self._without_per_rank(state["compressors"])}
+        if self.layerwise is not None:
+            shared["layerwise"] = self.layerwise.shared_plan_state(state["layerwise"])
+        return shared
 
     def load_shared(self, state: Mapping[str, Any]) -> None:
         """Take a healthy peer's shared state (the manager calls it in ``should_commit``),
@@ -164,7 +189,12 @@ class ManagedCommState(CommState):
                 return  # healed before the step (use_async_quorum=False): it takes part in it
             self._joined = True
             try:
-                for (index, numel, dtype, device, slots, ctx), results in zip(self._heal, log, strict=True):
+                for entry, results in zip(self._heal, log, strict=True):
+                    if isinstance(entry, int):  # the step's plan, before its buckets
+                        self.layerwise.hold()
+                        replay(self.layerwise.planning(entry), results)
+                        continue
+                    index, numel, dtype, device, slots, ctx = entry
                     if ctx.step >= self.config.start_iter:
                         bucket = Bucket(index, torch.zeros(numel, dtype=dtype, device=device), slots)
                         replay(self.groups.composite.reduce(bucket, ctx), results)
