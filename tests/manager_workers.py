@@ -10,7 +10,8 @@ Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA
   tensors between settings, moving their state); writes the plans too.
 - ``survivor-W`` / ``killed-W`` / ``joiner-W`` (W: ``hook``, the DDP hook of :data:`FAILING`;
   ``layerwise``, a plan every step (:data:`PLAN_EVERY_STEP`), so the killed step and the
-  step the joiner heals in both plan; or ``adam``, 1-bit Adam of :data:`ONEBIT_ADAM`,
+  step the joiner heals in both plan; ``planned``, one plan at step 1 (:data:`PLAN_ONCE`),
+  handed to the joiner; or ``adam``, 1-bit Adam of :data:`ONEBIT_ADAM`,
   killed past its warm-up): replica 0
   trains; replica 1 dies inside its
   backward pass at :data:`KILL_STEP` (after some buckets were reduced); replica 0 checks
@@ -74,6 +75,8 @@ LAYERWISE = {
 }
 LAYERWISE_STEPS = 6
 PLAN_EVERY_STEP = {**LAYERWISE["topk"], "layerwise": {"enabled": True, "every": 1}}
+#: one plan, at step 1: a replica that heals later is handed it (its buckets follow it)
+PLAN_ONCE = {**LAYERWISE["topk"], "layerwise": {"enabled": True, "every": 1000}}
 
 
 def model(seed: int, hidden: int = 32) -> nn.Module:
@@ -232,7 +235,7 @@ def first_steps(out: Path, lighthouse: str, replica: int) -> None:
 def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
     import commpress
 
-    scenario, _, what = scenario.partition("-")  # what: "hook" (FAILING), "layerwise" or "adam" (ONEBIT_ADAM)
+    scenario, _, what = scenario.partition("-")  # what: "hook", "layerwise", "planned" or "adam" (ONEBIT_ADAM)
     meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
     manager = make_manager(replica, lighthouse)
     net = managed_ddp(model(7 if scenario == "joiner" else 0), bucket_cap_mb=BUCKET_MB)
@@ -242,7 +245,8 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
         state = commpress.register(net, ONEBIT_ADAM, optimizer=opt, manager=manager).onebit_adam.comm
     else:
-        state = register_ddp_hook(net, PLAN_EVERY_STEP if what == "layerwise" else FAILING, manager=manager)
+        cfg = {"layerwise": PLAN_EVERY_STEP, "planned": PLAN_ONCE}.get(what, FAILING)
+        state = register_ddp_hook(net, cfg, manager=manager)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
     if scenario == "joiner":
         while not meet.check(["alone"]):  # rejoin once the survivor has trained alone
@@ -266,6 +270,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         )
         committed = step_managed(net, opt, manager, replica, step)
         seen.setdefault("participants", []).append(manager.num_participants())
+        seen.setdefault("commits", []).append(committed)
         if not manager.is_participating():
             seen["healed"] = True
         if scenario == "survivor" and step == KILL_STEP and "failed_step_committed" not in seen:

@@ -116,11 +116,12 @@ def test_one_bit_adam_through_the_manager_is_the_plain_run_and_heals(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("what", ["hook", "layerwise", "adam"])
+@pytest.mark.parametrize("what", ["hook", "layerwise", "planned", "adam"])
 def test_a_killed_replica_skips_the_step_and_its_restart_heals_bit_for_bit(tmp_path, what):
     """The DDP hook (PowerSGD with a Top-k layer; Top-k with a layer-wise plan every step,
-    so the killed step and the joiner's healing step plan), and 1-bit Adam killed past its
-    warm-up (the momentum averaged in the backward pass)."""
+    so the killed step and the joiner's healing step plan; Top-k with one plan, at step 1,
+    which the joiner, healing later, is handed before its buckets), and 1-bit Adam killed
+    past its warm-up (the momentum averaged in the backward pass)."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30000, heartbeat_timeout_ms=2000)
     meet = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     try:
@@ -137,16 +138,18 @@ def test_a_killed_replica_skips_the_step_and_its_restart_heals_bit_for_bit(tmp_p
     assert (s["failed_step_committed"], s["model_kept"], s["state_kept"]) == (False, True, True), s
     assert s["alone"] >= 1 and not s["healed"], s
     assert j["healed"] and j["step"] == s["step"], (s, j)
+    assert s["commits"].count(False) == 1 and all(j["commits"]), (s, j)  # the killed step only; the heal too
     a, b = (torch.load(tmp_path / f"{n}-{what}.pt", weights_only=True) for n in ("survivor", "joiner"))
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     if what == "hook":
         lowrank = a["shared"]["compressors"]["main"]
         assert lowrank["q"] and not lowrank["error"]  # warm starts are shared, error feedback is not
     assert _same(a["shared"]["compressors"], b["shared"]["compressors"]) and a["shared"]["step"] == b["shared"]["step"]
-    if what == "layerwise":
+    if what in ("layerwise", "planned"):
         plan = a["shared"]["layerwise"]
-        assert plan["plan"]["step"] == s["step"] - 1 and not plan["carry"] and not plan["measured"], plan
-        assert _same(plan, b["shared"]["layerwise"])
+        assert plan["plan"]["step"] == (s["step"] - 1 if what == "layerwise" else 1), plan
+        assert len(set(plan["plan"]["labels"].values())) > 1, plan  # tensors in several groups
+        assert not plan["carry"] and not plan["measured"] and _same(plan, b["shared"]["layerwise"]), plan
 
 
 def _same(a, b) -> bool:

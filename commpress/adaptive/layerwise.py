@@ -254,6 +254,22 @@ class LayerwiseGroups(MethodGroups):
         self._measured = {}
         self.apply(plan)
 
+    def sharing(self, healing: bool) -> Reduction:
+        """The plan in force handed to a replica that heals in this step, whose own is
+        stale (with :attr:`by_step`, at a step that does not plan): each planned tensor's
+        group, the maximum over the participants (a healing replica's counts as nothing).
+        The healing replica reduces its buckets with it (kept as :meth:`hold` keeps a plan);
+        the participants, whose plans must agree, keep theirs."""
+        keys, names = list(self.candidates), sorted(self.tensors)
+        mine = torch.tensor([float(keys.index(self.key_for(n))) for n in names], dtype=torch.float64)
+        seen = yield AllReduce(mine.clone(), op="max")
+        if healing:
+            self.hold()
+            self.assigned = {n: keys[int(i)] for n, i in zip(names, seen.tolist())}
+            self.composite = _Planned(self)
+        elif not torch.equal(seen, mine):
+            raise RuntimeError(f"the participants hold different layer-wise plans (this one's: {self.plan})")
+
     def solve(self, names: Sequence[str], errors: Sequence[Sequence[float]], step: int) -> LayerPlan:
         """The plan for ``names`` (tensors measured, sorted) from their summed ``errors``."""
         keys = list(self.candidates)

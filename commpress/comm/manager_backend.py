@@ -52,6 +52,7 @@ class ManagerBackend(Backend):
         super().__init__(0, 1, rounds)
         self.manager = manager
         self.participating = True
+        self.heals = False
         #: per reduction of this step, its collectives' results, while this replica heals
         self.log: list[list[Any]] | None = None
         self._tail: torch.futures.Future | None = None
@@ -66,6 +67,8 @@ class ManagerBackend(Backend):
         self.world_size = m.num_participants()
         self.participating = m.is_participating()
         self.rank = (m.participating_rank() or 0) if self.participating else 0
+        #: whether a replica of the quorum heals in this step (the group holds more than participate)
+        self.heals = m._pg.size() > self.world_size
         self._failure = None
         self.log = None if self.participating else []
 

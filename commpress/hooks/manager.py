@@ -14,7 +14,9 @@ residuals, local momentum) starts from zero.
 A ``[layerwise]`` plan is made at the step after a measured one by every participant, a
 healing replica sending zero errors (:attr:`~commpress.adaptive.layerwise.LayerwiseGroups.by_step`);
 its two collectives are part of the step: replayed by a healing replica before its buckets,
-undone with the step's other staged state when the step is not committed.
+undone with the step's other staged state when the step is not committed. At a step that
+does not plan, a healing replica (whose plan is stale, and whose buckets' collectives
+follow the plan) is handed the plan in force first, in one small all-reduce.
 """
 
 from __future__ import annotations
@@ -95,8 +97,9 @@ class ManagedCommState(CommState):
             self.layerwise.by_step = True
         self._base = manager.current_step()
         self._ran_at: int | None = None  # the manager's step whose reductions ran
-        #: per collective this healing step ran: a bucket's layout, or the step a plan was made at
-        self._heal: list[tuple[int, int, torch.dtype, torch.device, tuple, Context] | int] = []
+        #: per reduction this healing step ran: a bucket's layout, the step a plan was made at, or
+        #: None for the plan in force handed over (the peer's state holds it: nothing to replay)
+        self._heal: list[tuple[int, int, torch.dtype, torch.device, tuple, Context] | int | None] = []
         self._joined = False  # shared state loaded from a peer: drop per-rank state at its commit
         manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
 
@@ -132,15 +135,24 @@ class ManagedCommState(CommState):
         return fut.then(lambda f: self._handed_back(buffer, f))
 
     def _plan(self) -> None:
-        """The layer-wise plan of this step, if due; a failed one is reported to the
-        manager (the step is then not committed), not raised in the backward pass."""
+        """The layer-wise plan of this step, if due, else the plan in force handed to a
+        replica that heals in this step (its buckets' collectives follow the plan); a
+        failure is reported to the manager (the step is then not committed), not raised
+        in the backward pass."""
+        backend = self._backend
         try:
-            planned = self.layerwise.replan(self._backend, self.step)
+            if self.layerwise.replan(backend, self.step):
+                entry: int | None = self.step
+            elif backend.heals:
+                backend.run(self.layerwise.sharing(not backend.participating)).wait()
+                entry = None
+            else:
+                return
         except Exception as exc:
             report(self.manager, exc)
             return
-        if planned and self._backend.log is not None:
-            self._heal.append(self.step)
+        if backend.log is not None:
+            self._heal.append(entry)
 
     def _handed_back(self, buffer: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
         try:
@@ -190,6 +202,8 @@ class ManagedCommState(CommState):
             self._joined = True
             try:
                 for entry, results in zip(self._heal, log, strict=True):
+                    if entry is None:
+                        continue
                     if isinstance(entry, int):  # the step's plan, before its buckets
                         self.layerwise.hold()
                         replay(self.layerwise.planning(entry), results)
