@@ -97,7 +97,7 @@ def make_manager(replica: int, lighthouse: str, min_size: int = 1, init_sync: bo
     store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     STORES.append(store)
     return Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
         load_state_dict=None,
         state_dict=None,
         min_replica_size=min_size,
@@ -107,7 +107,7 @@ def make_manager(replica: int, lighthouse: str, min_size: int = 1, init_sync: bo
         world_size=1,
         store_addr="localhost",
         store_port=store.port,
-        timeout=timedelta(seconds=10),
+        timeout=timedelta(seconds=30),
         init_sync=init_sync,
     )
 
