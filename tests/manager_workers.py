@@ -22,7 +22,7 @@ Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA
 - ``adam``: 1-bit Adam (a warm-up step, then momenta in signs) through the manager and
   through a plain gloo group, as ``same``; then through a manager of its own with the
   first-step sync, each replica from another model init.
-- ``first``: every method through a manager of its own with torchft's first-step sync
+- ``first``: every method (and a layer-wise plan every step) through a manager of its own with torchft's first-step sync
   (``init_sync=True``: in step 0 every replica but one heals, though it counts among the
   participants), each replica from another model init; writes which steps committed and
   the models.
@@ -219,11 +219,13 @@ def onebit_adam_runs(out: Path, lighthouse: str, port: int, replica: int) -> Non
 
 def first_steps(out: Path, lighthouse: str, replica: int) -> None:
     seen: dict[str, Any] = {}
-    for method in os.environ.get("METHODS", " ".join(available())).split():
+    configs: dict[str, Any] = {m: {"method": m, "params": PARAMS.get(m, {})} for m in available()}
+    configs["layerwise"] = PLAN_EVERY_STEP  # replica 1 heals in step 0, measured; every replica plans at step 1
+    for method in os.environ.get("METHODS", " ".join(configs)).split():
         manager = make_manager(replica, lighthouse, min_size=2, init_sync=True, name=method.replace("-", "_"))
         net = managed_ddp(model(replica), bucket_cap_mb=BUCKET_MB)
         manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
-        state = ManagedCommState({"method": method, "params": PARAMS.get(method, {})}, net.module, manager, key=method)
+        state = ManagedCommState(configs[method], net.module, manager, key=method)
         net.register_comm_hook(state, ddp_hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         seen[method] = [step_managed(net, opt, manager, replica, step) for step in range(STEPS)]

@@ -92,11 +92,12 @@ def test_layerwise_plans_through_the_manager_are_the_plain_run_bit_for_bit(tmp_p
 
 def test_every_method_commits_from_torchfts_first_step_sync(tmp_path):
     """With ``init_sync=True`` (torchft's default) replica 1 heals in step 0 while counted
-    among the participants: every method commits every step and both replicas, started from
-    different models, end equal bit for bit."""
+    among the participants: every method (and Top-k with a layer-wise plan every step)
+    commits every step and both replicas, started from different models, end equal bit for bit."""
     _both("first", tmp_path)
     seen = [json.loads((tmp_path / f"first{r}.json").read_text()) for r in (0, 1)]
-    assert sorted(seen[0]) == sorted(seen[1]) == [m for m in available() if not m.startswith("test-")]
+    methods = sorted([m for m in available() if not m.startswith("test-")] + ["layerwise"])
+    assert sorted(seen[0]) == sorted(seen[1]) == methods
     for method in seen[0]:
         assert seen[0][method] == seen[1][method] == [True] * len(seen[0][method]), method
         a, b = (torch.load(tmp_path / f"first-{method}{r}.pt", weights_only=True) for r in (0, 1))
