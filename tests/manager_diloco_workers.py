@@ -5,7 +5,8 @@ Run as ``python manager_diloco_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT 
 
 - ``same``: for each method of :data:`METHODS`, DiLoCo over a plain gloo group
   (``init_process_group`` on STORE_PORT) and through the manager, in the same process, and
-  Local SGD with QSR's rounds likewise (:data:`LOCAL_SGD`); the managed run saves its
+  Local SGD with QSR's rounds likewise (:data:`LOCAL_SGD`), and the shipped config that
+  averages every step, landing a step later (:data:`H1`); the managed run saves its
   ``state_dict()`` at :data:`SAVE_STEP` and loads it back; writes whether the models and
   anchors came out bit for bit equal.
 - ``survivor-M`` / ``killed-M`` / ``joiner-M`` (M: ``topk`` or ``terngrad``, entropy-coded):
@@ -53,6 +54,8 @@ LOCAL_SGD = {
     "method": "none",
     "local_sgd": {"algorithm": "local_sgd", "period": 2, "qsr_alpha": 0.02, "warmup_steps": 4},
 }
+#: the shipped config that averages every step, each average landing a step later
+H1 = str(Path(__file__).resolve().parents[1] / "docs" / "configs" / "slow-link-h1.toml")
 STEPS = 9  # inner steps of the comparison (a round in progress at the end: finish() syncs it)
 SAVE_STEP = 4  # the managed run's state_dict(): DiLoCo's sync started at step 4 in flight
 KILL_SYNC = 3
@@ -81,8 +84,8 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
     manager = make_manager(replica, lighthouse, min_size=2)
     seen: dict[str, Any] = {}
-    for method in [*METHODS, "local_sgd"]:
-        cfg = config(method, sync_delay=1) if method in METHODS else LOCAL_SGD
+    for method in [*METHODS, "local_sgd", "slow-link-h1"]:
+        cfg = config(method, sync_delay=1) if method in METHODS else {"local_sgd": LOCAL_SGD, "slow-link-h1": H1}[method]
         plain = model(0)
         opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
         reg = commpress.register(plain, cfg, optimizer=opt)

@@ -62,8 +62,8 @@ DILOCO = {"algorithm": "diloco"}
         (DILOCO | {"clip": 1.0}, "local_sgd: clip = 1.0 does not apply to algorithm = 'diloco'; it applies to algorithm = 'co2'"),
         (DILOCO | {"fragments": 2, "period": 5}, "local_sgd: period = 5 is not accepted with fragments = 2; expected a multiple"),
         (
-            DILOCO | {"fragments": 2, "sync_delay": 2},
-            "sync_delay = 2 is not accepted with period = 4 and fragments = 2",
+            DILOCO | {"fragments": 2, "sync_delay": 3},
+            "sync_delay = 3 is not accepted with period = 4 and fragments = 2",
         ),
         (DILOCO | {"sync_delay": 1, "qsr_alpha": 0.1}, "local_sgd: fragments = 1 and sync_delay = 1 need a constant period"),
         (

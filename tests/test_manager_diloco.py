@@ -43,11 +43,11 @@ def test_diloco_and_local_sgd_through_the_manager_are_the_plain_runs_bit_for_bit
     _both("same", tmp_path, WORKERS)
     for replica in (0, 1):
         seen = json.loads((tmp_path / f"same{replica}.json").read_text())
-        assert sorted(seen) == ["local_sgd", "none", "terngrad", "topk"]
+        assert sorted(seen) == ["local_sgd", "none", "slow-link-h1", "terngrad", "topk"]
         for method, s in seen.items():
             assert s["commits"] and all(s["commits"]), (method, s)
             assert (s["model"], s["anchor"], s["changed"]) == (True, True, True), (method, s)
-        for method in METHOD_NAMES:  # the sync in flight at the save, asked then and saved as it lands
+        for method in [*METHOD_NAMES, "slow-link-h1"]:  # the sync in flight at the save, asked then and saved as it lands
             assert seen[method]["outcomes"] == ["apply"], seen
         assert seen["local_sgd"]["outcomes"] == [], seen  # no delay: nothing in flight between steps
         assert seen["local_sgd"]["periods"] == [2, 2, 4, 4], seen  # QSR's rounds (finish() syncs the last, at step 9)

@@ -29,6 +29,7 @@ PARTS = {
     "diloco.toml": ["local_sgd"],
     "streaming-diloco.toml": ["local_sgd"],
     "slow-link.toml": ["local_sgd"],
+    "slow-link-h1.toml": ["local_sgd"],
     "float64 local_sgd": ["local_sgd"],
     "onebit_adam.toml": ["onebit_adam"],
 }

@@ -175,18 +175,19 @@ def resolve_merge(merge: str | None, merge_alpha: float | None) -> tuple[str, fl
 
 def check_streaming(period: int | None, fragments: int, sync_delay: int) -> None:
     """Streaming DiLoCo's schedule: ``fragments`` > 1 or ``sync_delay`` > 0 need a constant
-    ``period`` (None: a varying one) that ``fragments`` divides, and ``sync_delay`` shorter
-    than ``period / fragments`` so a fragment's average lands before the next sync starts."""
+    ``period`` (None: a varying one) that ``fragments`` divides, and ``sync_delay`` at most
+    ``period / fragments`` so a fragment's average lands before the next sync starts (at
+    the step it starts, with ``sync_delay = period / fragments``: landed first)."""
     if fragments == 1 and sync_delay == 0:
         return
     if period is None:
         raise ConfigError(f"fragments = {fragments} and sync_delay = {sync_delay} need a constant period; leave qsr_alpha unset")
     if period % fragments:
         raise ConfigError(f"period = {period} is not accepted with fragments = {fragments}; expected a multiple of {fragments}")
-    if sync_delay >= period // fragments:
+    if sync_delay > period // fragments:
         raise ConfigError(
             f"sync_delay = {sync_delay} is not accepted with period = {period} and fragments = {fragments}; expected an "
-            f"integer from 0 to {period // fragments - 1} (a fragment's average lands before the next sync starts)"
+            f"integer from 0 to {period // fragments} (a fragment's average lands before the next sync starts)"
         )
 
 
