@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from manager_workers import batch, make_manager, model, run, same
+from manager_workers import batch, make_manager, meet_up, model, run, same
 from torch import nn
 
 import commpress
@@ -187,13 +187,7 @@ def begin(role: str, trainer: Any, manager: Any, meet: dist.TCPStore) -> None:
     if role == "killed":
         start = trainer.averager.start
         trainer.averager.start = lambda *a, **k: os._exit(0) if manager.current_step() == KILL_SYNC else start(*a, **k)
-    if role == "joiner":
-        while not meet.check(["alone"]):  # rejoin once the survivor has synced alone
-            time.sleep(0.05)
-    else:
-        meet.add("ready", 1)
-        while int(meet.add("ready", 0)) < 2:
-            time.sleep(0.05)
+    meet_up(role, meet)
 
 
 def snapshot(trainer: Any) -> tuple[torch.Tensor, dict[str, Any], dict[str, Any]]:

@@ -234,6 +234,18 @@ def first_steps(out: Path, lighthouse: str, replica: int) -> None:
     (out / f"first{replica}.json").write_text(json.dumps(seen))
 
 
+def meet_up(role: str, meet: dist.TCPStore) -> None:
+    """The first two replicas start together; the restarted one (``joiner``) once the
+    survivor has trained alone (it sets ``alone`` in ``meet``)."""
+    if role == "joiner":
+        while not meet.check(["alone"]):
+            time.sleep(0.05)
+    else:
+        meet.add("ready", 1)
+        while int(meet.add("ready", 0)) < 2:
+            time.sleep(0.05)
+
+
 def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
     import commpress
 
@@ -250,13 +262,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         cfg = {"layerwise": PLAN_EVERY_STEP, "planned": PLAN_ONCE}.get(what, FAILING)
         state = register_ddp_hook(net, cfg, manager=manager)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    if scenario == "joiner":
-        while not meet.check(["alone"]):  # rejoin once the survivor has trained alone
-            time.sleep(0.05)
-    else:
-        meet.add("ready", 1)
-        while int(meet.add("ready", 0)) < 2:
-            time.sleep(0.05)
+    meet_up(scenario, meet)
     if scenario == "killed":
         first = net.module[0].weight  # its gradient comes last in the backward pass: later buckets were reduced
         first.register_hook(lambda g: os._exit(0) if manager.current_step() == KILL_STEP else g)
