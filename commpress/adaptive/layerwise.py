@@ -200,9 +200,9 @@ class LayerwiseGroups(MethodGroups):
 
     def due(self, step: int) -> bool:
         """Whether ``step`` plans at its first bucket: a measurement waits; with
-        :attr:`by_step`, the step before was measured and this step has not planned yet."""
+        :attr:`by_step`, the step before was measured."""
         if self.by_step:
-            return self.measuring(step - 1) and self._undo is None
+            return self.measuring(step - 1)
         return self.waiting
 
     def hold(self) -> None:

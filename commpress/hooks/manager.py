@@ -124,8 +124,6 @@ class ManagedCommState(CommState):
             self.step = self.steps
             self._check_resume = False  # membership is the manager's business
             self._heal = []
-            if self.layerwise is not None:
-                self._plan()
         ctx = Context(rank=self.rank, world_size=self.world_size, step=self.step)
         fut = super().reduce(index, buffer, params, advance)
         if first:
@@ -134,7 +132,7 @@ class ManagedCommState(CommState):
             self._heal.append((index, buffer.numel(), buffer.dtype, buffer.device, self._layouts[index][1], ctx))
         return fut.then(lambda f: self._handed_back(buffer, f))
 
-    def _plan(self) -> None:
+    def _replan(self) -> None:
         """The layer-wise plan of this step, if due, else the plan in force handed to a
         replica that heals in this step (its buckets' collectives follow the plan); a
         failure is reported to the manager (the step is then not committed), not raised
