@@ -231,11 +231,15 @@ def register(
     cfg = Config.load(config)
     if mesh is not None and (manager is not None or process_group is not None):
         given = "manager" if manager is not None else "process_group"
-        raise ConfigError(
-            f"commpress.register(): {given} is not accepted with mesh=; expected neither: the replica groups of "
-            "mesh['replicate'] communicate through torch.distributed"
+        instead = (
+            "with a torchft Manager, pass the model sharded over its replica group's ranks and no mesh: the "
+            "manager joins the groups"
+            if manager is not None
+            else "the replica groups of mesh['replicate'] communicate through torch.distributed"
         )
+        raise ConfigError(f"commpress.register(): {given} is not accepted with mesh=; expected neither: {instead}")
     if manager is not None:
+        _check_sharded_under_manager(model, cfg)
         if cfg.section("local_sgd") is not None:
             return Registration(cfg, local_sgd=_managed_diloco(model, cfg, optimizer, manager, total_steps))
         if cfg.section("onebit_adam") is not None:
@@ -255,6 +259,19 @@ def register(
         return Registration(cfg, onebit_adam=_onebit_adam(model, cfg, optimizer, process_group, total_steps))
     state, remove = attach_ddp_hook(model, cfg, process_group, optimizer)
     return Registration(cfg, hook=state, remove_hook=remove)
+
+
+def _check_sharded_under_manager(model: torch.nn.Module, cfg: Config) -> None:
+    """Under a torchft Manager a sharded model is an FSDP2 model inside each replica group,
+    and what joins the groups is ``[local_sgd]`` (each rank syncing its shard)."""
+    kind = model_kind(model)
+    if kind == "FSDP1" or (kind == "FSDP2" and cfg.section("local_sgd") is None):
+        got = "an FSDP1 root" if kind == "FSDP1" else "an FSDP2 model and a config without [local_sgd]"
+        raise ConfigError(
+            "commpress.register(): under a torchft Manager a sharded model is sharded with fully_shard (FSDP2) "
+            "inside its replica group and runs a config with [local_sgd] (DiLoCo between the groups, each rank "
+            f"syncing its shard: docs/fault_tolerance.md); got {got}"
+        )
 
 
 def _local_sgd(

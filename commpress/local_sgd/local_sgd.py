@@ -40,23 +40,30 @@ __all__ = ["Average", "LocalSGD", "OuterOptimizer", "check_finite", "check_outer
 #: Builds the outer optimizer over the anchor's tensors (one flat tensor, or one per
 #: DiLoCo fragment), e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``.
 OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+#: a rank's vote on an average (the shards' minimum wins): not finite, failed, fine
+_NON_FINITE, _FAILED, _FINE = 0, 1, 2
 
 
-def check_finite(average: torch.Tensor, name: str, round_index: int, shard_group: Any = None) -> None:
+def check_finite(average: torch.Tensor, name: str, round_index: int, shard_group: Any = None, failed: bool = False) -> None:
     """Refuse a non-finite average before it reaches the anchor (or CO2's momentum): every
     rank holds the same average, so every rank raises, and the state stays as it was. A
     sharded model's ranks (``shard_group``, the ranks holding the other shards) agree first,
-    so a shard's inf stops its whole group, not its own rank alone."""
-    finite = host.flags(host.finite(average))[0]
+    so a shard's inf stops its whole group, not its own rank alone. A rank whose average
+    ``failed`` (its collective raised: a lost replica under a torchft Manager) votes too,
+    so its shards' ranks never wait for it: they raise a RuntimeError, and the caller
+    re-raises the failure; an inf anywhere outranks a failure."""
+    status = _FAILED if failed else (_FINE if host.flags(host.finite(average))[0] else _NON_FINITE)
     if shard_group is not None:
-        flag = torch.tensor([int(finite)], dtype=torch.int32, device=average.device)  # NCCL takes CUDA tensors only
+        flag = torch.tensor([status], dtype=torch.int32, device=average.device)  # NCCL takes CUDA tensors only
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=shard_group)
-        finite = bool(flag.item())
-    if not finite:
+        status = int(flag.item())
+    if status == _NON_FINITE:
         raise FloatingPointError(
             f"{name}: the average of round {round_index} is not finite (a rank's model holds inf or NaN); "
             "the anchor and the outer state were left unchanged: restore a checkpoint or lower the learning rate"
         )
+    if status == _FAILED and not failed:
+        raise RuntimeError(f"{name}: the average of round {round_index} failed on a rank holding another shard of the model")
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -291,9 +298,17 @@ class LocalSGD(BoundToProcess):
     def _wait(self, average: Average) -> torch.Tensor:
         """The averaged pseudo-gradient, once it is there and finite (the wait recorded)."""
         t0 = time.perf_counter()
-        average.future.wait()
+        failure = None
+        try:
+            average.future.wait()
+        except Exception as exc:  # a sharded model's ranks vote first (check_finite), then it is raised
+            if self.flat.shard_group is None:
+                raise
+            failure = exc
         self.wait_seconds.append(time.perf_counter() - t0)
-        check_finite(average.buffer, self.name, average.round, self.flat.shard_group)
+        check_finite(average.buffer, self.name, average.round, self.flat.shard_group, failed=failure is not None)
+        if failure is not None:
+            raise failure
         return average.buffer
 
     def outer_step(self, index: int, average: torch.Tensor) -> None:

@@ -1,0 +1,235 @@
+"""Ranks of tests/test_manager_sharded.py: Streaming DiLoCo between 2 replica groups of a
+model sharded with FSDP2 over 2 ranks each, every rank syncing its shard through a torchft
+Manager of its own (group rank = shard), the lighthouse in the test process.
+
+- ``same`` (:func:`same_runs`, 4 ranks of one job, mesh (2, 2)): the plain sharded run
+  (``register(..., mesh=)``) and the run through the managers, in the same processes; each
+  rank's shard of the model and the anchor come out bit for bit equal.
+- ``survivor`` / ``killed`` / ``joiner`` (``python manager_sharded_workers.py ROLE OUTDIR
+  LIGHTHOUSE STORE_PORT RANK``, ranks 0-1 the survivor group, 2-3 the other; each group a
+  job of its own): in sync :data:`KILL_SYNC` the killed group's rank 0 exits as it starts
+  the average, its rank 1 once its average is there, so the survivor group's rank 1 holds
+  its average and rank 0 a failure (the group's vote stops both); each survivor rank checks
+  that the sync left its anchor, outer state
+  and compressor state as they were, syncs alone, and when the restarted group (another
+  model init) has healed, both groups sync :data:`TOGETHER` more times, finish and write
+  each rank's shard of the model and shared state.
+
+The processes meet through a TCPStore the test process holds (STORE_PORT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from manager_diloco_workers import kept, snapshot
+from sharded_workers import TASK, _model
+from torch.distributed.device_mesh import init_device_mesh
+from torchft import Manager, ProcessGroupGloo
+
+import commpress
+from commpress.errors import ConfigError
+
+#: the slow-link kind of Streaming DiLoCo: TernGrad entropy-coded, the eager merge, sqrt(M)
+CONFIG = {
+    "method": "terngrad",
+    "params": {"entropy": True},
+    "local_sgd": {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": 1, "outer_lr": "sqrt_replicas"},
+}
+#: the kill scenario's: a sync lands in the step it starts, so the killed group's shard 1
+#: exits between the two (its average done) without a collective of FSDP's in between
+KILLED = {**CONFIG, "local_sgd": {**CONFIG["local_sgd"], "sync_delay": 0}}
+STEPS = 10
+KILL_SYNC = 3
+TOGETHER = 3
+
+
+def manager(shard: int, group: str, lighthouse: str, store: dist.TCPStore) -> Manager:
+    """The manager of one rank of a replica group (group rank = its shard); without
+    torchft's first-step sync, as the plain run and the other kill tests start."""
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=1,
+        replica_id=group,
+        lighthouse_addr=lighthouse,
+        rank=shard,
+        world_size=2,
+        store_addr="localhost",
+        store_port=store.port,
+        timeout=timedelta(seconds=30),
+        init_sync=False,
+    )
+
+
+def step(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, index: int) -> None:
+    x, y = TASK.batch(index, rank, 4)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def shards(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def same_runs(rank: int, world: int, lighthouse: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    group, shard = divmod(rank, 2)
+    runs = {}
+    for managed in (False, True):
+        model = _model(mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if managed:
+            store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False) if shard == 0 else None
+            port = torch.tensor([store.port if store else 0])
+            dist.broadcast(port, src=2 * group, group=mesh["shard"].get_group())  # the group's store, from its rank 0
+            store = store or dist.TCPStore("localhost", int(port), is_master=False, wait_for_workers=False)
+            ft = manager(shard, f"group_{group}", lighthouse, store)
+            reg = commpress.register(model, CONFIG, optimizer=opt, manager=ft)
+        else:
+            reg = commpress.register(model, CONFIG, optimizer=opt, mesh=mesh)
+        for index in range(STEPS):
+            step(model, opt, rank, index)
+        reg.finish()
+        runs[managed] = (shards(model), reg.local_sgd.anchor.clone())
+        if managed:
+            trainer = reg.local_sgd
+            result = {"commits": trainer.commits, "lr": trainer.outer_lr, "sharded": trainer.flat.shard_group is not None}
+            result["refused"] = refusals(mesh, ft)
+            ft.shutdown(wait=False)
+    (plain, plain_anchor), (through, anchor) = runs[False], runs[True]
+    result["model"] = all(torch.equal(a, b) for a, b in zip(plain, through))
+    result["anchor"] = torch.equal(plain_anchor, anchor)
+    result["changed"] = not torch.equal(shards(_model(mesh))[0], through[0])
+    return result
+
+
+def refusals(mesh: Any, ft: Manager) -> list[str]:
+    """What a sharded model under a manager is refused with: a config without
+    ``[local_sgd]``, and ``mesh=`` beside the manager."""
+    out = []
+    for config, mesh_given in (({"method": "topk"}, None), (CONFIG, mesh)):
+        model = _model(mesh)
+        try:
+            commpress.register(model, config, optimizer=torch.optim.AdamW(model.parameters()), manager=ft, mesh=mesh_given)
+            out.append("")
+        except ConfigError as exc:
+            out.append(str(exc))
+    return out
+
+
+def failing(role: str, out: Path, lighthouse: str, port: int, rank: int) -> None:
+    """One rank of a group in the kill scenario (module docstring)."""
+    group, shard = divmod(rank, 2)
+    meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
+    store = _group_store(role, group, shard, meet)
+    dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=shard, world_size=2)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    model = _model({"shard": mesh})  # what _model reads of a mesh: the dimension it shards over
+    if role == "joiner":  # another init: what it ends with comes from its peer
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ft = manager(shard, f"group_{group}", lighthouse, store)
+    ft.register_state_dict_fn("model", lambda s: _load_shards(model, s), lambda: {"shards": shards(model)})
+    ft.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
+    trainer = commpress.register(model, KILLED, optimizer=opt, manager=ft).local_sgd
+    if role == "killed":
+        _dies(trainer, ft, shard, meet)
+    _meet(role, meet)
+    seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": []}
+    deadline, index = time.monotonic() + 150, 0
+    while time.monotonic() < deadline:
+        before = snapshot(trainer)
+        syncs = len(trainer.commits)
+        step(model, opt, rank, index)
+        index += 1
+        if len(trainer.commits) == syncs:
+            continue
+        seen["participants"].append(trainer.backend.world_size)
+        seen["healed"] |= not trainer.backend.participating
+        if role == "survivor" and not trainer.commits[-1] and "kept" not in seen:
+            seen["kept"] = kept(before, trainer)
+            seen["error"] = str(ft.errored().original_exception)  # what the manager was told
+        if role == "survivor" and "kept" in seen and trainer.commits[-1]:
+            if trainer.backend.world_size == 1:
+                seen["alone"] += 1
+                meet.set(f"alone{shard}", "1")
+                time.sleep(0.3)  # leave the restarted group time to join
+            elif not meet.check([f"stop{shard}"]):
+                meet.set(f"stop{shard}", str(ft.current_step() + TOGETHER))
+        if meet.check([f"stop{shard}"]) and ft.current_step() >= int(meet.get(f"stop{shard}")):
+            break
+    trainer.finish()
+    seen["step"], seen["commits"] = ft.current_step(), trainer.commits
+    torch.save({"model": shards(model), "shared": trainer.shared_state_dict()}, out / f"{role}{rank}.pt")
+    (out / f"{role}{rank}.json").write_text(json.dumps(seen))
+    ft.shutdown(wait=False)
+
+
+def _dies(trainer: Any, ft: Manager, shard: int, meet: dist.TCPStore) -> None:
+    """In sync :data:`KILL_SYNC` rank 0 exits as it starts the average (once rank 1 holds the
+    sync's quorum: rank 0 serves the group's quorum), rank 1 once its average is there."""
+    start, ask = trainer.averager.start, trainer._ask
+
+    def starting(*args: Any, **kwargs: Any) -> Any:
+        if ft.current_step() == KILL_SYNC:
+            if shard == 0:
+                meet.wait(["quorate"])
+                os._exit(0)
+            meet.set("quorate", "1")
+        return start(*args, **kwargs)
+
+    def asking(average: Any) -> Any:
+        if ft.current_step() == KILL_SYNC:
+            average.future.wait()
+            os._exit(0)
+        return ask(average)
+
+    trainer.averager.start = starting
+    if shard == 1:
+        trainer._ask = asking
+
+
+def _load_shards(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), state["shards"]):
+            p.to_local().copy_(value)
+
+
+def _group_store(role: str, group: int, shard: int, meet: dist.TCPStore) -> dist.TCPStore:
+    """The replica group's store: held by its rank 0, found by its rank 1 through ``meet``."""
+    key = f"{role}-group{group}"
+    if shard == 0:
+        store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        meet.set(key, str(store.port))
+        return store
+    meet.wait([key])
+    return dist.TCPStore("localhost", int(meet.get(key)), is_master=False, wait_for_workers=False)
+
+
+def _meet(role: str, meet: dist.TCPStore) -> None:
+    """The first two groups start together; the restarted one once the survivors synced alone."""
+    if role == "joiner":
+        while not (meet.check(["alone0"]) and meet.check(["alone1"])):
+            time.sleep(0.05)
+        return
+    meet.add("ready", 1)
+    while int(meet.add("ready", 0)) < 4:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    role, outdir, lighthouse, port, rank = sys.argv[1:6]
+    failing(role, Path(outdir), lighthouse, int(port), int(rank))
