@@ -2,9 +2,10 @@
 model sharded with FSDP2 over 2 ranks each, every rank syncing its shard through a torchft
 Manager of its own (group rank = shard), the lighthouse in the test process.
 
-- ``same`` (:func:`same_runs`, 4 ranks of one job, mesh (2, 2)): the plain sharded run
-  (``register(..., mesh=)``) and the run through the managers, in the same processes; each
-  rank's shard of the model and the anchor come out bit for bit equal.
+- ``same`` (:func:`same_runs`, 4 ranks of one job, mesh (2, 2)): for Streaming DiLoCo and
+  CO2 (:data:`SAME`), the plain sharded run (``register(..., mesh=)``) and the run through
+  the managers, in the same processes; each rank's shard of the model and the anchor come
+  out bit for bit equal.
 - ``survivor`` / ``killed`` / ``joiner`` (``python manager_sharded_workers.py ROLE OUTDIR
   LIGHTHOUSE STORE_PORT RANK``, ranks 0-1 the survivor group, 2-3 the other; each group a
   job of its own): in sync :data:`KILL_SYNC` the killed group's rank 0 exits as it starts
@@ -36,7 +37,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchft import Manager, ProcessGroupGloo
 
 import commpress
+from commpress.config import Config
 from commpress.errors import ConfigError
+from commpress.local_sgd.managed import managed_from_config
 
 #: the slow-link kind of Streaming DiLoCo: TernGrad entropy-coded, the eager merge, sqrt(M)
 CONFIG = {
@@ -44,6 +47,9 @@ CONFIG = {
     "params": {"entropy": True},
     "local_sgd": {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": 1, "outer_lr": "sqrt_replicas"},
 }
+#: CO2 (its one-round-stale average) with Top-k pseudo-gradients
+CO2 = {"method": "topk", "params": {"ratio": 0.3}, "local_sgd": {"algorithm": "co2", "period": 2}}
+SAME = {"streaming": CONFIG, "co2": CO2}
 #: the kill scenario's: a sync lands in the step it starts, so the killed group's shard 1
 #: exits between the two (its average done) without a collective of FSDP's in between
 KILLED = {**CONFIG, "local_sgd": {**CONFIG["local_sgd"], "sync_delay": 0}}
@@ -83,34 +89,39 @@ def shards(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def same_runs(rank: int, world: int, lighthouse: str) -> dict[str, Any]:
+    """Each config of :data:`SAME` plain (``mesh=``) and through this rank's manager."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     group, shard = divmod(rank, 2)
-    runs = {}
-    for managed in (False, True):
-        model = _model(mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        if managed:
-            store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False) if shard == 0 else None
-            port = torch.tensor([store.port if store else 0])
-            dist.broadcast(port, src=2 * group, group=mesh["shard"].get_group())  # the group's store, from its rank 0
-            store = store or dist.TCPStore("localhost", int(port), is_master=False, wait_for_workers=False)
-            ft = manager(shard, f"group_{group}", lighthouse, store)
-            reg = commpress.register(model, CONFIG, optimizer=opt, manager=ft)
-        else:
-            reg = commpress.register(model, CONFIG, optimizer=opt, mesh=mesh)
-        for index in range(STEPS):
-            step(model, opt, rank, index)
-        reg.finish()
-        runs[managed] = (shards(model), reg.local_sgd.anchor.clone())
-        if managed:
-            trainer = reg.local_sgd
-            result = {"commits": trainer.commits, "lr": trainer.outer_lr, "sharded": trainer.flat.shard_group is not None}
-            result["refused"] = refusals(mesh, ft)
-            ft.shutdown(wait=False)
-    (plain, plain_anchor), (through, anchor) = runs[False], runs[True]
-    result["model"] = all(torch.equal(a, b) for a, b in zip(plain, through))
-    result["anchor"] = torch.equal(plain_anchor, anchor)
-    result["changed"] = not torch.equal(shards(_model(mesh))[0], through[0])
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False) if shard == 0 else None
+    port = torch.tensor([store.port if store else 0])
+    dist.broadcast(port, src=2 * group, group=mesh["shard"].get_group())  # the group's store, from its rank 0
+    store = store or dist.TCPStore("localhost", int(port), is_master=False, wait_for_workers=False)
+    ft = manager(shard, f"group_{group}", lighthouse, store)
+    result: dict[str, Any] = {"refused": refusals(mesh, ft)}
+    for name, config in SAME.items():
+        runs = []
+        for managed in (False, True):
+            model = _model(mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            if managed:  # as register(..., manager=ft) builds it, under a key of its own per config
+                trainer = managed_from_config(model, opt, Config.load(config), ft, key=name)
+                trainer.register_optimizer_hooks()
+            else:
+                trainer = commpress.register(model, config, optimizer=opt, mesh=mesh).local_sgd
+            for index in range(STEPS):
+                step(model, opt, rank, index)
+            trainer.finish()
+            runs.append((shards(model), trainer.anchor.clone(), trainer))
+        (plain, plain_anchor, _), (through, anchor, trainer) = runs
+        result[name] = {
+            "commits": trainer.commits,
+            "lr": trainer.outer_lr,
+            "sharded": trainer.flat.shard_group is not None,
+            "model": all(torch.equal(a, b) for a, b in zip(plain, through)),
+            "anchor": torch.equal(plain_anchor, anchor),
+            "changed": not torch.equal(shards(_model(mesh))[0], through[0]),
+        }
+    ft.shutdown(wait=False)
     return result
 
 

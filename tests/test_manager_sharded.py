@@ -2,7 +2,8 @@
 gloo, 2 groups x 2 shards, the lighthouse in this process: tests/manager_sharded_workers.py).
 
 Every rank syncs its shard through a manager of its own (group rank = shard): without
-failures that is the plain sharded run (``register(..., mesh=)``) bit for bit; a replica
+failures that is the plain sharded run (``register(..., mesh=)``) bit for bit, for
+Streaming DiLoCo and for CO2; a replica
 group killed inside a sync's average leaves each survivor rank's anchor, outer state and
 compressor state as they were (the group's ranks vote, so none waits for a shard whose
 average failed), and the restarted group heals shard by shard from its peer's ranks and
@@ -39,10 +40,12 @@ def test_sharded_diloco_through_the_managers_is_the_plain_sharded_run_bit_for_bi
         ranks = run_local(manager_sharded_workers.same_runs, 4, lighthouse.address())
     finally:
         lighthouse.shutdown()
-    for r in ranks:
-        assert r["sharded"] and r["commits"] and all(r["commits"]), r
-        assert r["lr"] == 2**0.5, r  # sqrt of the replica groups that average, not of the ranks
-        assert (r["model"], r["anchor"], r["changed"]) == (True, True, True), r
+    for rank in ranks:
+        for name in ("streaming", "co2"):
+            r = rank[name]
+            assert r["sharded"] and r["commits"] and all(r["commits"]), (name, r)
+            assert (r["model"], r["anchor"], r["changed"]) == (True, True, True), (name, r)
+        assert rank["streaming"]["lr"] == 2**0.5  # sqrt of the replica groups that average, not of the ranks
     without, with_mesh = ranks[0]["refused"]
     assert "runs a config with [local_sgd]" in without and "got an FSDP2 model and a config without" in without
     assert "mesh=" in with_mesh and "sharded over its replica group's ranks and no mesh" in with_mesh
