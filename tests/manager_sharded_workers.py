@@ -5,7 +5,7 @@ Manager of its own (group rank = shard), the lighthouse in the test process.
 - ``same`` (:func:`same_runs`, 4 ranks of one job, mesh (2, 2)): for Streaming DiLoCo and
   CO2 (:data:`SAME`), the plain sharded run (``register(..., mesh=)``) and the run through
   the managers, in the same processes; each rank's shard of the model and the anchor come
-  out bit for bit equal.
+  out bit for bit equal. Then an inf in one rank's shard (:func:`non_finite`).
 - ``survivor`` / ``killed`` / ``joiner`` (``python manager_sharded_workers.py ROLE OUTDIR
   LIGHTHOUSE STORE_PORT RANK``, ranks 0-1 the survivor group, 2-3 the other; each group a
   job of its own): in sync :data:`KILL_SYNC` the killed group's rank 0 exits as it starts
@@ -121,8 +121,32 @@ def same_runs(rank: int, world: int, lighthouse: str) -> dict[str, Any]:
             "anchor": torch.equal(plain_anchor, anchor),
             "changed": not torch.equal(shards(_model(mesh))[0], through[0]),
         }
+    result["non_finite"] = non_finite(mesh, ft, rank)
     ft.shutdown(wait=False)
     return result
+
+
+def non_finite(mesh: Any, ft: Manager, rank: int) -> list[bool]:
+    """Rank 0 sends an inf in its shard's first sync: on every rank the sync is not
+    committed, the anchor is as it was and the local values went back to it (the inf is
+    in shard 0's average only: the group's vote stops shard 1 too)."""
+    model = _model(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    config = {"method": "none", "local_sgd": {"algorithm": "diloco", "period": 2}}
+    trainer = managed_from_config(model, opt, Config.load(config), ft, key="non_finite")
+    trainer.register_optimizer_hooks()
+    anchor = trainer.anchor.clone()
+    start = trainer.averager.start
+
+    def poisoned(bucket: Any, *args: Any) -> Any:
+        if rank == 0:
+            bucket.buffer[0] = float("inf")
+        return start(bucket, *args)
+
+    trainer.averager.start = poisoned
+    for index in (0, 1):  # the sync lands in step 1
+        step(model, opt, rank, index)
+    return [trainer.commits == [False], torch.equal(trainer.anchor, anchor), torch.equal(trainer.flat.read(), anchor)]
 
 
 def refusals(mesh: Any, ft: Manager) -> list[str]:

@@ -3,7 +3,8 @@ gloo, 2 groups x 2 shards, the lighthouse in this process: tests/manager_sharded
 
 Every rank syncs its shard through a manager of its own (group rank = shard): without
 failures that is the plain sharded run (``register(..., mesh=)``) bit for bit, for
-Streaming DiLoCo and for CO2; a replica
+Streaming DiLoCo and for CO2; an inf in one shard skips the sync on every rank and puts
+every shard back at its anchor; a replica
 group killed inside a sync's average leaves each survivor rank's anchor, outer state and
 compressor state as they were (the group's ranks vote, so none waits for a shard whose
 average failed), and the restarted group heals shard by shard from its peer's ranks and
@@ -46,6 +47,7 @@ def test_sharded_diloco_through_the_managers_is_the_plain_sharded_run_bit_for_bi
             assert r["sharded"] and r["commits"] and all(r["commits"]), (name, r)
             assert (r["model"], r["anchor"], r["changed"]) == (True, True, True), (name, r)
         assert rank["streaming"]["lr"] == 2**0.5  # sqrt of the replica groups that average, not of the ranks
+        assert rank["non_finite"] == [True, True, True]  # not committed, anchor kept, local values at it
     without, with_mesh = ranks[0]["refused"]
     assert "runs a config with [local_sgd]" in without and "got an FSDP2 model and a config without" in without
     assert "mesh=" in with_mesh and "sharded over its replica group's ranks and no mesh" in with_mesh
