@@ -13,7 +13,8 @@ Manager of its own (group rank = shard), the lighthouse in the test process.
   its average and rank 0 a failure (the group's vote stops both); each survivor rank checks
   that the sync left its anchor, outer state
   and compressor state as they were, syncs alone, and when the restarted group (another
-  model init) has healed, both groups sync :data:`TOGETHER` more times, finish and write
+  model init) has healed, both groups sync
+  ``manager_diloco_workers.TOGETHER`` more times, finish and write
   each rank's shard of the model and shared state.
 
 The processes meet through a TCPStore the test process holds (STORE_PORT).
@@ -31,7 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from manager_diloco_workers import kept, snapshot
+from manager_diloco_workers import kept, paced, snapshot
+from manager_workers import meet_up
 from sharded_workers import TASK, _model
 from torch.distributed.device_mesh import init_device_mesh
 from torchft import Manager, ProcessGroupGloo
@@ -55,7 +57,6 @@ SAME = {"streaming": CONFIG, "co2": CO2}
 KILLED = {**CONFIG, "local_sgd": {**CONFIG["local_sgd"], "sync_delay": 0}}
 STEPS = 10
 KILL_SYNC = 3
-TOGETHER = 3
 
 
 def manager(shard: int, group: str, lighthouse: str, store: dist.TCPStore) -> Manager:
@@ -182,7 +183,7 @@ def failing(role: str, out: Path, lighthouse: str, port: int, rank: int) -> None
     trainer = commpress.register(model, KILLED, optimizer=opt, manager=ft).local_sgd
     if role == "killed":
         _dies(trainer, ft, shard, meet)
-    _meet(role, meet)
+    meet_up(role, meet, processes=4)
     seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": []}
     deadline, index = time.monotonic() + 150, 0
     while time.monotonic() < deadline:
@@ -197,14 +198,8 @@ def failing(role: str, out: Path, lighthouse: str, port: int, rank: int) -> None
         if role == "survivor" and not trainer.commits[-1] and "kept" not in seen:
             seen["kept"] = kept(before, trainer)
             seen["error"] = str(ft.errored().original_exception)  # what the manager was told
-        if role == "survivor" and "kept" in seen and trainer.commits[-1]:
-            if trainer.backend.world_size == 1:
-                seen["alone"] += 1
-                meet.set(f"alone{shard}", "1")
-                time.sleep(0.3)  # leave the restarted group time to join
-            elif not meet.check([f"stop{shard}"]):
-                meet.set(f"stop{shard}", str(ft.current_step() + TOGETHER))
-        if meet.check([f"stop{shard}"]) and ft.current_step() >= int(meet.get(f"stop{shard}")):
+        # a group's ranks share its manager steps: either may set the stop, both read the same
+        if paced(seen, role == "survivor" and "kept" in seen, trainer, ft, meet):
             break
     trainer.finish()
     seen["step"], seen["commits"] = ft.current_step(), trainer.commits
@@ -252,17 +247,6 @@ def _group_store(role: str, group: int, shard: int, meet: dist.TCPStore) -> dist
         return store
     meet.wait([key])
     return dist.TCPStore("localhost", int(meet.get(key)), is_master=False, wait_for_workers=False)
-
-
-def _meet(role: str, meet: dist.TCPStore) -> None:
-    """The first two groups start together; the restarted one once the survivors synced alone."""
-    if role == "joiner":
-        while not (meet.check(["alone0"]) and meet.check(["alone1"])):
-            time.sleep(0.05)
-        return
-    meet.add("ready", 1)
-    while int(meet.add("ready", 0)) < 4:
-        time.sleep(0.05)
 
 
 if __name__ == "__main__":

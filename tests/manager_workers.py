@@ -234,15 +234,16 @@ def first_steps(out: Path, lighthouse: str, replica: int) -> None:
     (out / f"first{replica}.json").write_text(json.dumps(seen))
 
 
-def meet_up(role: str, meet: dist.TCPStore) -> None:
-    """The first two replicas start together; the restarted one (``joiner``) once the
-    survivor has trained alone (it sets ``alone`` in ``meet``)."""
+def meet_up(role: str, meet: dist.TCPStore, processes: int = 2) -> None:
+    """The first ``processes`` (two replicas, or the ranks of two replica groups) start
+    together; the restarted one (``joiner``) once the survivor has trained alone (it sets
+    ``alone`` in ``meet``)."""
     if role == "joiner":
         while not meet.check(["alone"]):
             time.sleep(0.05)
     else:
         meet.add("ready", 1)
-        while int(meet.add("ready", 0)) < 2:
+        while int(meet.add("ready", 0)) < processes:
             time.sleep(0.05)
 
 
