@@ -134,9 +134,9 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     role, _, method = scenario.partition("-")
     meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
     manager = make_manager(replica, lighthouse)
-    # TernGrad: wide enough that the survivor's codes shrink when deflated (a 1.6 kB payload
-    # of 2-bit codes, against about 0.1 kB at width 32, where deflate's tables cost more than
-    # it saves), so the healing replica's payload, made incompressible by _spied, is longer
+    # TernGrad: wide enough that the survivor's codes shrink when Huffman-coded (a 1.6 kB
+    # payload of 2-bit codes, against about 0.1 kB at width 32, where the coder's 140-byte
+    # table costs more than it saves), so the healing replica's payload, made incompressible by _spied, is longer
     net = model(7 if role == "joiner" else 0, hidden=256 if method == "terngrad" else 32)
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     manager.register_state_dict_fn("model", net.load_state_dict, net.state_dict)

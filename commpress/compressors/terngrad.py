@@ -9,7 +9,7 @@ quantizing, lets a parameter server sum codes as integers; decoding in float nee
 scale, and the extra round cost about 5% of a step on a fast link.)
 
 Wire bytes per rank and bucket: sum over tensors of ceil(n/4) + 4 bytes per tensor; with
-``entropy`` those bytes deflated (about 1.2 bits a value instead of 2 where a third of the
+``entropy`` those bytes Huffman-coded (about 1.2 bits a value instead of 2 where a third of the
 values are nonzero), padded to the largest rank's, plus one 8-byte all-reduce.
 """
 
@@ -64,11 +64,12 @@ class TernGradCompressor(Compressor):
             groups apply it (:class:`commpress.config.groups.MethodGroups`: the DDP hook, the
             bandwidth layer), so they need the model; a model with another head sends it
             with an override (``params = ["head.*"]``, ``method = "none"``).
-        entropy: entropy-code the codes for the wire (deflate's Huffman stage,
+        entropy: entropy-code the codes for the wire (Huffman codes per chunk,
             :mod:`commpress.compressors.wire.entropy`): lossless, so training is the same
             bits, in about 1.2 bits a value instead of 2 when two values in three round to
-            zero (TernGrad's usual share after clipping), for 15-25 ms of one core per
-            megabyte of codes and a second, 8-byte collective (the coded sizes' maximum).
+            zero (TernGrad's usual share after clipping), for about 3 ms of one core per
+            megabyte of codes coded and 4 per megabyte decoded, and a second, 8-byte
+            collective (the coded sizes' maximum).
             Worth it where the link, not the processor, sets the step time (DiLoCo's
             overlapped syncs on slow links: docs/local_sgd.md); off by default.
 

@@ -11,6 +11,7 @@ tensor arrives; numba is imported when the first CPU tensor (or seed) arrives.
 
 from .bitpack import pack_bits, packed_size, unpack_bits
 from .feedback import add_error, update_error
+from .huffman import huffman_decode, huffman_encode
 from .quantize import dequantize, quantize_pack, unpack_accumulate
 from .rng import derive_seed, uniform
 from .sign import sign_pack_many, sign_unpack_accumulate_many
@@ -23,6 +24,8 @@ __all__ = [
     "add_error",
     "dequantize",
     "derive_seed",
+    "huffman_decode",
+    "huffman_encode",
     "pack_bits",
     "packed_size",
     "quantize_pack",

@@ -2,9 +2,8 @@
 
 Packed codes whose symbols are far from equally likely carry fewer bits of information than
 their width: TernGrad's 2-bit codes are zero for about two values in three, and hold about
-1.2 bits a value. Deflate with Huffman coding alone (no string matching, which finds nothing
-in random codes) codes each byte of 4 codes by its frequency, within about 2% of that
-entropy, for 15-25 ms of one core per megabyte of codes, coded and decoded
+1.2 bits a value. Huffman codes per chunk of bytes (:mod:`commpress.kernels.huffman`) code
+each byte of 4 codes by its frequency, within about 2% of that entropy
 (docs/quantization.md, "Entropy-coded codes"). Coded sizes differ between ranks, so the
 gather takes two collectives: the largest coded size (an all-reduce of one number, max),
 then every rank's coded bytes padded to it, each led by its length. A payload that does not
@@ -16,13 +15,13 @@ no rank decodes.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Generator
 from typing import Any
 
 import torch
 
 from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective
+from commpress.kernels import huffman_decode, huffman_encode
 
 __all__ = ["HEADER_BYTES", "coded_gather"]
 
@@ -30,40 +29,32 @@ __all__ = ["HEADER_BYTES", "coded_gather"]
 HEADER_BYTES = 4
 #: The length a frame gives when its rank's bytes did not fit the maximum (see above).
 _NOT_SENT = -1
-# raw deflate (no zlib header or checksum: the transport is checked), Huffman codes only
-_WBITS = -15
 
 
 def coded_gather(payload: torch.Tensor) -> Generator[Collective, Any, list[torch.Tensor]]:
     """Every rank's ``payload`` (uint8, 1-D, the same size on every rank), like
-    ``yield AllGather(payload)``, with the bytes deflated on the wire."""
+    ``yield AllGather(payload)``, with the bytes entropy-coded on the wire."""
     mine = payload.detach().reshape(-1)
-    raw = mine.cpu().numpy().tobytes()
-    coded = _deflate(raw)
-    if len(coded) >= len(raw):
-        coded = raw  # a length equal to the payload's says: sent as it is
-    longest = yield AllReduce(torch.tensor([float(len(coded))], dtype=torch.float64), op="max")
+    coded = huffman_encode(mine)
+    if coded.numel() >= mine.numel():
+        coded = mine.cpu()  # a length equal to the payload's says: sent as it is
+    longest = yield AllReduce(torch.tensor([float(coded.numel())], dtype=torch.float64), op="max")
     send = torch.zeros(HEADER_BYTES + int(longest[0].item()), dtype=torch.uint8)
-    counted = len(coded) <= send.numel() - HEADER_BYTES
-    send[:HEADER_BYTES] = torch.tensor([len(coded) if counted else _NOT_SENT], dtype=torch.int32).view(torch.uint8)
-    if coded and counted:
-        send[HEADER_BYTES : HEADER_BYTES + len(coded)] = torch.frombuffer(bytearray(coded), dtype=torch.uint8)
+    counted = coded.numel() <= send.numel() - HEADER_BYTES
+    send[:HEADER_BYTES] = torch.tensor([coded.numel() if counted else _NOT_SENT], dtype=torch.int32).view(torch.uint8)
+    if counted:
+        send[HEADER_BYTES : HEADER_BYTES + coded.numel()] = coded
     gathered = yield AllGather(send.to(payload.device))
     out = []
     for frame in gathered:
         host = frame.cpu()
         # a frame equal to this rank's own decodes to its payload (decoding is a function
         # of the bytes): skipped, it saves a decode per gather
-        out.append(mine.clone() if torch.equal(host, send) else _inflated(host, len(raw)).to(payload.device))
+        out.append(mine.clone() if torch.equal(host, send) else _decoded(host, mine.numel()).to(payload.device))
     return out
 
 
-def _deflate(raw: bytes) -> bytes:
-    coder = zlib.compressobj(1, zlib.DEFLATED, _WBITS, 9, zlib.Z_HUFFMAN_ONLY)
-    return coder.compress(raw) + coder.flush()
-
-
-def _inflated(frame: torch.Tensor, size: int) -> torch.Tensor:
+def _decoded(frame: torch.Tensor, size: int) -> torch.Tensor:
     """One rank's gathered frame back to its ``size`` payload bytes."""
     length = int(frame[:HEADER_BYTES].clone().view(torch.int32)[0])  # frames may start anywhere in one buffer
     if length == _NOT_SENT:
@@ -73,7 +64,4 @@ def _inflated(frame: torch.Tensor, size: int) -> torch.Tensor:
     body = frame[HEADER_BYTES : HEADER_BYTES + length]
     if length == size:
         return body.clone()
-    raw = zlib.decompress(body.numpy().tobytes(), _WBITS, size)
-    if len(raw) != size:
-        raise RuntimeError(f"entropy-coded frame decodes to {len(raw)} bytes, expected {size}")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return huffman_decode(body, size)
