@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 import zlib
 
 import numpy as np
@@ -58,6 +61,36 @@ def test_the_longest_code_is_cut_to_the_table():
     assert frame.numel() < payload.numel() * 2.05 / 8 + 140
 
 
+def _optimal_cost(counts: np.ndarray, limit: int) -> int:
+    """Bits of the best prefix code of at most ``limit`` bits a symbol (package-merge)."""
+    leaves = sorted((int(c), (s,)) for s, c in enumerate(counts) if c)
+    items = list(leaves)
+    for _ in range(limit - 1):
+        packages = [(items[i][0] + items[i + 1][0], items[i][1] + items[i + 1][1]) for i in range(0, len(items) - 1, 2)]
+        items = sorted(leaves + packages, key=lambda item: item[0])
+    lengths = np.zeros(256, np.int64)
+    for _, symbols in items[: 2 * len(leaves) - 2]:
+        for s in symbols:
+            lengths[s] += 1
+    return int((lengths * counts).sum())
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.6, 0.75])
+def test_a_cut_code_stays_near_the_best_of_its_length(ratio):
+    """Geometric frequencies over 200 values: Huffman's own code is longer than 11 bits,
+    the cut one is complete (Kraft's sum exactly 1) and within 6% of the best 11-bit code."""
+    counts = np.zeros(256, np.int64)
+    counts[:200] = np.maximum(1, (ratio ** np.arange(200) * 100_000 * (1 - ratio)).astype(np.int64))  # one chunk
+    payload = torch.from_numpy(np.repeat(np.arange(256, dtype=np.uint8), counts))
+    frame = huffman_encode(payload)
+    nibbles = frame[8:136].numpy()
+    lengths = np.empty(256, np.int64)
+    lengths[0::2], lengths[1::2] = nibbles & 15, nibbles >> 4
+    assert lengths.max() == 11 and ((2048 >> lengths[lengths > 0]).sum()) == 2048
+    assert (lengths * counts).sum() <= 1.06 * _optimal_cost(counts, 11)
+    assert torch.equal(huffman_decode(frame, payload.numel()), payload)
+
+
 def test_ternary_codes_cost_little_above_their_entropy():
     payload = _ternary_codes(4 * 600_000, 5)
     counts = np.bincount(payload.numpy(), minlength=256)
@@ -103,6 +136,7 @@ def _byte_left_over(frame: torch.Tensor) -> torch.Tensor:
         pytest.param(lambda f, n: (f[:100], n), "header bytes", id="no whole header"),
         pytest.param(lambda f, n: (f, n + 1), "was to decode", id="another size"),
         pytest.param(lambda f, n: (_byte_left_over(f), n), "does not decode", id="a byte left in a body"),
+        pytest.param(lambda f, n: (_frame_with(f, -1, int(f[-1]) | 0x80), n), "does not decode", id="padding bits set"),
         pytest.param(lambda f, n: (_frame_with(f, 8, 0xCC), n), "not a prefix code", id="a code longer than the table"),
         pytest.param(lambda f, n: (_frame_with(_frame_with(f, 8, 0x11), 9, 0x11), n), "not a prefix", id="not a prefix code"),
         pytest.param(lambda f, n: (_frame_with(f, 136, 0xFF), n), "do not fill", id="a body size that does not fit"),
@@ -129,6 +163,32 @@ def test_damaged_bodies_never_read_past_the_frame():
         except RuntimeError:
             refused += 1
     assert refused > 0
+
+
+def test_damaged_frames_stay_inside_their_arrays_with_bounds_checked(tmp_path):
+    """The same damaged frames, the kernels compiled with numba's bounds checks (a fresh
+    cache): no index leaves its array (an IndexError would end the run)."""
+    script = """
+import numpy as np, torch
+from commpress.kernels import huffman_decode, huffman_encode
+rng = np.random.default_rng(0)
+payload = torch.from_numpy(rng.geometric(0.4, 300_000).clip(1, 255).astype(np.uint8))
+frame = huffman_encode(payload)
+assert torch.equal(huffman_decode(frame, payload.numel()), payload)
+refused = 0
+for at in rng.integers(0, frame.numel(), 300):
+    bad = frame.clone()
+    bad[int(at)] ^= 1 << int(rng.integers(8))
+    try:
+        assert huffman_decode(bad, payload.numel()).numel() == payload.numel()
+    except RuntimeError:
+        refused += 1
+print("refused", refused)
+"""
+    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) > 0
 
 
 def test_not_bytes_is_refused():

@@ -57,8 +57,9 @@ def _tree_lengths(freq, lengths):
 @jit
 def _chunk_lengths(chunk, lengths):
     """Code lengths (1 .. MAX_BITS, 0 for absent bytes) of the bytes of ``chunk`` (not
-    empty) into ``lengths`` (uint8[256]): Huffman's, the longest cut to MAX_BITS and the
-    Kraft sum restored by lengthening the rarest codes that are still short enough."""
+    empty) into ``lengths`` (uint8[256]): Huffman's, the longest cut to MAX_BITS, the Kraft
+    sum restored by lengthening the rarest codes that are still short enough, then the
+    commonest shortened while it stays at most 1 (a complete code where the cut bit)."""
     freq = np.zeros(256, np.int64)
     for b in chunk:
         freq[b] += 1
@@ -76,6 +77,11 @@ def _chunk_lengths(chunk, lengths):
             if 0 < full[s] < MAX_BITS and kraft > limit:
                 kraft -= limit >> (full[s] + 1)
                 full[s] += 1
+    for k in range(255, -1, -1):  # then the commonest codes shortened where the sum has room
+        s = rare[k]
+        while full[s] > 1 and kraft + (limit >> full[s]) <= limit:
+            kraft += limit >> full[s]
+            full[s] -= 1
     for s in range(256):
         lengths[s] = full[s]
 
@@ -184,7 +190,7 @@ def _decode_chunk(body, lengths, out):
         i += (entry >> 16) & 3
         acc >>= np.uint64(total)
         filled -= total
-    return pos == body.size and filled < 8  # every byte read, and only padding left
+    return pos == body.size and filled < 8 and acc == 0  # every byte read, and only zero padding left
 
 
 def valid_lengths(lengths: np.ndarray) -> bool:
@@ -215,8 +221,9 @@ def encode(raw: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, list[np
 def decode(lengths: np.ndarray, bodies: list[np.ndarray], chunk: int, out: np.ndarray) -> bool:
     """``out`` (uint8) decoded from the chunks' code ``lengths`` and ``bodies`` as
     :func:`encode` gave them; False if the bodies are not such a code of ``out.size``
-    bytes. The lengths must be valid (:func:`valid_lengths`): the tables are built unchecked."""
-    if len(bodies) != -(-out.size // chunk) or lengths.shape != (len(bodies), 256):
+    bytes, or the lengths are not valid (:func:`valid_lengths`: the tables are built from
+    them unchecked)."""
+    if len(bodies) != -(-out.size // chunk) or lengths.shape != (len(bodies), 256) or not valid_lengths(lengths):
         return False
 
     def one(k: int) -> bool:
