@@ -15,7 +15,7 @@ import numpy as np
 from . import _chunks
 from ._jit import jit
 
-__all__ = ["MAX_BITS", "decode", "encode", "valid_lengths"]
+__all__ = ["MAX_BITS", "decode", "encode"]
 
 #: The longest code: 2**11 table entries per chunk to decode, and room for 256 symbols.
 MAX_BITS = 11
@@ -193,7 +193,7 @@ def _decode_chunk(body, lengths, out):
     return pos == body.size and filled < 8 and acc == 0  # every byte read, and only zero padding left
 
 
-def valid_lengths(lengths: np.ndarray) -> bool:
+def _valid_lengths(lengths: np.ndarray) -> bool:
     """Rows of code lengths (uint8[chunks, 256]) of at most MAX_BITS bits, each with at
     least one code, whose codes form a prefix code (Kraft's sum at most 1)."""
     if lengths.size and lengths.max() > MAX_BITS:
@@ -218,16 +218,19 @@ def encode(raw: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, list[np
     return lengths, np.array([b.size for b in bodies], np.int64), bodies
 
 
-def decode(lengths: np.ndarray, bodies: list[np.ndarray], chunk: int, out: np.ndarray) -> bool:
+def decode(lengths: np.ndarray, bodies: list[np.ndarray], chunk: int, out: np.ndarray) -> str | None:
     """``out`` (uint8) decoded from the chunks' code ``lengths`` and ``bodies`` as
-    :func:`encode` gave them; False if the bodies are not such a code of ``out.size``
-    bytes, or the lengths are not valid (:func:`valid_lengths`: the tables are built from
-    them unchecked)."""
-    if len(bodies) != -(-out.size // chunk) or lengths.shape != (len(bodies), 256) or not valid_lengths(lengths):
-        return False
+    :func:`encode` gave them; None, or what is wrong where they are not such a code of
+    ``out.size`` bytes. The lengths are checked first: the tables are built from them
+    unchecked."""
+    if len(bodies) != -(-out.size // chunk) or lengths.shape != (len(bodies), 256):
+        return f"holds {len(bodies)} chunks where {out.size} bytes need {-(-out.size // chunk)}"
+    if not _valid_lengths(lengths):
+        return f"has code lengths that are not a prefix code of at most {MAX_BITS} bits"
 
     def one(k: int) -> bool:
         return bool(_decode_chunk(bodies[k], lengths[k], out[k * chunk : (k + 1) * chunk]))
 
-    return all(_chunks.map_blocks(one, [(k,) for k in range(len(bodies))]))
-
+    if not all(_chunks.map_blocks(one, [(k,) for k in range(len(bodies))])):
+        return f"does not decode to {out.size} bytes: not a frame of this coder"
+    return None
