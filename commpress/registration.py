@@ -31,6 +31,7 @@ module only applies the part the matrix picks for the model.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -145,6 +146,14 @@ class Registration:
         have nothing left to do."""
         if self.local_sgd is not None:
             self.local_sgd.finish()
+
+    def averaged(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which the model holds the job's model, the same on every rank, to
+        evaluate or save mid-run (on rank 0 alone if you like: no collective): under
+        ``[local_sgd]`` the model at its last sync (:meth:`LocalSGD.averaged`), this rank's
+        own parameters put back after the block; with every other part each rank already
+        holds it."""
+        return self.local_sgd.averaged() if self.local_sgd is not None else contextlib.nullcontext()
 
     def remove(self) -> None:
         """Take every hook :func:`register` added off the model and the optimizer: DDP

@@ -120,7 +120,7 @@ def failing(role: str, out: Path, lighthouse: str, port: int, replica: int) -> N
     trainer = commpress.register(net, CONFIGS["topk"], optimizer=opt, manager=manager).local_sgd
     begin(role, trainer, manager, meet)
     seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": []}
-    deadline, step = time.monotonic() + 150, 0
+    deadline, step = time.monotonic() + 600, 0
     while time.monotonic() < deadline:
         before = snapshot(trainer)
         syncs = len(trainer.commits)

@@ -152,7 +152,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     loaded.append(any(f.signatures for f in kernels))  # at registration, before the first quorum
     begin(role, trainer, manager, meet)
     seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": [], "lrs": [], "kernels": loaded, "outside": outside}
-    deadline, step = time.monotonic() + 150, 0
+    deadline, step = time.monotonic() + 600, 0
     while time.monotonic() < deadline:
         before = snapshot(trainer)
         twin = copy.deepcopy(net)  # the step without its sync
@@ -212,8 +212,8 @@ def paced(seen: dict[str, Any], recovered: bool, trainer: Any, manager: Any, mee
     if recovered and trainer.commits[-1]:
         if trainer.backend.world_size == 1:
             seen["alone"] += 1
-            meet.set("alone", "1")  # the restarted replica waits for it
-            time.sleep(0.3)  # leave the restarted replica time to join
+            meet.set("alone", "1")  # the test starts the restarted replica now
+            time.sleep(0.3)  # pace the syncs alone while the restarted replica starts
         elif not meet.check(["stop"]):
             meet.set("stop", str(manager.current_step() + TOGETHER))
     return meet.check(["stop"]) and manager.current_step() >= int(meet.get("stop"))

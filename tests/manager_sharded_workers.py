@@ -185,7 +185,7 @@ def failing(role: str, out: Path, lighthouse: str, port: int, rank: int) -> None
         _dies(trainer, ft, shard, meet)
     meet_up(role, meet, processes=4)
     seen: dict[str, Any] = {"healed": False, "alone": 0, "participants": []}
-    deadline, index = time.monotonic() + 150, 0
+    deadline, index = time.monotonic() + 600, 0
     while time.monotonic() < deadline:
         before = snapshot(trainer)
         syncs = len(trainer.commits)

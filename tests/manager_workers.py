@@ -16,8 +16,8 @@ Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA
   trains; replica 1 dies inside its
   backward pass at :data:`KILL_STEP` (after some buckets were reduced); replica 0 checks
   that step left its model and commpress state as they were, trains alone, and when the
-  restarted replica 1 (``joiner``, another model init, started once replica 0 has
-  trained alone) has healed, both train
+  restarted replica 1 (``joiner``, another model init, started by the test once replica 0 has
+  trained alone, joining at once) has healed, both train
   :data:`TOGETHER` more steps and write their model and shared commpress state.
 - ``adam``: 1-bit Adam (a warm-up step, then momenta in signs) through the manager and
   through a plain gloo group, as ``same``; then through a manager of its own with the
@@ -236,15 +236,14 @@ def first_steps(out: Path, lighthouse: str, replica: int) -> None:
 
 def meet_up(role: str, meet: dist.TCPStore, processes: int = 2) -> None:
     """The first ``processes`` (two replicas, or the ranks of two replica groups) start
-    together; the restarted one (``joiner``) once the survivor has trained alone (it sets
-    ``alone`` in ``meet``)."""
+    together; the restarted one (``joiner``) joins at once: the test starts it once the
+    survivor has trained alone (``alone`` in ``meet``: tests/test_manager.py's ``_when_alone``)."""
     if role == "joiner":
-        while not meet.check(["alone"]):
-            time.sleep(0.05)
-    else:
-        meet.add("ready", 1)
-        while int(meet.add("ready", 0)) < processes:
-            time.sleep(0.05)
+        assert meet.check(["alone"]), "the restarted replica was started before its peer trained alone"
+        return
+    meet.add("ready", 1)
+    while int(meet.add("ready", 0)) < processes:
+        time.sleep(0.05)
 
 
 def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
@@ -268,7 +267,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         first = net.module[0].weight  # its gradient comes last in the backward pass: later buckets were reduced
         first.register_hook(lambda g: os._exit(0) if manager.current_step() == KILL_STEP else g)
     seen: dict[str, Any] = {"healed": False, "alone": 0}
-    deadline = time.monotonic() + 150
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         step = manager.current_step()
         if meet.check(["stop"]) and step >= int(meet.get("stop")):
@@ -289,8 +288,8 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         if scenario == "survivor" and "failed_step_committed" in seen and committed:
             if manager.num_participants() == 1:
                 seen["alone"] += 1
-                meet.set("alone", "1")  # the restarted replica waits for it
-                time.sleep(0.2)  # leave the restarted replica time to join
+                meet.set("alone", "1")  # the test starts the restarted replica now
+                time.sleep(0.2)  # pace the steps alone while the restarted replica starts
             elif not meet.check(["stop"]):
                 meet.set("stop", str(manager.current_step() - 1 + TOGETHER))
     seen["step"] = manager.current_step()

@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,10 +53,30 @@ def _start(
     return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float = 150) -> None:
+def _log(p: subprocess.Popen) -> str:
+    return Path(p.args[3], f"{p.args[2]}{p.args[6]}.log").read_text()[-3000:]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 600) -> None:
     for p in procs:
         p.wait(timeout=timeout)
-        assert p.returncode == 0, Path(p.args[3], f"{p.args[2]}{p.args[6]}.log").read_text()[-3000:]
+        assert p.returncode == 0, _log(p)
+
+
+def _when_alone(meet: TCPStore, survivors: list[subprocess.Popen], timeout: float = 600) -> None:
+    """Wait until the survivors have committed a step alone (they set ``alone`` in ``meet``).
+
+    The restarted replica starts only then and joins at once, as an operator's restart does:
+    a replica whose Manager heartbeats but has not joined holds up its peers' quorum (the
+    lighthouse forms none from half or less of the heartbeating replicas), so a restart that
+    waited for its peers after building its Manager would deadlock them.
+    """
+    deadline = time.monotonic() + timeout
+    while not meet.check(["alone"]):
+        for p in survivors:
+            assert p.poll() is None, _log(p)
+        assert time.monotonic() < deadline, "the survivors never committed a step alone"
+        time.sleep(0.05)
 
 
 def _both(scenario: str, out: Path, worker: str = WORKER.name) -> None:
@@ -131,6 +152,7 @@ def test_a_killed_replica_skips_the_step_and_its_restart_heals_bit_for_bit(tmp_p
         killed = _start(f"killed-{what}", tmp_path, addr, meet.port, 1)
         _finish([killed])
         assert not (tmp_path / f"killed-{what}.json").exists()
+        _when_alone(meet, [survivor])
         _finish([survivor, _start(f"joiner-{what}", tmp_path, addr, meet.port, 1)])
     finally:
         lighthouse.shutdown()

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 
-from test_manager import _both, _finish, _same, _start
+from test_manager import _both, _finish, _same, _start, _when_alone
 from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 
@@ -65,6 +65,7 @@ def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bi
         procs = [_start("survivor", tmp_path, addr, meet.port, 0, WORKERS)]
         _finish([_start("killed", tmp_path, addr, meet.port, 1, WORKERS)])
         assert not (tmp_path / "killed.json").exists()
+        _when_alone(meet, procs)
         _finish([*procs, _start("joiner", tmp_path, addr, meet.port, 1, WORKERS)])
     finally:
         lighthouse.shutdown()

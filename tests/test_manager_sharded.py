@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 
-from test_manager import _finish, _same, _start
+from test_manager import _finish, _same, _start, _when_alone
 from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 
@@ -61,6 +61,7 @@ def test_a_replica_group_killed_in_a_sync_is_survived_and_its_restart_heals_ever
         survivors = [_start("survivor", tmp_path, addr, meet.port, rank, WORKERS) for rank in (0, 1)]
         _finish([_start("killed", tmp_path, addr, meet.port, rank, WORKERS) for rank in (2, 3)])
         assert not list(tmp_path.glob("killed*.json"))
+        _when_alone(meet, survivors)
         _finish([*survivors, *(_start("joiner", tmp_path, addr, meet.port, rank, WORKERS) for rank in (2, 3))])
     finally:
         lighthouse.shutdown()

@@ -6,7 +6,8 @@ Why not ``manager.allreduce``: it averages (a compressor divides by the step's p
 itself, from ``ctx.world_size``) and its future chain is lazy (it completes only once
 waited on). Like it, this backend waits for the quorum, makes a healing replica's
 all-reduce input count as nothing (zeros; for a maximum, the lowest value) and reports
-failures through ``manager.wrap_future``. An all-gather carries one more byte saying
+failures to the manager (``report_error``, as ``manager.wrap_future`` does, without its
+traceback: a lost peer is logged in one line). An all-gather carries one more byte saying
 whether its sender participates, and a healing replica's entry is dropped: every average
 counts the step's participants only (``num_participants()``).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +41,10 @@ __all__ = ["ManagerBackend", "replay", "report"]
 log = logging.getLogger("commpress.manager")
 
 _OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}
-_FAILED = object()  # what manager.wrap_future hands back for a failed collective
+_FAILED = object()  # what a failed collective's future hands back once reported
+#: the prefix torch's futures give an exception raised in a callback (the type then survives only as text)
+_IN_CALLBACK = "Got the following error when running the callback: "
+_SURVIVED = re.compile(rf"^({re.escape(_IN_CALLBACK)})*(CollectiveError|FloatingPointError):")
 
 
 class ManagerBackend(Backend):
@@ -130,20 +135,48 @@ class ManagerBackend(Backend):
                 raise CollectiveError(f"reported to the torchft Manager: {self.manager.errored()}")
             return result()
 
-        wrapped = self.manager.wrap_future(fut, _FAILED).then(done)
+        wrapped = _reported(self.manager, fut).then(done)
         # torchft's callbacks on ``fut`` complete ``wrapped`` on gloo's thread and go on after
         # it; a counted callback after them keeps the process from exiting under them
         when_done(fut, _ran)
         return wrapped
 
 
+def _reported(manager: Any, fut: torch.futures.Future) -> torch.futures.Future:
+    """``manager.wrap_future(fut, _FAILED)`` without its traceback log: within the manager's
+    timeout ``fut``'s value, else the error reported to the manager and :data:`_FAILED`."""
+    from torchft.futures import future_timeout
+
+    def swallowed(f: torch.futures.Future) -> Any:
+        try:
+            return f.value()
+        except Exception as exc:
+            manager.report_error(exc)
+            return _FAILED
+
+    return future_timeout(fut, manager._timeout).then(swallowed)  # the timeout wrap_future takes
+
+
 def report(manager: Any, exc: Exception) -> None:
     """Fail the manager's step with ``exc``. A lost or failed collective (or a non-finite
-    average) is what the step's failure survives; anything else is also logged with its
-    traceback, since retrying the step will not make it go away."""
-    if not isinstance(exc, (CollectiveError, FloatingPointError)):
+    average) is what the step's failure survives: one line at WARNING. Anything else is
+    logged at ERROR with its traceback, since retrying the step will not make it go away."""
+    if _survived(exc):
+        log.warning("step %s will not be committed: %s", manager.current_step(), _first_line(exc))
+    else:
         log.error("the step failed and will not be committed: %s", exc, exc_info=exc)
     manager.report_error(exc)
+
+
+def _survived(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed collective or a non-finite average, also where a future's
+    callback raised it (torch's futures keep only its text then)."""
+    return isinstance(exc, (CollectiveError, FloatingPointError)) or bool(_SURVIVED.match(str(exc)))
+
+
+def _first_line(exc: BaseException) -> str:
+    """``exc``'s message without the callbacks' prefixes and the traceback torch appends."""
+    return str(exc).replace(_IN_CALLBACK, "").split("\n", 1)[0]
 
 
 def _identity(op: str, dtype: torch.dtype) -> float:

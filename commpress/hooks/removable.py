@@ -3,7 +3,9 @@
 DDP keeps the comm hook it is given for good (it has no call that removes one), so
 commpress registers its hooks through a :class:`CommHookSwitch`: once switched off, a
 bucket goes to ``allreduce_hook``, the all-reduce PyTorch writes for DDP's own default, on
-the model's process group, and nothing goes through commpress.
+the model's process group, and nothing goes through commpress. The function DDP is given
+carries the hook's own name: DDP's logging data (``_get_ddp_logging_data()["comm_hook"]``)
+name a comm hook by its ``__qualname__``.
 """
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations.
@@ -43,5 +45,15 @@ def switched_hook(switch: CommHookSwitch, bucket: dist.GradBucket) -> torch.futu
 def register_removable_hook(model: DistributedDataParallel, state: Any, hook: Callable[..., Any]) -> CommHookSwitch:
     """``model.register_comm_hook(state, hook)``, through a switch that :meth:`CommHookSwitch.remove` turns off."""
     switch = CommHookSwitch(state, hook, model.process_group)
-    model.register_comm_hook(switch, switched_hook)
+    model.register_comm_hook(switch, _named_after(hook))
     return switch
+
+
+def _named_after(hook: Callable[..., Any]) -> Callable[[CommHookSwitch, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """:func:`switched_hook` under ``hook``'s names, for DDP's logging."""
+
+    def named(switch: CommHookSwitch, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return switched_hook(switch, bucket)
+
+    named.__name__, named.__qualname__, named.__module__ = hook.__name__, hook.__qualname__, hook.__module__
+    return named

@@ -10,9 +10,10 @@ optimizer steps it."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -327,6 +328,18 @@ class LocalSGD(BoundToProcess):
         so every rank ends with the same model."""
         self.start_due(final=True)
         self.apply_due(final=True)
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        """The model at its last sync (the anchor: the same on every rank) in place of this
+        rank's own parameters for the block, which are put back after it: evaluate or save
+        the job's model mid-run, on any rank, without a sync or a collective."""
+        own = self.flat.read()
+        self.flat.write(self.anchor)
+        try:
+            yield
+        finally:
+            self.flat.write(own)
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """Step and round counters, H, the anchor, the outer optimizer's state (DiLoCo:
