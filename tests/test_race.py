@@ -234,3 +234,30 @@ def test_a_diverging_row_is_reported_and_the_race_goes_on(one_rank):
     assert blown["diverged"]["step"] <= 4 and "not finite" in blown["diverged"]["error"]
     assert ddp["diverged"] is None and topk["diverged"] is None and topk["steps"] == 4
     assert f"diverged at step {blown['diverged']['step']}" in format_report(summary)
+
+
+def test_every_row_runs_to_the_end_of_ddps_run_and_is_compared_there(one_rank):
+    """A row that reaches the target early still runs to target_steps: its loss there (the
+    end of the decayed run) and its gap to ddp's stand beside its time to the target."""
+    summary = _race(target_steps=6, max_steps=12, smooth=1, lr_warmup=1)
+    ddp, topk = summary["rows"]
+    assert summary["schedule"] == "lr 0.001: 1 warm-up steps, cosine to 0.0001 at step 6"
+    assert ddp["loss_at_target_steps"] == summary["target"] == ddp["curve"][6]["loss"] and ddp["loss_vs_ddp"] == 0
+    assert topk["steps"] >= 6 and topk["loss_at_target_steps"] == topk["curve"][6]["loss"]
+    assert topk["loss_vs_ddp"] == pytest.approx(topk["loss_at_target_steps"] / ddp["loss_at_target_steps"] - 1)
+    table = format_report(summary)
+    assert "loss at 6" in table and f"{100 * topk['loss_vs_ddp']:+.2f}%" in table
+
+
+def test_the_schedule_warms_up_then_decays_to_a_tenth():
+    from commpress.bench.schedule import Schedule
+
+    cosine = Schedule("cosine", 1.0, steps=10, warmup=4)
+    assert [cosine(s) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]
+    assert cosine(4) == 1.0 and cosine(7) == pytest.approx(0.55) and cosine(10) == cosine(50) == pytest.approx(0.1)
+    assert all(cosine(s) > cosine(s + 1) for s in range(4, 10))
+    assert {Schedule("constant", 0.5, steps=10)(s) for s in range(20)} == {0.5}
+    with pytest.raises(ConfigError, match="schedule = 'linear' is not accepted; accepted: cosine, constant"):
+        Schedule("linear", 1.0, steps=10)
+    with pytest.raises(ConfigError, match="lr warm-up = 10 steps is not accepted"):
+        RacePlan(methods=tuple(parse_methods("ddp")), target_steps=10, lr_warmup=10)

@@ -38,6 +38,7 @@ from commpress.bench.attach import attach, bucket_cap, count_plain
 from commpress.bench.methods import BenchMethod
 from commpress.bench.quality import make_optimizer
 from commpress.bench.race_report import crossing, reference_target
+from commpress.bench.schedule import Schedule
 from commpress.bench.sharding import replica_mesh, shard_model
 from commpress.comm import Traffic
 from commpress.errors import ConfigError
@@ -49,7 +50,7 @@ from commpress.workloads.synthetic import CharTransformerTask
 __all__ = ["LEARNING_RATES", "TASKS", "RacePlan", "RaceTask", "race_rank"]
 
 TASKS = ("transformer", "charlm")
-#: Default learning rate by (task, optimizer), constant over the run.
+#: Default (peak) learning rate by (task, optimizer).
 LEARNING_RATES = {
     ("transformer", "adamw"): 1e-3,
     ("transformer", "sgd"): 0.05,
@@ -114,6 +115,20 @@ class RacePlan:
     shards: int = 1
     #: evaluations averaged (centred) for the target and every crossing; odd; 1: single points
     smooth: int = 5
+    #: ``cosine``: warm-up, then cosine decay to lr / 10 at ``target_steps``; ``constant``: lr throughout
+    schedule: str = "cosine"
+    #: the schedule's warm-up steps (None: 5% of ``target_steps``)
+    lr_warmup: int | None = None
+
+    @property
+    def warmup_steps(self) -> int:
+        """The schedule's warm-up steps."""
+        return self.target_steps // 20 if self.lr_warmup is None else self.lr_warmup
+
+    @property
+    def lr_at(self) -> Schedule:
+        """The learning rate of every step, the same for every row."""
+        return Schedule(self.schedule, self.lr, self.target_steps, self.warmup_steps)
 
     def __post_init__(self) -> None:
         if self.target is None and (not self.methods or self.methods[0].kind != "ddp"):
@@ -127,6 +142,7 @@ class RacePlan:
             )
         if self.compute_steps < 1:
             raise ConfigError(f"compute_steps = {self.compute_steps} is not accepted; expected at least 1")
+        Schedule(self.schedule, self.lr, self.target_steps, self.warmup_steps)  # refuses bad settings
         others = [m.label for m in self.methods if m.kind not in ("ddp", "commpress")]
         if self.shards > 1 and others:
             raise ConfigError(
@@ -151,7 +167,7 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
     rows = []
     for i, method in enumerate(plan.methods, start=1):
         reference = target is None and method.kind == "ddp"
-        stop_at = plan.target_steps + plan.smooth // 2 * plan.eval_every if reference else plan.max_steps
+        stop_at = _at_target_steps(plan) if reference else plan.max_steps
         label = f"[{i}/{len(plan.methods)}] {method.label}"
         bar = Progress(stop_at, f"{label:<40.40}").update if plan.progress and rank == 0 else None
         if plan.warmup:
@@ -172,6 +188,8 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
         "task": {**asdict(plan.task), "numel": numel, "grad_bytes": grad_bytes},
         "optimizer": plan.optimizer,
         "lr": plan.lr,
+        "schedule": plan.lr_at.describe(),
+        "target_steps": plan.target_steps,
         "eval_every": plan.eval_every,
         "smooth": plan.smooth,
         "warmup": plan.warmup,
@@ -180,6 +198,12 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
         "compute_only": compute_only,
         "rows": rows,
     }
+
+
+def _at_target_steps(plan: RacePlan) -> int:
+    """The steps a row runs at least: its (smoothed) loss at ``target_steps`` is then known,
+    every row's at the same step (under a schedule, the end of the run users train)."""
+    return plan.target_steps + plan.smooth // 2 * plan.eval_every
 
 
 def _compute_only(data: Any, plan: RacePlan, rank: int, world: int) -> dict[str, Any]:
@@ -214,7 +238,7 @@ def _warm_up(spare: _Racer, rank: int, world: int) -> None:
     with it: the timed run reports its own)."""
     with contextlib.suppress(FloatingPointError):
         for step in range(spare.stop_at):
-            spare.train(spare.data.batch(step, rank, world))
+            spare.train(spare.data.batch(step, rank, world), step)
         spare.finish()
 
 
@@ -264,7 +288,7 @@ class _Racer:
             batch = self.data.batch(steps, rank, world)
             t0 = time.perf_counter()
             try:
-                self.train(batch)
+                self.train(batch, steps)
             except FloatingPointError as exc:  # every rank raises it: the average they all hold is not finite
                 diverged = {"step": steps + 1, "error": str(exc)}
                 break
@@ -278,9 +302,11 @@ class _Racer:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             curve.append((steps, agreed.item(), self._evaluate(held_out)))
             dist.barrier()  # every rank starts the next step's clock together
-            # the reference run (no target yet) always runs its target_steps
+            # the reference run (no target yet) always runs its target_steps; every row runs
+            # at least that far (its loss at target_steps), then on to the target
             capped = self.plan.max_seconds is not None and curve[-1][1] >= self.plan.max_seconds
-            if target is not None and (crossing(curve, target, self.plan.smooth) is not None or capped):
+            crossed = target is not None and crossing(curve, target, self.plan.smooth) is not None
+            if target is not None and (capped or (crossed and steps >= _at_target_steps(self.plan))):
                 break
         if bar is not None and steps < self.stop_at:
             bar(self.stop_at, f"{'diverged' if diverged else 'stopped'} after {steps} steps")  # closes the progress line
@@ -298,9 +324,11 @@ class _Racer:
             "diverged": diverged,
         }
 
-    def train(self, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """One training step on ``batch``."""
+    def train(self, batch: tuple[torch.Tensor, torch.Tensor], step: int) -> None:
+        """Training step ``step`` (0-based) on ``batch``, at the schedule's learning rate."""
         x, y = batch
+        for group in self.opt.param_groups:
+            group["lr"] = self.plan.lr_at(step)
         with self.counting():
             loss = self.plan.task.loss(self.ddp(x), y)
             self.opt.zero_grad(set_to_none=False)

@@ -10,6 +10,11 @@ excluded), so it is known to ``eval_every`` steps.
 A method that never gets there stays in the table, marked "not reached" with its best
 loss and the steps it ran (or "diverged": a non-finite average stopped it), with ``None`` for its time and steps in the JSON.
 
+Beside it, every row's held-out loss at ``target_steps`` (the end of ddp's run: under the
+default schedule, where the learning rate has decayed), smoothed as the target is, and its
+gap to ddp's there: the quality a method costs at equal steps, which a time to a target
+reached early in the decay can hide.
+
 Time to target = steps to target x step time, so each row's speed-up over ``ddp`` has two
 factors, both reported: its steps to target / ddp's, and its step time / ddp's. The
 ceiling, ddp's step time / the computation alone's (measured in the same run), is the
@@ -61,13 +66,16 @@ def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     """The race as plain data: its settings, the computation alone's step time, the
     ceiling, and one row per method, in run order."""
     target = raw["target"]
-    rows = [_row(r, target, raw.get("smooth", 1)) for r in raw["rows"]]
+    rows = [_row(r, target, raw.get("smooth", 1), raw.get("target_steps")) for r in raw["rows"]]
     for key, kind in (("speedup_over_ddp", "ddp"), ("speedup_over_torch_powersgd", "torch-powersgd")):
         reference = next((r for r in rows if r["kind"] == kind), None)
         for r in rows:  # a time of 0 s (the target met at the start) gives no speed-up
             r[key] = _ratio(None if reference is None else reference["time_to_target_s"], r["time_to_target_s"])
     ddp = next((r for r in rows if r["kind"] == "ddp"), {"steps_to_target": None, "seconds_per_step": None})
+    ddp_loss = ddp.get("loss_at_target_steps")
     for r in rows:
+        at = r["loss_at_target_steps"]
+        r["loss_vs_ddp"] = at / ddp_loss - 1 if at is not None and ddp_loss else None
         r["steps_vs_ddp"] = _ratio(r["steps_to_target"], ddp["steps_to_target"])
         r["step_time_vs_ddp"] = _ratio(r["seconds_per_step"], ddp["seconds_per_step"])
     compute = raw["compute_only"]["seconds"] / raw["compute_only"]["steps"]
@@ -84,7 +92,17 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
-def _row(raw: dict[str, Any], target: float, smooth: int) -> dict[str, Any]:
+def _loss_at(curve: list[Point], steps: int | None, smooth: int) -> float | None:
+    """:func:`reference_target` of any row; None where its curve has no centred point at ``steps``."""
+    if steps is None or not any(p[0] == steps for p in curve):
+        return None
+    try:
+        return reference_target(curve, steps, smooth)
+    except ValueError:  # stopped too soon after it (a time cap, a divergence)
+        return None
+
+
+def _row(raw: dict[str, Any], target: float, smooth: int, target_steps: int | None) -> dict[str, Any]:
     curve = [{"step": s, "seconds": t, "loss": loss} for s, t, loss in raw["curve"]]
     i = crossing(raw["curve"], target, smooth)
     hit = None if i is None else curve[i]
@@ -97,6 +115,7 @@ def _row(raw: dict[str, Any], target: float, smooth: int) -> dict[str, Any]:
         "time_to_target_s": hit["seconds"] if hit else None,
         "steps_to_target": hit["step"] if hit else None,
         "final_loss": last["loss"],
+        "loss_at_target_steps": _loss_at(raw["curve"], target_steps, smooth),
         "best_loss": min(p["loss"] for p in curve),
         "steps": last["step"],
         "seconds": last["seconds"],
@@ -119,6 +138,15 @@ def _times(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
 
+def _schedule(summary: dict[str, Any]) -> str:
+    """The learning rate's schedule (a race saved before schedules: its constant lr)."""
+    return summary.get("schedule") or f"constant lr {summary['lr']:g}"
+
+
+def _loss(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else "-"
+
+
 def _ms(seconds: float | None) -> str:
     return f"{1000 * seconds:.0f}" if seconds else "-"
 
@@ -136,7 +164,7 @@ def format_report(summary: dict[str, Any]) -> str:
     ceiling = summary["ceiling"]
     head = (
         f"task {task['name']} ({task['numel']:,} parameters, {task['grad_bytes'] / 2**20:.1f} MiB of gradient), "
-        f"{_ranks(summary)}, link {summary['link']}, {summary['optimizer']} lr {summary['lr']:g}; "
+        f"{_ranks(summary)}, link {summary['link']}, {summary['optimizer']} {_schedule(summary)}; "
         f"target held-out loss {summary['target']:.4f} ({summary['target_source']}), evaluated every "
         f"{summary['eval_every']} steps{_smoothing(summary.get('smooth', 1))}; time counts training steps only"
     )
@@ -160,12 +188,13 @@ def format_report(summary: dict[str, Any]) -> str:
             _ms(r["seconds_per_step"]),
             _times(r["step_time_vs_ddp"]),
             f"{r['bytes_per_step']:,.0f}",
-            f"{r['final_loss']:.4f}",
+            _loss(r["loss_at_target_steps"]),
+            "-" if r["loss_vs_ddp"] is None else f"{100 * r['loss_vs_ddp']:+.2f}%",
         ]
         for r in summary["rows"]
     ]
     alone = _times(1 / ceiling) if ceiling is not None else "-"
-    table.append(["computation alone (no communication)", "-", "-", "-", "-", "-", _ms(compute), alone, "0", "-"])
+    table.append(["computation alone (no communication)", "-", "-", "-", "-", "-", _ms(compute), alone, "0", "-", "-"])
     headers = [
         "method",
         "time to target s",
@@ -176,7 +205,8 @@ def format_report(summary: dict[str, Any]) -> str:
         "ms/step",
         "step time / ddp's",
         "bytes/step/rank",
-        "final loss",
+        f"loss at {summary.get('target_steps', '-')}",
+        "vs ddp's",
     ]
     text = head + "\n" + format_table(headers, table)
     text += (

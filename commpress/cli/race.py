@@ -5,7 +5,10 @@ transformer by default, or the demo's character MLP), every method on the same s
 data: plain DDP (``ddp``), PyTorch's ``torch-fp16`` and ``torch-powersgd`` hooks (the
 latter in one DDP bucket: on gloo it fails with several), and any commpress method spec or
 config file (hooks, Local SGD/CO2). The target is the held-out loss ``ddp`` reaches at the
-end of a real run, ``--target-steps`` steps (default 400), or ``--target``. Each row shows
+end of a real run, ``--target-steps`` steps (default 400), or ``--target``; the learning rate
+warms up and decays along a cosine to a tenth at ``--target-steps`` (``--schedule constant``:
+the peak rate throughout), and every row runs at least that far, so its loss there, at equal
+steps, stands beside its time to the target. Each row shows
 its steps to target and step time as factors of ddp's, beside the ceiling: ddp's step time
 over the computation alone's, timed in the same run. Launch with ``--local N``, ``torchrun``,
 ``mpirun``, or under ``commpress linkemu`` for real throttled links. Rank 0 prints the
@@ -38,7 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=integer(1), default=64, help="characters per window (default 64)")
     parser.add_argument("--batch", type=integer(1), default=16, help="windows per rank and step (default 16)")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="AdamW or SGD with momentum")
-    parser.add_argument("--lr", type=number(0), help="constant learning rate (default: by task and optimizer)")
+    parser.add_argument("--lr", type=number(0), help="peak learning rate (default: by task and optimizer)")
+    parser.add_argument(
+        "--schedule",
+        default="cosine",
+        choices=("cosine", "constant"),
+        help="cosine (default): linear warm-up, then cosine decay to lr / 10 at --target-steps, as users train; "
+        "constant: lr throughout",
+    )
+    parser.add_argument(
+        "--lr-warmup",
+        type=integer(0),
+        metavar="N",
+        help="the cosine schedule's warm-up steps (default 5%% of --target-steps)",
+    )
     parser.add_argument("--target", type=number(0), metavar="LOSS", help="the held-out loss to reach")
     parser.add_argument(
         "--target-steps",
@@ -130,6 +146,8 @@ def plan_from_args(args: argparse.Namespace) -> Any:
         progress=not args.quiet,
         shards=args.shards,
         smooth=args.smooth,
+        schedule=args.schedule,
+        lr_warmup=args.lr_warmup,
     )
 
 
