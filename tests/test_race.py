@@ -250,7 +250,7 @@ def test_every_row_runs_to_the_end_of_ddps_run_and_is_compared_there(one_rank):
 
 
 def test_the_schedule_warms_up_then_decays_to_a_tenth():
-    from commpress.bench.schedule import Schedule
+    from commpress.workloads.schedule import Schedule
 
     cosine = Schedule("cosine", 1.0, steps=10, warmup=4)
     assert [cosine(s) for s in range(4)] == [0.2, 0.4, 0.6, 0.8]

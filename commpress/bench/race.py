@@ -38,13 +38,13 @@ from commpress.bench.attach import attach, bucket_cap, count_plain
 from commpress.bench.methods import BenchMethod
 from commpress.bench.quality import make_optimizer
 from commpress.bench.race_report import crossing, reference_target
-from commpress.bench.schedule import Schedule
 from commpress.bench.sharding import replica_mesh, shard_model
 from commpress.comm import Traffic
 from commpress.errors import ConfigError
 from commpress.registration import register
 from commpress.terminal import Progress
 from commpress.workloads.charlm import CharTask
+from commpress.workloads.schedule import Schedule
 from commpress.workloads.synthetic import CharTransformerTask
 
 __all__ = ["LEARNING_RATES", "TASKS", "RacePlan", "RaceTask", "race_rank"]

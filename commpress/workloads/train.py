@@ -5,7 +5,6 @@ Shared by ``commpress demo`` and the multi-rank tests so both train exactly the 
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -20,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from commpress.config import Config
 from commpress.hooks import register_ddp_hook
 from commpress.workloads.charlm import CharTask
+from commpress.workloads.schedule import Schedule
 
 __all__ = ["TrainResult", "cosine_lr", "train_ddp", "train_local_sgd"]
 
@@ -38,8 +38,8 @@ class TrainResult:
 
 
 def cosine_lr(base_lr: float, steps: int) -> Callable[[int], float]:
-    """The learning rate at each step: cosine decay from ``base_lr`` to 0 over ``steps``."""
-    return lambda step: base_lr * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+    """The learning rate at each step: cosine decay from ``base_lr`` to 0 over ``steps``, no warm-up."""
+    return Schedule("cosine", base_lr, steps, warmup=0, floor=0.0)
 
 
 def _setup(

@@ -44,8 +44,8 @@ class Schedule:
         low = self.lr * self.floor
         if step >= self.steps:
             return low
-        progress = (step - self.warmup) / (self.steps - self.warmup)
-        return low + 0.5 * (1 + math.cos(math.pi * progress)) * (self.lr - low)
+        angle = math.pi * (step - self.warmup) / (self.steps - self.warmup)
+        return low + (self.lr - low) * 0.5 * (1 + math.cos(angle))
 
     def describe(self) -> str:
         """One line for a report's header."""
