@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -77,11 +79,11 @@ def test_process_exits_cleanly_while_gloo_runs_a_callback():
         joining = [threading.Thread(target=connect, args=(r,)) for r in range(2)]
         [t.start() for t in joining]
         [t.join() for t in joining]
-        started = threading.Event()
+        started, ended = threading.Event(), threading.Event()
 
         def body(f):
             started.set()
-            time.sleep(0.3)  # the main thread ends the script meanwhile
+            ended.wait()  # the main thread ends the script meanwhile
             print("released", f.value()[0].tolist(), flush=True)
 
         fut = groups[0].allreduce([torch.ones(2)]).get_future()
@@ -90,20 +92,23 @@ def test_process_exits_cleanly_while_gloo_runs_a_callback():
         groups[1].allreduce([torch.ones(2)])
         started.wait()
         print("ends", flush=True)
+        ended.set()
         """
     )
     assert out == ["False", "ends", "released", "[2.0,", "2.0]"]
 
 
 def test_the_count_outlasts_torchft_callbacks_on_a_collective():
-    """Under a torchft Manager the collective's future is wrapped by torchft, whose callback
-    completes the wrapped future and then goes on (a stand-in here, like torchft's timeout
-    handling): the count reaches zero only once that callback has ended too."""
+    """Under a torchft Manager the collective's future is wrapped by torchft's timeout,
+    whose callback completes the wrapped future and then goes on (a stand-in here): the
+    count reaches zero only once that callback has ended too."""
+    pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
     out = _run(
         """
         from commpress.comm.manager_backend import ManagerBackend
         from commpress.compressors import AllReduce
-        after = []
+        import torchft.futures
+        after, checked = [], threading.Event()
 
         class Group:
             def size(self):
@@ -116,6 +121,7 @@ def test_the_count_outlasts_torchft_callbacks_on_a_collective():
 
         class Manager:
             _pg = Group()
+            _timeout = None
 
             def num_participants(self):
                 return 2
@@ -129,16 +135,18 @@ def test_the_count_outlasts_torchft_callbacks_on_a_collective():
             def errored(self):
                 return None
 
-            def wrap_future(self, fut, default):
-                out = torch.futures.Future()
+        def timed(fut, timeout):  # torchft's timeout wrapper, going on after it completed the future
+            out = torch.futures.Future()
 
-                def forward(f):
-                    out.set_result(f.value())
-                    time.sleep(0.3)
-                    after.append("torchft's callback ended")
+            def forward(f):
+                out.set_result(f.value())
+                checked.wait()
+                after.append("torchft's callback ended")
 
-                fut.add_done_callback(forward)
-                return out
+            fut.add_done_callback(forward)
+            return out
+
+        torchft.futures.future_timeout = timed
 
         def once(request):
             return (yield request)
@@ -146,7 +154,9 @@ def test_the_count_outlasts_torchft_callbacks_on_a_collective():
         backend = ManagerBackend(Manager(), rounds=1)
         backend.begin_step()
         backend.run(once(AllReduce(torch.ones(2)))).wait()
-        print(after == [], callbacks.drain(timeout=10.0), after == ["torchft's callback ended"])
+        empty = after == []
+        checked.set()
+        print(empty, callbacks.drain(timeout=60.0), after == ["torchft's callback ended"])
         """
     )
     assert out == ["True", "True", "True"]
