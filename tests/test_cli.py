@@ -259,7 +259,7 @@ def test_demo_low_rank_rows_start_after_a_tenth_of_the_steps():
     def starts(rows):
         return {r.label: r.config["start_iter"] for r in rows if "start_iter" in r.config}
 
-    assert starts(DEMO_ROWS) == {"powersgd": 20, "acpsgd": 20}  # the README's run: 200 steps
+    assert starts(DEMO_ROWS) == {"powersgd": 20, "acpsgd": 20}  # the demo table's run (docs/benchmarks.md): 200 steps
     assert starts(demo_rows(20)) == {"powersgd": 2, "acpsgd": 2}
     assert starts(demo_rows(5)) == {"powersgd": 0, "acpsgd": 0}
 
