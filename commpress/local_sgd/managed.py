@@ -22,7 +22,11 @@ anchor, outer optimizer state and the compressor's shared state (registered with
 ``register_state_dict_fn``; the user registers the model and the inner optimizer, as in
 torchft's examples); its input to that sync counts as zero, the collectives' results are
 replayed on the received compressor state, and the outer step then leaves its anchor equal
-to its peers'. Per-rank error feedback starts from zero there.
+to its peers'. Per-rank error feedback starts from zero there. It takes its peer's step
+count too (the steps it took since the sync started added: ``sync_delay``), so the job's
+step (:attr:`~commpress.local_sgd.manager_syncs.ManagerSyncs.job_step`) is the same on every
+replica that syncs: a loop ``while trainer.job_step < total_steps`` ends them all at the
+same step, and ``finish()`` (a manager step per fragment) pairs their last syncs.
 """
 
 from __future__ import annotations
@@ -71,11 +75,6 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         self._outcomes: list[str] = []
         fragment = self.fragments[0]
         self._register(key, fragment.bucket, fragment.stop - fragment.start)
-
-    @property
-    def heals_clock(self) -> bool:  # type: ignore[override]
-        """A delayed sync heals ``sync_delay`` steps after its peers' quorum: their count is not its."""
-        return self.sync_delay == 0
 
     def _follow_participants(self) -> None:
         """``outer_lr = "sqrt_replicas"``: sqrt(M), M this sync's participants (a healing

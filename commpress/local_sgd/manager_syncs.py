@@ -6,12 +6,15 @@ different times use the same seeds), state reads by a healing peer allowed only 
 inner steps, and live recovery: a (re)joining replica receives a healthy peer's anchor,
 outer optimizer state and compressor state (its per-rank entries left out: error feedback
 starts from zero there), then replays the syncs in flight on that compressor state, so it
-stages what its peers staged.
+stages what its peers staged, and takes its peer's step count (:attr:`ManagerSyncs.job_step`),
+so a loop driven by the job's step ends every replica at the same step; ``finish()`` warns
+when it syncs with fewer replica groups than the job had.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +32,8 @@ from commpress.local_sgd.rounds import RoundClock
 
 __all__ = ["ManagerSyncs"]
 
+log = logging.getLogger("commpress.manager")
+
 #: what a replayed sync needs: the bucket its values go in, their count, its context
 Replay = tuple[Callable[[torch.Tensor], Any], int, Context]
 
@@ -44,9 +49,6 @@ class ManagerSyncs:
     averager: ParameterAverager
     outer_optimizer: torch.optim.Optimizer
     clock: RoundClock
-    #: whether a healing replica takes its peer's step count (its heal comes in the sync's
-    #: own step: no delay)
-    heals_clock = True
 
     def _through(self, manager: Any, method: str, params: Mapping[str, Any] | None) -> ParameterAverager:
         """The averager of ``method`` whose collectives go through ``manager``."""
@@ -62,6 +64,9 @@ class ManagerSyncs:
         self._base = self.manager.current_step()
         self.commits: list[bool] = []  # should_commit() of every sync, in order
         self._healed = False  # set when the manager hands this replica a peer's state
+        self._at_quorum: dict[str, Any] | None = None  # the clock when this replica last asked for a quorum
+        self._most = 0  # the most participants of any sync so far
+        self._past_end = False  # warned that a sync started past total_steps
         self._load_kernels(bucket, numel)
         self.manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
 
@@ -78,6 +83,15 @@ class ManagerSyncs:
         backend = self.averager.backend
         assert isinstance(backend, ManagerBackend)
         return backend
+
+    @property
+    def job_step(self) -> int:
+        """The job's step: the inner steps taken, the same on every replica group that syncs
+        with this one. A (re)joining replica takes its peer's count when it heals (with the
+        steps it took since that sync started, ``sync_delay``), so ``while trainer.job_step <
+        total_steps:`` ends every replica at the same step, as a loop over a fixed number of
+        batches per process does not (a restarted replica would run them all)."""
+        return self.clock.step
 
     @property
     def syncs(self) -> int:
@@ -98,9 +112,21 @@ class ManagerSyncs:
     def _quorum(self) -> None:
         """A new manager step: its quorum, participants and this replica's role in it."""
         self.manager.allow_state_dict_read()  # a healing peer may read this replica's state now
+        self._at_quorum = self.clock.state_dict()
         self.manager.start_quorum()
         self.backend.begin_step()
+        self._most = max(self._most, self.backend.world_size)
         self._follow_participants()
+        total = self.clock.total_steps
+        if total is not None and self.clock.step > total and not self._past_end:
+            self._past_end = True
+            log.warning(
+                "%s: a sync at step %d, past total_steps = %d: this replica trains past the job's end (its model will "
+                "not be its peers'); end the loop at the job's step (while reg.local_sgd.job_step < total_steps)",
+                self.name,
+                self.clock.step,
+                total,
+            )
 
     def _follow_participants(self) -> None:
         """What changes with the sync's participants (nothing here)."""
@@ -153,11 +179,46 @@ class ManagerSyncs:
             self.outer_optimizer.load_state_dict(copy.deepcopy(state["outer"]))
             self._follow_participants()  # the peer's lr may be its last sync's, read before its quorum
             self.averager.compressor.load_state_dict(copy.deepcopy(state["compressor"]))
-            if self.heals_clock:
-                self.clock.load_state_dict(state["clock"])
+            self.clock.load_state_dict(self._peer_clock(state["clock"]))
             for (bucket, numel, ctx), results in zip(self._replays, self.backend.log or []):
                 zeros = torch.zeros(numel, dtype=self.anchor.dtype, device=self.anchor.device)
                 replay(self.averager.groups.composite.reduce(bucket(zeros), ctx), results)
+
+    def _peer_clock(self, peer: Mapping[str, Any]) -> dict[str, Any]:
+        """The step count a healing replica takes: ``peer``'s, read when the peer answered the
+        quorum, plus what this replica's own clock did since its quorum (a delayed sync heals
+        when it lands, ``sync_delay`` steps later: those steps, the round ended and the one
+        begun). Healing in the quorum's own step, it is the peer's as it is (QSR's rounds too)."""
+        at, now = self._at_quorum, self.clock.state_dict()
+        if at is None or now == at:
+            return dict(peer)
+        shift = int(peer["step"]) - at["step"]
+        return {
+            "step": now["step"] + shift,
+            "rounds": int(peer["rounds"]) + now["rounds"] - at["rounds"],
+            "period": now["period"],
+            "round_start": now["round_start"] + shift,
+            "periods": [*peer["periods"], *now["periods"][len(at["periods"]) :]],
+        }
+
+    def finish(self) -> None:
+        """The trainer's ``finish()`` (each of its syncs a manager step), then a WARNING on
+        the ``commpress.manager`` logger if its last sync had fewer participants than this
+        replica has synced with: a replica group was lost before the end, or stopped at
+        another step while this one trained on (their models then differ)."""
+        super().finish()  # type: ignore[misc]
+        last = self.backend.world_size
+        if last < self._most:
+            log.warning(
+                "%s: finish() at step %d synced with %d replica group(s), fewer than the %d this replica has synced "
+                "with: either a group was lost before the end, or the groups stopped at different steps and this one "
+                "trained on without them (its model is then not theirs); end every replica at the job's step "
+                "(while reg.local_sgd.job_step < total_steps), which a restarted replica takes from its peers",
+                self.name,
+                self.clock.step,
+                last,
+                self._most,
+            )
 
     def _load_part(self, part: Mapping[str, Any]) -> None:
         super()._load_part(part)  # type: ignore[misc]
