@@ -51,6 +51,7 @@ from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks import CommState
 from commpress.hooks.ddp import attach_ddp_hook
 from commpress.local_sgd import LocalSGD, from_config
+from commpress.local_sgd.warm import load_trainer_kernels
 from commpress.optim import ManagedOneBitAdam, OneBitAdam, check_adam
 from commpress.replica_state import ReplicaState
 
@@ -302,6 +303,7 @@ def _local_sgd(
             "it wraps (optimizer.optimizer)"
         )
     trainer = from_config(model, optimizer, cfg, total_steps=total_steps, process_group=process_group, mesh=mesh)
+    load_trainer_kernels(trainer)  # the averaging's kernels loaded now, not inside the first sync
     trainer.register_optimizer_hooks()
     return trainer
 

@@ -74,6 +74,7 @@ def attach_ddp_hook(
     groups = state.groups
     compressor_of = lambda name: groups.compressors[groups.key_for(name)]  # noqa: E731
     give_back = hand_over_momentum(optimizer, model.module.named_parameters(), compressor_of, cfg.start_iter)
+    state.load_kernels()  # the kernels of the first steps compiled or loaded now, not on the training clock
     switch = register_removable_hook(model, state, ddp_hook)
 
     def remove() -> None:

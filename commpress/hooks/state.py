@@ -16,6 +16,7 @@ from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
 from commpress.comm.pickling import check_default_group
+from commpress.comm.warm import load_model_kernels
 from commpress.compressors import Bucket, Context, ParamSlot, build, compressor_class, host, lay_out
 from commpress.compressors.registry import methods_taking
 from commpress.config import Config
@@ -113,6 +114,14 @@ class CommState(OnBackend):
         if self._saved is not None:
             saved, self._saved = self._saved, None
             self.load_state_dict(saved)
+
+    def load_kernels(self) -> None:
+        """Load the kernels of the first steps now (compiled, or read from numba's cache):
+        every group once, on values shaped like the model's parameters it covers, by fresh
+        compressors in a simulated world (:mod:`commpress.comm.warm`: nothing is sent, no
+        state, step or traffic count changes). Needs ``model=``; :func:`commpress.register` calls it."""
+        if self._model is not None:
+            load_model_kernels(self.groups, self._model.named_parameters(), self.config.start_iter)
 
     @property
     def backend(self) -> Backend:

@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 from commpress.comm import Traffic, checkpoint
 from commpress.comm.averager import ParameterAverager
 from commpress.comm.pickling import BoundToProcess
+from commpress.comm.warm import load_kernels
 from commpress.compressors import AllReduce, Bucket, Reduction, lay_out
 from commpress.config import digest_of
 from commpress.errors import ConfigError
@@ -264,11 +265,20 @@ class OneBitAdam(AdamStepTakeover):
 
     def attach(self, model: DistributedDataParallel, process_group: Any = None) -> None:
         """Register the DDP comm hook on ``model`` (before its first backward) and the
-        optimizer's step hooks; the ranks first agree on the settings."""
+        optimizer's step hooks; the ranks first agree on the settings. The averaging
+        method's kernels are loaded here (:meth:`load_kernels`), not at the freeze."""
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
         self.averager.connect(self.settings, self.name, process_group)  # the one set-up exchange
+        self.load_kernels()
         self._attach(model, comm_hook)
+
+    def load_kernels(self) -> None:
+        """Run the momentum's averaging method once on values shaped like the momentum's
+        tensors, by fresh compressors in a simulated world (:mod:`commpress.comm.warm`):
+        its kernels are compiled or loaded now, not at the first step after the freeze;
+        nothing is sent and no state changes."""
+        load_kernels(self.averager.groups, [(s.name, s.shape) for s in self.slots], self._flat.dtype, self._flat.device)
 
     def _take_step(self) -> bool:
         """After the freeze: the momentum averaged and AdamW's update with it."""

@@ -4,17 +4,58 @@ Every kernel releases the GIL (``nogil``), is compiled on first use and cached o
 (``cache=True``), and uses numpy's error model (a division by zero gives Inf or NaN, as in
 float32 arithmetic). No fast-math: no reassociation and no fused multiply-add, so each step
 is the one IEEE float32 operation the CUDA kernels perform.
+
+numba caches beside the source (``__pycache__`` of this package) when that is writable,
+else in the user-wide cache (``$XDG_CACHE_HOME/numba``, by default ``~/.cache/numba``), or
+wherever ``NUMBA_CACHE_DIR`` says (docs/kernels.md, "Where the compiled kernels are
+cached"). Where none is writable numba refuses to decorate a cached function at all; the
+kernels are then compiled without the disk cache, in every process, with one warning.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 from numba import njit
 
-__all__ = ["NONE", "ONE", "PIECE", "ZERO", "inline", "jit"]
+__all__ = ["NONE", "ONE", "PIECE", "UNCACHED", "ZERO", "inline", "jit"]
 
-jit = njit(nogil=True, cache=True, error_model="numpy")
-inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
+#: the kernels compiled without numba's disk cache (no cache directory was writable)
+UNCACHED: list[str] = []
+_OPTIONS = {"nogil": True, "error_model": "numpy"}
+
+
+def _compiler(**options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """numba's ``njit`` with the shared options and ``cache=True``; without the cache for
+    a function whose source directory, user-wide cache and ``NUMBA_CACHE_DIR`` are all
+    unwritable (numba raises there, at decoration)."""
+    cached, plain = njit(cache=True, **_OPTIONS, **options), njit(**_OPTIONS, **options)
+
+    def compile_(fn: Callable[..., Any]) -> Any:
+        try:
+            return cached(fn)
+        except RuntimeError as exc:
+            if "no locator available" not in str(exc):
+                raise
+            if not UNCACHED:
+                warnings.warn(
+                    f"numba finds no writable directory to cache commpress's CPU kernels in ({exc}): they are "
+                    "compiled in every process, seconds each at registration; set NUMBA_CACHE_DIR to a writable "
+                    "directory to keep them",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            UNCACHED.append(f"{fn.__module__}.{fn.__qualname__}")
+            return plain(fn)
+
+    return compile_
+
+
+jit = _compiler()
+inline = _compiler(inline="always")
 
 PIECE = 4096  # elements per scratch piece (a multiple of 8: whole bytes at every bit width)
 NONE = np.empty(0, np.float32)  # "no addend" for the kernels that may add one

@@ -1,0 +1,17 @@
+"""The kernels of a Local SGD, CO2 or DiLoCo trainer's averaging loaded at registration
+(:mod:`commpress.comm.warm`), not inside its first sync, which the peers wait for."""
+
+from __future__ import annotations
+
+from commpress.comm.warm import load_kernels
+from commpress.local_sgd.local_sgd import LocalSGD
+
+__all__ = ["load_trainer_kernels"]
+
+
+def load_trainer_kernels(trainer: LocalSGD) -> None:
+    """Run ``trainer``'s averaging method once, by fresh compressors in a simulated world,
+    on values shaped like the tensors its syncs send (the flat model's, so every DiLoCo
+    fragment's too); its averager, anchor, outer optimizer and counters stay as they were."""
+    flat = trainer.flat
+    load_kernels(trainer.averager.groups, [(s.name, s.shape) for s in flat.slots], flat.dtype, flat.device)
