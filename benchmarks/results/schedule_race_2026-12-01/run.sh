@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Every ready config under the race's default schedule (AdamW lr 1e-3, 20 warm-up steps,
+# cosine to 1e-4 at step 400), 2 ranks on loopback (steps and losses do not depend on the
+# link): each row's held-out loss at step 400 beside DDP's, and bytes per step.
+#   ROWS=slow SEED=0 VARIANT=slow-link-lr1 run.sh   ddp, the slow-link configs and an outer-lr variant
+#   ROWS=slow SEED=1 VARIANT=slow-link-lr2 run.sh   (seed 1: the other variant)
+#   ROWS=all  SEED=0 run.sh   ddp, PyTorch's PowerSGD hook, the other ready DDP configs and slow-link-lr2
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+PY=.venv/bin/python
+R=benchmarks/results/schedule_race_2026-12-01
+C=docs/configs
+if [ "${ROWS:-slow}" = slow ]; then
+  ARGS=(--methods ddp --config $C/slow-link-h1.toml --config $C/slow-link.toml --config $R/${VARIANT:-slow-link-lr1}.toml)
+else
+  ARGS=(--methods "ddp;torch-powersgd:rank=4")
+  for f in bf16 powersgd terngrad quant topk onebit_adam diloco streaming-diloco; do
+    ARGS+=(--config $C/$f.toml)
+  done
+  ARGS+=(--config $R/slow-link-lr2.toml)
+fi
+NAME=${ROWS:-slow}_seed${SEED:-0}
+$PY -m commpress race --local 2 "${ARGS[@]}" --target-steps 400 --max-steps 600 --eval-every 10 \
+  --seed "${SEED:-0}" --quiet --json $R/$NAME.json 2>&1 | tee $R/$NAME.log
