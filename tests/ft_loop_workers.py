@@ -31,14 +31,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from manager_workers import make_manager
 from torch import nn
-from torchft import Manager, ProcessGroupGloo
 
 import commpress
 
@@ -94,20 +93,7 @@ def main(role: str, out: Path, lighthouse: str, port: int, replica: int) -> None
 
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # this replica group's store
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        replica_id=f"replica_{replica}",
-        lighthouse_addr=lighthouse,
-        rank=0,
-        world_size=1,
-        store_addr="localhost",
-        store_port=store.port,
-        timeout=timedelta(seconds=30),
-    )
+    manager = make_manager(replica, lighthouse)  # this replica group's store and Manager
     inner = torch.optim.AdamW(module.parameters(), lr=1e-2)
     manager.register_state_dict_fn("model", module.load_state_dict, module.state_dict)
     manager.register_state_dict_fn("optimizer", inner.load_state_dict, inner.state_dict)
