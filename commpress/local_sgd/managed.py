@@ -73,8 +73,7 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
         #: per sync in flight, oldest first, how it lands once asked (:meth:`_settle`)
         self._outcomes: list[str] = []
-        fragment = self.fragments[0]
-        self._register(key, fragment.bucket, fragment.stop - fragment.start)
+        self._register(key)
 
     def _follow_participants(self) -> None:
         """``outer_lr = "sqrt_replicas"``: sqrt(M), M this sync's participants (a healing

@@ -64,7 +64,7 @@ class ManagedCO2(ManagerSyncs, CO2):
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
         #: the landed average of the sync in flight (None: not landed, or dropped) once waited for
         self._landed: tuple[torch.Tensor | None] | None = None
-        self._register(key, self.flat.bucket, self.anchor.numel())
+        self._register(key)
 
     def start_due(self, final: bool = False) -> None:
         """At the end of a round (``final``: of a round in progress): apply the previous

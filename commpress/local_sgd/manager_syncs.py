@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
 from commpress.comm.manager_backend import ManagerBackend, replay, report
 from commpress.compressors import Context
@@ -29,6 +28,7 @@ from commpress.config import Config
 from commpress.config.groups import MethodGroups
 from commpress.local_sgd.local_sgd import Average
 from commpress.local_sgd.rounds import RoundClock
+from commpress.local_sgd.warm import load_trainer_kernels
 
 __all__ = ["ManagerSyncs"]
 
@@ -53,12 +53,12 @@ class ManagerSyncs:
     def _through(self, manager: Any, method: str, params: Mapping[str, Any] | None) -> ParameterAverager:
         """The averager of ``method`` whose collectives go through ``manager``."""
         self.manager = manager
-        self._groups = MethodGroups(Config(method=method, params=dict(params or {})))
+        rounds = MethodGroups(Config(method=method, params=dict(params or {}))).rounds
         self._settling = threading.RLock()  # the manager reads the shared state from its quorum thread
         self._replays: list[Replay] = []  # per average in flight: what a replay needs
-        return ParameterAverager(method, params, backend=ManagerBackend(manager, self._groups.rounds))
+        return ParameterAverager(method, params, backend=ManagerBackend(manager, rounds))
 
-    def _register(self, key: str, bucket: Callable[[torch.Tensor], Any], numel: int) -> None:
+    def _register(self, key: str) -> None:
         """Count syncs from the manager's step now (0 in a fresh job, on every replica),
         load the compressor's kernels, register the shared state with the manager under ``key``."""
         self._base = self.manager.current_step()
@@ -67,16 +67,8 @@ class ManagerSyncs:
         self._at_quorum: dict[str, Any] | None = None  # the clock when this replica last asked for a quorum
         self._most = 0  # the most participants of any sync so far
         self._past_end = False  # warned that a sync started past total_steps
-        self._load_kernels(bucket, numel)
+        load_trainer_kernels(self)  # type: ignore[arg-type]  # before the first quorum: its sync is not slowed
         self.manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
-
-    def _load_kernels(self, bucket: Callable[[torch.Tensor], Any], numel: int) -> None:
-        """Run the method once on zeros in a world of one, before this replica's first
-        quorum: a fresh process loads the compressor's CPU kernels from numba's cache here
-        (0.9 s for TernGrad), not inside its first sync, which its peers wait for. Its own
-        compressor (not the averager's), so no state of the real one changes."""
-        zeros = torch.zeros(numel, dtype=self.anchor.dtype, device=self.anchor.device)
-        SimulatedWorld(1).run([self._groups.composite.reduce(bucket(zeros), Context(rank=0, world_size=1, step=0))])
 
     @property
     def backend(self) -> ManagerBackend:
