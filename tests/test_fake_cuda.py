@@ -205,6 +205,35 @@ def test_two_method_groups_of_one_bucket(fake_cuda, small, large):
         assert all(b.buffer.device == CUDA for b in full)
 
 
+def test_entropy_coded_terngrad_gathers_on_the_device(fake_cuda, monkeypatch):
+    """Both collectives of the entropy coder (the coded sizes' maximum, then the frames)
+    carry CUDA tensors: an NCCL-only group takes no other. The coding itself is a host
+    operation on data, which fake tensors do not hold: Huffman coding, the frames' decode
+    and the own-frame comparison are stand-ins here that check where their tensors are."""
+    from commpress.compressors.wire import entropy
+
+    def encode(payload):
+        assert payload.device == CUDA and payload.dtype == torch.uint8
+        return torch.empty(payload.numel() // 2, dtype=torch.uint8)  # coded on the host
+
+    def decoded(frame, size):
+        assert frame.device.type == "cpu"
+        return torch.empty(size, dtype=torch.uint8)
+
+    monkeypatch.setattr(entropy, "huffman_encode", encode)
+    monkeypatch.setattr(entropy, "_decoded", decoded)
+    monkeypatch.setattr(host, "numbers", lambda t: [float(1 << 12)] * t.numel())  # the longest coded frame
+    monkeypatch.setattr(torch, "equal", lambda a, b: False)  # every frame decoded
+    comps = [build("terngrad", {"entropy": True}) for _ in range(2)]
+    for step in range(2):
+        buckets = _buckets(2, torch.float32)
+        _drive(comps, buckets, step)  # refuses any collective off the device
+        assert all(b.buffer.device == CUDA for b in buckets)
+        for c in comps:
+            c.end_step(True)
+    assert fake_cuda["launches"]
+
+
 def test_a_cpu_buffer_would_be_caught(fake_cuda):
     """The check itself: a CUDA bucket meeting a CPU error buffer fails under fake mode."""
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError

@@ -21,7 +21,8 @@ from commpress.adaptive.hierarchy import Hierarchy
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
 from commpress.comm.simulated import SimulatedBackend
-from commpress.compressors import Bucket, build
+from commpress.compressors import Bucket, Context, build
+from commpress.config import Config
 from commpress.fsdp.wire import Segments, Wire
 
 pytestmark = pytest.mark.usefixtures("fake_cuda")
@@ -89,6 +90,34 @@ def test_local_sgd_averaging_stays_on_the_device(checked_world):
     buckets = [Bucket(0, torch.randn(100, device=CUDA)) for _ in range(2)]
     futures = [a.start(b) for a, b in zip(averagers, buckets)]
     assert all(f.done() and f.value().device == CUDA for f in futures)
+
+
+def test_the_layerwise_plan_exchanges_on_the_device(checked_world, monkeypatch):
+    """The plan's summed errors, its digest check, and the plan handed to a healing replica
+    travel on the buckets' device. The measured errors are numbers read from the data
+    (fake tensors hold none): a stand-in checks that the measurement runs on the device."""
+    from commpress.adaptive import layerwise
+    from commpress.compressors import host
+
+    def errors(order, shape, acc):
+        assert acc.device == CUDA
+        return [float(i) for i in range(len(order))]
+
+    monkeypatch.setattr(layerwise, "tensor_errors", errors)
+    monkeypatch.setattr(host, "numbers", lambda t: [0.0] * t.numel())  # every tensor to the first candidate
+    config = Config.load({"method": "topk", "params": {"ratio": 0.1, "min_numel": 0}, "layerwise": {"enabled": True}})
+    world = checked_world(2)
+    models = [_model() for _ in range(2)]
+    groups = [layerwise.LayerwiseGroups(config, m) for m in models]
+    names = [n for n, _ in models[0].named_parameters()]
+    buckets = [Bucket.from_tensors(0, [torch.randn(p.shape, device=CUDA) for p in m.parameters()], names) for m in models]
+    world.run([g.composite.reduce(b, Context(rank=r, world_size=2, step=0)) for r, (g, b) in enumerate(zip(groups, buckets))])
+    for g in groups:
+        g.end_step(True)
+    assert all(g.waiting for g in groups)
+    world.run([g.planning(1, CUDA) for g in groups])
+    assert all(g.plan is not None for g in groups)
+    world.run([g.sharing(healing, CUDA) for g, healing in zip(groups, (False, True))])
 
 
 def test_the_fsdp_wire_reaches_the_cuda_kernels(request):

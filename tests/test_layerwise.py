@@ -137,7 +137,7 @@ def _groups(config, world=2):
 def _step(sim, groups, names, shapes, step, rng, plan=True):
     grads = [[torch.randn(s, generator=rng) for s in shapes] for _ in groups]
     buckets = [Bucket.from_tensors(0, g, names) for g in grads]
-    planning = [g.planning(step) for g in groups if g.waiting]
+    planning = [g.planning(step, torch.device("cpu")) for g in groups if g.waiting]
     if planning and plan:
         sim.run(planning)
     ctxs = [Context(rank=r, world_size=len(groups), step=step) for r in range(len(groups))]

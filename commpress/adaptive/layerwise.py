@@ -46,7 +46,7 @@ from commpress.adaptive.layer_errors import candidates, tensor_errors
 from commpress.adaptive.layer_plan import LayerPlan, PlanningCost, label
 from commpress.comm import Backend
 from commpress.comm.checkpoint import sum_entries
-from commpress.compressors import EXACT, AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, Setting, build
+from commpress.compressors import EXACT, AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, Setting, build, host
 from commpress.compressors.composite import Composite
 from commpress.compressors.wire.collectives import in_scope
 from commpress.config import Config
@@ -210,11 +210,11 @@ class LayerwiseGroups(MethodGroups):
         states) until the step ends: :meth:`end_step` restores it if the step is dropped."""
         self._undo = (self.plan_state(), {key: self.compressors[key].state_dict() for key in self.candidates})
 
-    def replan(self, backend: Backend, step: int) -> bool:
+    def replan(self, backend: Backend, step: int, device: torch.device) -> bool:
         """At the first bucket of ``step``: plan from the last measured step, if one is
-        waiting (two small collectives; nothing may be in flight); whether it planned.
-        Per link, ``backend`` is the bandwidth layer's: the plan is made over this rank's
-        cross group."""
+        waiting (two small collectives on ``device``, the bucket's; nothing may be in
+        flight); whether it planned. Per link, ``backend`` is the bandwidth layer's: the
+        plan is made over this rank's cross group."""
         if not self.due(step):
             return False
         if not backend.can_block:
@@ -226,16 +226,17 @@ class LayerwiseGroups(MethodGroups):
             self.hold()
         t0 = time.perf_counter()
         if self.per_link:
-            backend.run(in_scope(self.planning(step, tuple(backend.members("cross"))), "cross")).wait()
+            backend.run(in_scope(self.planning(step, device, tuple(backend.members("cross"))), "cross")).wait()
         else:
-            backend.run(self.planning(step)).wait()
+            backend.run(self.planning(step, device)).wait()
         self.cost.plans += 1
         self.cost.plan_seconds += time.perf_counter() - t0
         return True
 
-    def planning(self, step: int, ranks: tuple[int, ...] = ()) -> Reduction:
-        """The plan as a reduction: sum the ranks' errors, solve, compare digests, switch.
-        ``ranks``: those that take part when they are not every rank (for the plan's record).
+    def planning(self, step: int, device: torch.device, ranks: tuple[int, ...] = ()) -> Reduction:
+        """The plan as a reduction: sum the ranks' errors, solve, compare digests, switch;
+        the collectives on ``device`` (the buckets': an NCCL-only group takes no host
+        tensor). ``ranks``: those that take part when they are not every rank (for the plan's record).
         With :attr:`by_step`, every planned tensor, with zero errors where none were measured."""
         if self.by_step:
             unknown = sorted(set(self._measured) - set(self.tensors))
@@ -244,30 +245,34 @@ class LayerwiseGroups(MethodGroups):
             for name, (shape, size) in self.tensors.items():
                 self._measured.setdefault(name, _Measured(shape, size, [0.0] * len(self.candidates)))
         names = sorted(self._measured)
-        errors = torch.tensor([self._measured[n].errors for n in names], dtype=torch.float64)
+        errors = torch.tensor([self._measured[n].errors for n in names], dtype=torch.float64, device=device)
         summed = yield AllReduce(errors)
-        plan = dataclasses.replace(self.solve(names, summed.tolist(), step), ranks=ranks)
+        totals = host.numbers(summed)
+        width = len(self.candidates)
+        rows = [totals[i * width : (i + 1) * width] for i in range(len(names))]
+        plan = dataclasses.replace(self.solve(names, rows, step), ranks=ranks)
         mine = float(int(plan.digest()[:12], 16))  # 48 bits: exact in float64
-        seen = yield AllReduce(torch.tensor([mine, -mine], dtype=torch.float64), op="max")
-        if seen[0].item() != mine or -seen[1].item() != mine:
+        digest = torch.tensor([mine, -mine], dtype=torch.float64, device=device)
+        seen = yield AllReduce(digest.clone(), op="max")
+        if not host.flags((seen == digest).all())[0]:
             raise RuntimeError(f"ranks planned differently (this rank's plan digest {plan.digest()}): {plan}")
         self._measured = {}
         self.apply(plan)
 
-    def sharing(self, healing: bool) -> Reduction:
+    def sharing(self, healing: bool, device: torch.device) -> Reduction:
         """The plan in force handed to a replica that heals in this step, whose own is
         stale (with :attr:`by_step`, at a step that does not plan): each planned tensor's
         group, the maximum over the participants (a healing replica's counts as nothing).
         The healing replica reduces its buckets with it (kept as :meth:`hold` keeps a plan);
-        the participants, whose plans must agree, keep theirs."""
+        the participants, whose plans must agree, keep theirs. On ``device``, the buckets'."""
         keys, names = list(self.candidates), sorted(self.tensors)
-        mine = torch.tensor([float(keys.index(self.key_for(n))) for n in names], dtype=torch.float64)
+        mine = torch.tensor([float(keys.index(self.key_for(n))) for n in names], dtype=torch.float64, device=device)
         seen = yield AllReduce(mine.clone(), op="max")
         if healing:
             self.hold()
-            self.assigned = {n: keys[int(i)] for n, i in zip(names, seen.tolist())}
+            self.assigned = {n: keys[int(i)] for n, i in zip(names, host.numbers(seen))}
             self.composite = _Planned(self)
-        elif not torch.equal(seen, mine):
+        elif not host.flags((seen == mine).all())[0]:
             raise RuntimeError(f"the participants hold different layer-wise plans (this one's: {self.plan})")
 
     def solve(self, names: Sequence[str], errors: Sequence[Sequence[float]], step: int) -> LayerPlan:

@@ -103,7 +103,8 @@ def data_parallel(cfg: Config, models: list, opts: list, sim: SimulatedWorld) ->
         if step < cfg.start_iter:
             sim.run([warmup.reduce(b, c) for b, c in zip(buckets, ctxs)])
         else:
-            planning = [g.planning(step) for g in groups if isinstance(g, LayerwiseGroups) and g.waiting]
+            planned = [(g, b) for g, b in zip(groups, buckets) if isinstance(g, LayerwiseGroups) and g.waiting]
+            planning = [g.planning(step, b.buffer.device) for g, b in planned]
             if planning:
                 sim.run(planning)
             sim.run([g.composite.reduce(b, c) for g, b, c in zip(groups, buckets, ctxs)])

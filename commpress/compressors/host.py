@@ -2,15 +2,17 @@
 
 Compressors keep their work on the gradient's device; the few values that must cross to
 the host go through these functions: flags a step branches on (a finiteness check, a
-clipping decision), checkpoint tensors saved on the CPU, and saved tensors restored onto
-the device at their first use. Tests that run compressors on fake devices patch them.
+clipping decision), numbers a step's sizes or choices rest on (the longest coded frame, a
+plan's summed errors), checkpoint tensors saved on the CPU, and saved tensors restored onto
+the device at their first use. Collectives carry device tensors; these reads come after.
+Tests that run compressors on fake devices patch them.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["finite", "flags", "to_device", "to_host"]
+__all__ = ["finite", "flags", "numbers", "to_device", "to_host"]
 
 
 def finite(*tensors: torch.Tensor, bound: float | None = None) -> torch.Tensor:
@@ -31,6 +33,11 @@ def finite(*tensors: torch.Tensor, bound: float | None = None) -> torch.Tensor:
 def flags(t: torch.Tensor) -> list[bool]:
     """The values of the boolean tensor ``t`` (any shape, read flat) on the host: one sync."""
     return [bool(v) for v in t.reshape(-1).tolist()]
+
+
+def numbers(t: torch.Tensor) -> list[float]:
+    """The values of ``t`` (any shape, read flat) on the host as floats: one sync."""
+    return [float(v) for v in t.reshape(-1).tolist()]
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

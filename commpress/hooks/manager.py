@@ -160,7 +160,7 @@ class ManagedCommState(CommState):
         self._ran_at: int | None = None  # the manager's step whose reductions ran
         #: per reduction this healing step ran: a bucket's layout, the step a plan was made at, or
         #: None for the plan in force handed over (the peer's state holds it: nothing to replay)
-        self._heal: list[tuple[int, int, torch.dtype, torch.device, tuple, Context] | int | None] = []
+        self._heal: list[tuple[int, int, torch.dtype, torch.device, tuple, Context] | tuple[int, torch.device] | None] = []
         self._joined = False  # shared state loaded from a peer: drop per-rank state at its commit
         manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
 
@@ -193,17 +193,17 @@ class ManagedCommState(CommState):
             self._heal.append((index, buffer.numel(), buffer.dtype, buffer.device, self._layouts[index][1], ctx))
         return fut.then(lambda f: self._handed_back(buffer, f))
 
-    def _replan(self) -> None:
+    def _replan(self, device: torch.device) -> None:
         """The layer-wise plan of this step, if due, else the plan in force handed to a
         replica that heals in this step (its buckets' collectives follow the plan); a
         failure is reported to the manager (the step is then not committed), not raised
         in the backward pass."""
         backend = self._backend
         try:
-            if self.layerwise.replan(backend, self.step):
-                entry: int | None = self.step
+            if self.layerwise.replan(backend, self.step, device):
+                entry: tuple[int, torch.device] | None = (self.step, device)
             elif backend.heals:
-                backend.run(self.layerwise.sharing(not backend.participating)).wait()
+                backend.run(self.layerwise.sharing(not backend.participating, device)).wait()
                 entry = None
             else:
                 return
@@ -263,9 +263,9 @@ class ManagedCommState(CommState):
                 for entry, results in zip(self._heal, log, strict=True):
                     if entry is None:
                         continue
-                    if isinstance(entry, int):  # the step's plan, before its buckets
+                    if len(entry) == 2:  # the step's plan, before its buckets
                         self.layerwise.hold()
-                        replay(self.layerwise.planning(entry), results)
+                        replay(self.layerwise.planning(*entry), results)
                         continue
                     index, numel, dtype, device, slots, ctx = entry
                     if ctx.step >= self.config.start_iter:

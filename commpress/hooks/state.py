@@ -165,7 +165,7 @@ class CommState(OnBackend):
             # nothing in flight: safe to re-measure; before a layer-wise plan, whose budget a new setting sets
             self.adaptive.begin_step(self.step)
         if first_bucket and self.layerwise is not None:
-            self._replan()
+            self._replan(buffer.device)
         # DDP rebuilds its buckets after the first step: re-derive when the members change.
         members = tuple(id(p) for p in params) if params is not None else (buffer.numel(),)
         cached = self._layouts.get(index)
@@ -188,10 +188,10 @@ class CommState(OnBackend):
             self._in_flight += 1
         return fut.then(functools.partial(self._record_finite, buffer))
 
-    def _replan(self) -> None:
+    def _replan(self, device: torch.device) -> None:
         """The layer-wise plan at the first bucket of a step, if due (per link under the
-        bandwidth layer: over its cross groups)."""
-        self.layerwise.replan(self.adaptive.backend if self.adaptive is not None else self._backend, self.step)
+        bandwidth layer: over its cross groups), exchanged on the buckets' ``device``."""
+        self.layerwise.replan(self.adaptive.backend if self.adaptive is not None else self._backend, self.step, device)
 
     def _record_finite(self, buffer: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
         """The hook's result, ``buffer``; notes whether its average is finite (what the

@@ -6,7 +6,9 @@ their width: TernGrad's 2-bit codes are zero for about two values in three, and 
 each byte of 4 codes by its frequency, within about 2% of that entropy
 (docs/quantization.md, "Entropy-coded codes"). Coded sizes differ between ranks, so the
 gather takes two collectives: the largest coded size (an all-reduce of one number, max),
-then every rank's coded bytes padded to it, each led by its length. A payload that does not
+then every rank's coded bytes padded to it, each led by its length. Both collectives carry
+tensors on the payload's device (an NCCL-only group takes no other); the maximum is read
+back to the host once, the frame's size depends on it. A payload that does not
 shrink travels as it is. A rank whose length did not count in the maximum (a replica healing
 under a torchft Manager: its all-reduce input is the op's identity and its gathered frame is
 dropped) may code longer than the maximum: it sends a frame that says so (length -1), which
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from commpress.compressors import host
 from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective
 from commpress.kernels import huffman_decode, huffman_encode
 
@@ -38,8 +41,9 @@ def coded_gather(payload: torch.Tensor) -> Generator[Collective, Any, list[torch
     coded = huffman_encode(mine)
     if coded.numel() >= mine.numel():
         coded = mine.cpu()  # a length equal to the payload's says: sent as it is
-    longest = yield AllReduce(torch.tensor([float(coded.numel())], dtype=torch.float64), op="max")
-    send = torch.zeros(HEADER_BYTES + int(longest[0].item()), dtype=torch.uint8)
+    length = torch.tensor([float(coded.numel())], dtype=torch.float64, device=payload.device)
+    longest = yield AllReduce(length, op="max")
+    send = torch.zeros(HEADER_BYTES + int(host.numbers(longest)[0]), dtype=torch.uint8)
     counted = coded.numel() <= send.numel() - HEADER_BYTES
     send[:HEADER_BYTES] = torch.tensor([coded.numel() if counted else _NOT_SENT], dtype=torch.int32).view(torch.uint8)
     if counted:
@@ -47,10 +51,10 @@ def coded_gather(payload: torch.Tensor) -> Generator[Collective, Any, list[torch
     gathered = yield AllGather(send.to(payload.device))
     out = []
     for frame in gathered:
-        host = frame.cpu()
+        received = frame.cpu()
         # a frame equal to this rank's own decodes to its payload (decoding is a function
         # of the bytes): skipped, it saves a decode per gather
-        out.append(mine.clone() if torch.equal(host, send) else _decoded(host, mine.numel()).to(payload.device))
+        out.append(mine.clone() if torch.equal(received, send) else _decoded(received, mine.numel()).to(payload.device))
     return out
 
 
