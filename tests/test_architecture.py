@@ -23,7 +23,7 @@ LAYERS = [
     {"comm"},
     {"adaptive"},
     {"hooks", "fsdp", "local_sgd", "optim"},
-    {"registration", "replica_state"},  # one call that applies a config's tables through the adapters; its checkpoint
+    {"registration", "parts", "replica_state"},  # one call that applies a config's tables through the adapters; its checkpoint
     {"workloads", "linkemu", "bench"},
     {"cli", "__main__"},
     {"__init__"},  # the package's front door re-exports the adapters

@@ -13,6 +13,7 @@ from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
 from commpress.local_sgd import LocalSGD
 from commpress.optim import OneBitAdam
+from commpress.parts import DDPHook
 from commpress.registration import Registration
 
 JUNK = [
@@ -57,4 +58,4 @@ def test_a_good_state_still_loads():
 @pytest.mark.parametrize("junk", [None, [], "state.pt"])
 def test_a_registration_refuses_junk_naming_what_it_applies(junk):
     with pytest.raises(ConfigError, match=r"the state is not a dict; this registration applies ddp_hook: load a state saved"):
-        Registration(CommState({"method": "fp16"}).config, hook=CommState({"method": "fp16"})).load_state_dict(junk)
+        Registration(CommState({"method": "fp16"}).config, [DDPHook(CommState({"method": "fp16"}))]).load_state_dict(junk)

@@ -132,7 +132,7 @@ def _case(kind: str, combo: tuple[str, ...]) -> dict:
         losses.append(loss.item())
     reg.finish()
     return {
-        "parts": sorted(reg.parts()),
+        "parts": sorted(p.name for p in reg.parts),
         "present": _parts_present(reg, combo),
         "finite": all(math.isfinite(x) for x in losses),
         "moved": not torch.equal(before, _flat(model)),

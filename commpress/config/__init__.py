@@ -147,6 +147,14 @@ class Config:
             raise ValueError(f"no config table is called {name!r}; the tables: {', '.join(TABLE_TYPES)}")
         return self.sections.get(name)
 
+    def group_for(self, model: Any, process_group: Any = None) -> Any:
+        """The process group a part of this config talks in: ``process_group`` if given,
+        else, on the torch backend, the model's own (a DDP model's; None: the world). The
+        MPI backend takes no torch group."""
+        if process_group is not None or self.backend != "torch":
+            return process_group
+        return getattr(model, "process_group", None)
+
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data (TOML-shaped), sorted and with defaults filled in."""
         out: dict[str, Any] = {

@@ -66,7 +66,7 @@ def attach_ddp_hook(
             "module with commpress.hooks.managed_ddp(module) instead (the same DDP, without that hook)"
         )
     cfg = Config.load(config)
-    group = process_group if process_group is not None or cfg.backend != "torch" else model.process_group
+    group = cfg.group_for(model, process_group)
     if manager is not None:
         state: CommState = ManagedCommState(cfg, model.module, manager)
     else:

@@ -59,7 +59,7 @@ def from_config(
         if process_group is not None:
             raise ConfigError(f"{entry}: process_group is not accepted with mesh=; expected None (mesh['replicate'] is used)")
         process_group = replica_groups(mesh, model, entry).replicate
-    group = process_group if process_group is not None or cfg.backend != "torch" else getattr(model, "process_group", None)
+    group = cfg.group_for(model, process_group)
     averager = ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend)
     return trainer_for(model, optimizer, section, averager, total_steps)
 
