@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 
-from commpress.adaptive.layer_plan import LayerPlan
 from commpress.comm import Traffic
 from commpress.config import Config
 from commpress.config.matrix import model_kind, part_for
@@ -46,6 +45,7 @@ from commpress.errors import ConfigError
 from commpress.fsdp import FSDP2State, QuantizedState
 from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks import CommState
+from commpress.layerwise.plan import LayerPlan
 from commpress.local_sgd import LocalSGD
 from commpress.optim import ManagedOneBitAdam, OneBitAdam
 from commpress.parts import PART_TYPES, AppliedPart, Request

@@ -21,7 +21,7 @@ LAYERS = [
     {"compressors"},
     {"config"},
     {"comm"},
-    {"adaptive"},
+    {"bandwidth", "layerwise"},
     {"hooks", "fsdp", "local_sgd", "optim"},
     {"registration", "parts", "replica_state"},  # one call that applies a config's tables through the adapters; its checkpoint
     {"workloads", "linkemu", "bench"},
@@ -120,10 +120,12 @@ def test_kernel_implementations_import_no_front_end():
 
 
 def test_the_bandwidth_layer_reaches_the_ranks_through_the_backend():
-    """``adaptive/`` measures links and opens scoped backends through the backend contract
-    (``comm/links.py``); it never imports torch.distributed itself."""
+    """``bandwidth/`` measures links and opens scoped backends through the backend contract
+    (``comm/links.py``); neither it nor ``layerwise/`` imports torch.distributed itself."""
     found = []
-    for path in sorted((ROOT / "adaptive").rglob("*.py")):
+    paths = sorted((ROOT / "bandwidth").rglob("*.py")) + sorted((ROOT / "layerwise").rglob("*.py"))
+    assert len(paths) > 10
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

@@ -16,8 +16,8 @@ import torch
 from test_fake_cuda import CUDA, fake_cuda  # noqa: F401  (the fixture)
 
 from commpress import CommState
-from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
-from commpress.adaptive.hierarchy import Hierarchy
+from commpress.bandwidth.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
+from commpress.bandwidth.hierarchy import Hierarchy
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
 from commpress.comm.simulated import SimulatedBackend
@@ -96,8 +96,8 @@ def test_the_layerwise_plan_exchanges_on_the_device(checked_world, monkeypatch):
     """The plan's summed errors, its digest check, and the plan handed to a healing replica
     travel on the buckets' device. The measured errors are numbers read from the data
     (fake tensors hold none): a stand-in checks that the measurement runs on the device."""
-    from commpress.adaptive import layerwise
     from commpress.compressors import host
+    from commpress.layerwise import groups as layerwise
 
     def errors(order, shape, acc):
         assert acc.device == CUDA

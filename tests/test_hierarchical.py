@@ -16,8 +16,8 @@ import pytest
 import torch
 from hierarchical_helpers import WORLD, _grad, _slots
 
-from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes, shard_ranges, shard_slots
-from commpress.adaptive.hierarchy import Hierarchy
+from commpress.bandwidth.hierarchical import Place, hierarchical_reduction, hierarchy_scopes, shard_ranges, shard_slots
+from commpress.bandwidth.hierarchy import Hierarchy
 from commpress.comm import SimulatedWorld
 from commpress.comm.launch import run_local
 from commpress.compressors import Bucket, ParamSlot, build

@@ -10,15 +10,15 @@ import random
 import pytest
 import torch
 
-from commpress.adaptive.knapsack import solve
-from commpress.adaptive.layer_errors import candidates, tensor_errors
-from commpress.adaptive.layer_plan import LayerPlan, label
-from commpress.adaptive.layerwise import LayerwiseGroups
 from commpress.bench.quality import train
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, Context, build
 from commpress.config import Config, ConfigError
 from commpress.config.groups import MAIN
+from commpress.layerwise.groups import LayerwiseGroups
+from commpress.layerwise.knapsack import solve
+from commpress.layerwise.measure import candidates, tensor_errors
+from commpress.layerwise.plan import LayerPlan, label
 
 
 def _brute(costs, errors, budget):

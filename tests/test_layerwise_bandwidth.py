@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from hierarchical_helpers import _grad, _reduce_step
 
-from commpress.adaptive.hierarchical import shard_ranges, shard_slots
-from commpress.adaptive.topology import Topology
+from commpress.bandwidth.hierarchical import shard_ranges, shard_slots
+from commpress.bandwidth.topology import Topology
 from commpress.comm.launch import run_local
 from commpress.compressors import ParamSlot
 

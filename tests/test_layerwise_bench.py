@@ -12,14 +12,14 @@ import math
 import pytest
 import torch
 
-from commpress.adaptive import layer_errors
-from commpress.adaptive.layer_errors import candidates, sample_rows, tensor_errors
 from commpress.bench.methods import method_from_config, parse_methods
 from commpress.bench.report import format_report, summarize, write_json
 from commpress.bench.runner import BenchPlan, bench_rank
 from commpress.comm.launch import run_local
 from commpress.compressors import build
 from commpress.compressors.tensor_stats import _sorted_sums, top_singular, top_sums
+from commpress.layerwise import measure as layer_errors
+from commpress.layerwise.measure import candidates, sample_rows, tensor_errors
 
 
 def _largest(values: torch.Tensor, k: int) -> float:

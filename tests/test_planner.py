@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from commpress.adaptive.hierarchy import Hierarchy
-from commpress.adaptive.planner import BandwidthConfig, describe, plan_hierarchy
-from commpress.adaptive.ratios import method_for_ratio
-from commpress.adaptive.topology import Flows, Topology
-from commpress.adaptive.traffic import ModelLayout, Transfer, cross_traffic
+from commpress.bandwidth.hierarchy import Hierarchy
+from commpress.bandwidth.planner import BandwidthConfig, describe, plan_hierarchy
+from commpress.bandwidth.ratios import method_for_ratio
+from commpress.bandwidth.topology import Flows, Topology
+from commpress.bandwidth.traffic import ModelLayout, Transfer, cross_traffic
 from commpress.compressors import ParamSlot
 from commpress.compressors.topk import topk_count
 from commpress.config import Config, ConfigError
@@ -219,7 +219,7 @@ def test_ratio_maps_to_each_methods_parameter():
 def test_low_rank_state_keeps_errors_and_drops_factors_of_another_rank():
     import torch
 
-    from commpress.adaptive.ratios import adapt_state
+    from commpress.bandwidth.ratios import adapt_state
 
     err = torch.arange(6.0).view(2, 3)
     state = {"error": {"w": err}, "q": {"w": torch.ones(4, 3)}, "p": {"w": torch.ones(2, 4)}}

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from commpress.adaptive.measurement import _flows_of, _lead, domain_flows, uplink_flows
-from commpress.adaptive.topology import Flows, Topology, auto_threshold, find_domains
+from commpress.bandwidth.measurement import _flows_of, _lead, domain_flows, uplink_flows
+from commpress.bandwidth.topology import Flows, Topology, auto_threshold, find_domains
 from commpress.comm.launch import run_local
 
 G = 1e9 / 8
@@ -121,7 +121,7 @@ def test_flows_of_a_domain_add_up():
 
 
 def _measure(rank: int, world: int) -> list[Topology]:
-    from commpress.adaptive.measurement import measure_topology
+    from commpress.bandwidth.measurement import measure_topology
     from commpress.comm.torch_backend import TorchLinks
 
     links = TorchLinks()

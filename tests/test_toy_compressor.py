@@ -19,9 +19,6 @@ from test_compressor_wire import test_a_compressors_transfers_are_what_the_backe
 from test_compressor_wire import test_transfers_are_the_sum_of_every_slots_own as slot_sum_check
 
 import commpress
-from commpress.adaptive.layer_errors import candidates
-from commpress.adaptive.layer_plan import label
-from commpress.adaptive.layerwise import LayerwiseGroups
 from commpress.bench.quality import train
 from commpress.comm import SimulatedWorld
 from commpress.compressors import (
@@ -40,6 +37,9 @@ from commpress.compressors import (
 )
 from commpress.compressors.tensor_stats import TensorStats
 from commpress.config import Config, ConfigError
+from commpress.layerwise.groups import LayerwiseGroups
+from commpress.layerwise.measure import candidates
+from commpress.layerwise.plan import label
 from commpress.schema import Bounds
 
 TOY = "test-toy-prefix"

@@ -10,11 +10,11 @@ from typing import ClassVar
 import pytest
 import torch
 
-from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
-from commpress.adaptive.hierarchy import Hierarchy
-from commpress.adaptive.timing import CollectiveLog, Record, measured
-from commpress.adaptive.topology import Flows, Topology
-from commpress.adaptive.traffic import (
+from commpress.bandwidth.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
+from commpress.bandwidth.hierarchy import Hierarchy
+from commpress.bandwidth.timing import CollectiveLog, Record, measured
+from commpress.bandwidth.topology import Flows, Topology
+from commpress.bandwidth.traffic import (
     Link,
     ModelLayout,
     Transfer,

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from commpress.adaptive.layer_plan import PlanningCost
 from commpress.bench.methods import BenchMethod
 from commpress.comm.counters import Traffic
 from commpress.hooks import register_ddp_hook
+from commpress.layerwise.plan import PlanningCost
 
 __all__ = ["Attached", "Counting", "attach", "bucket_cap", "count_plain"]
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from commpress.adaptive.layerwise import LayerwiseGroups, method_groups
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
 from commpress.compressors import EXACT, Bucket, Context, build
@@ -25,6 +24,7 @@ from commpress.config.tables import FSDPConfig
 from commpress.fsdp.fsdp2 import Unit
 from commpress.fsdp.layout import flat_shards, plan_units, unshard
 from commpress.hooks.optimizer import hand_over_momentum
+from commpress.layerwise.groups import LayerwiseGroups, method_groups
 from commpress.local_sgd.config import trainer_for
 from commpress.workloads.train import cosine_lr
 

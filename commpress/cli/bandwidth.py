@@ -32,11 +32,11 @@ from commpress.terminal import format_table
 if TYPE_CHECKING:
     import torch
 
-    from commpress.adaptive.layer import AdaptiveLayer
-    from commpress.adaptive.planner import HierarchyPlan
-    from commpress.adaptive.timing import Measured, Record
-    from commpress.adaptive.topology import Topology
-    from commpress.adaptive.traffic import ModelLayout
+    from commpress.bandwidth.layer import AdaptiveLayer
+    from commpress.bandwidth.planner import HierarchyPlan
+    from commpress.bandwidth.timing import Measured, Record
+    from commpress.bandwidth.topology import Topology
+    from commpress.bandwidth.traffic import ModelLayout
 
 __all__ = ["add_arguments", "run"]
 
@@ -142,8 +142,8 @@ def _config(option: str, spec: str, bandwidth: dict[str, Any] | None = None) -> 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """What every rank runs: measure, plan, train each row; rank 0's result is reported."""
-    from commpress.adaptive.measurement import measure_topology
-    from commpress.adaptive.timing import recording
+    from commpress.bandwidth.measurement import measure_topology
+    from commpress.bandwidth.timing import recording
     from commpress.comm.torch_backend import TorchLinks
     from commpress.workloads.charlm import CharTask
     from commpress.workloads.train import train_ddp
@@ -184,8 +184,8 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, rows: list[tuple[
 
 def plan_for(topology: Topology, model: torch.nn.Module, config: dict[str, Any]) -> HierarchyPlan:
     """The plan an adaptive ``config`` makes for ``model`` over ``topology`` (DDP's default buckets)."""
-    from commpress.adaptive.planner import plan_hierarchy
-    from commpress.adaptive.traffic import ModelLayout, ddp_buckets
+    from commpress.bandwidth.planner import plan_hierarchy
+    from commpress.bandwidth.traffic import ModelLayout, ddp_buckets
     from commpress.config import Config
     from commpress.config.groups import MethodGroups
 
@@ -203,8 +203,8 @@ def group_rows(
 ) -> list[dict[str, Any]]:
     """Per group: its method and the predicted bytes and seconds per step, with the
     measured ones where given (then predicted for ``layout``, the buckets that ran)."""
-    from commpress.adaptive.planner import describe
-    from commpress.adaptive.traffic import predict
+    from commpress.bandwidth.planner import describe
+    from commpress.bandwidth.traffic import predict
 
     predicted = plan.predicted if layout is None else predict(topology, plan, layout, plan.methods)
     methods = [describe(m) for m in plan.methods] + ["none"] * len(plan.domains)
@@ -220,7 +220,7 @@ def group_rows(
 
 def compare(layer: AdaptiveLayer, records: list[list[Record]]) -> list[dict[str, Any]]:
     """Every group of ``layer``'s last plan: predicted (for the buckets it ran) and measured."""
-    from commpress.adaptive.timing import measured
+    from commpress.bandwidth.timing import measured
 
     return group_rows(layer.plan, measured(records, layer.plan), layer.observed_layout(), layer.topology)
 

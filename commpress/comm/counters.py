@@ -1,6 +1,6 @@
 """Counters of what a rank sent and how long it spent compressing (:class:`Traffic`).
 
-What was measured, as opposed to :mod:`commpress.adaptive.traffic`, the model that predicts it.
+What was measured, as opposed to :mod:`commpress.bandwidth.traffic`, the model that predicts it.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ its shared state ends the step equal to its peers'. Its per-rank state (error fe
 residuals, local momentum) starts from zero.
 
 A ``[layerwise]`` plan is made at the step after a measured one by every participant, a
-healing replica sending zero errors (:attr:`~commpress.adaptive.layerwise.LayerwiseGroups.by_step`);
+healing replica sending zero errors (:attr:`~commpress.layerwise.groups.LayerwiseGroups.by_step`);
 its two collectives are part of the step: replayed by a healing replica before its buckets,
 undone with the step's other staged state when the step is not committed. At a step that
 does not plan, a healing replica (whose plan is stale, and whose buckets' collectives

@@ -10,8 +10,6 @@ from typing import Any
 import torch
 import torch.distributed
 
-from commpress.adaptive.layer_plan import LayerPlan
-from commpress.adaptive.layerwise import LayerwiseGroups, method_groups
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
@@ -23,6 +21,8 @@ from commpress.config import Config
 from commpress.config.groups import MethodGroups
 from commpress.config.matrix import check_part
 from commpress.errors import ConfigError
+from commpress.layerwise.groups import LayerwiseGroups, method_groups
+from commpress.layerwise.plan import LayerPlan
 
 __all__ = ["CommState", "check_model"]
 
@@ -108,7 +108,7 @@ class CommState(OnBackend):
             self._backend = make_backend(self.config.backend, self._process_group, self.groups.rounds)
         bandwidth = self.config.section("bandwidth")
         if self.adaptive is None and bandwidth is not None and bandwidth.adaptive:
-            from commpress.adaptive.layer import AdaptiveLayer
+            from commpress.bandwidth.layer import AdaptiveLayer
 
             self.adaptive = AdaptiveLayer(self.groups, bandwidth, self._model, self._backend)
         if self._saved is not None:

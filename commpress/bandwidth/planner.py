@@ -3,7 +3,7 @@ group's predicted step time meet the target.
 
 The plan's unit is the group, not the link: a collective runs at the pace of its slowest
 link, so every rank of a cross group uses one setting, and the traffic model
-(:mod:`commpress.adaptive.traffic`) predicts the group's time from the topology: the
+(:mod:`commpress.bandwidth.traffic`) predicts the group's time from the topology: the
 group's own links, its members' uplinks shared with the other cross groups, the
 collective algorithm, and the bytes the method really sends at each setting (the
 uncompressed part of the low-rank methods, Top-k's all-gather growing with the group).
@@ -14,7 +14,7 @@ A group's *ratio* is its predicted wire bytes over those of the uncompressed gra
 ``max_ratio``). Each cross group gets the largest setting whose predicted time meets the
 target with its ratio in ``[min_ratio, max_ratio]``; one that cannot meet it gets the most
 compression ``min_ratio`` allows (its predicted time shows it). Each method's knob is
-searched through its ratio mapping (:mod:`commpress.adaptive.ratios`), which orders the
+searched through its ratio mapping (:mod:`commpress.bandwidth.ratios`), which orders the
 settings from most to least compressed.
 
 Everything here is a pure function of its inputs, so every rank that plans from the same
@@ -29,10 +29,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from commpress.adaptive.hierarchy import Hierarchy
-from commpress.adaptive.ratios import method_for_ratio
-from commpress.adaptive.topology import Topology
-from commpress.adaptive.traffic import GroupTraffic, Methods, ModelLayout, cross_traffic, domain_traffic, group_shapes
+from commpress.bandwidth.hierarchy import Hierarchy
+from commpress.bandwidth.ratios import method_for_ratio
+from commpress.bandwidth.topology import Topology
+from commpress.bandwidth.traffic import GroupTraffic, Methods, ModelLayout, cross_traffic, domain_traffic, group_shapes
 from commpress.compressors import EXACT
 from commpress.config.tables import BandwidthConfig
 from commpress.terminal import format_table

@@ -1,24 +1,24 @@
 """The bandwidth-aware layer of the DDP hook state.
 
 Turned on by ``[bandwidth] adaptive = true``. At start-up it measures the links
-(:func:`~commpress.adaptive.measurement.measure_topology`, the same result on every rank), plans
-(:func:`~commpress.adaptive.planner.plan_hierarchy`, a pure function of that measurement
+(:func:`~commpress.bandwidth.measurement.measure_topology`, the same result on every rank), plans
+(:func:`~commpress.bandwidth.planner.plan_hierarchy`, a pure function of that measurement
 and of the model's buckets), checks that every rank holds the same plan, and reduces
 every bucket hierarchically: uncompressed inside fast domains, compressed across them
 with the methods the plan gives this rank's cross-domain group. The first plan is made
-for DDP's default buckets (:func:`~commpress.adaptive.traffic.ddp_buckets`); later plans
+for DDP's default buckets (:func:`~commpress.bandwidth.traffic.ddp_buckets`); later plans
 for the buckets the layer has seen. With ``remeasure_every`` it measures and plans again
 at the start of every N-th step, on every rank at the same bucket, when no reduction is
-in flight. Inside a :func:`~commpress.adaptive.timing.recording` it times its collectives.
+in flight. Inside a :func:`~commpress.bandwidth.timing.recording` it times its collectives.
 
 Changing a method's parameter keeps its state: the new instance loads the old one's
 ``state_dict`` (error feedback, warm starts), converted where the parameter shapes it
-(:func:`commpress.adaptive.ratios.adapt_state`: a low-rank method keeps its error buffers
+(:func:`commpress.bandwidth.ratios.adapt_state`: a low-rank method keeps its error buffers
 and restarts its warm start when the rank changes). A plan that switches a group to ``none``
 (its links are fast enough) parks the compressor with its state; a later plan that
 brings the method back resumes it. Parked compressors are part of ``state_dict``.
 
-With ``[layerwise]`` the groups are a :class:`~commpress.adaptive.layerwise.LayerwiseGroups`:
+With ``[layerwise]`` the groups are a :class:`~commpress.layerwise.groups.LayerwiseGroups`:
 the setting this layer gives the main method is the link's budget, which a layer-wise plan
 per cross group shares out per tensor (see that module); the plan is made over this
 layer's backend, and a new setting ends the plan made for the old one.
@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from commpress.adaptive import timing
-from commpress.adaptive.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
-from commpress.adaptive.measurement import measure_topology
-from commpress.adaptive.planner import HierarchyPlan, plan_hierarchy
-from commpress.adaptive.ratios import adapt_state
-from commpress.adaptive.topology import Topology
-from commpress.adaptive.traffic import ModelLayout, ddp_buckets
+from commpress.bandwidth import timing
+from commpress.bandwidth.hierarchical import Place, hierarchical_reduction, hierarchy_scopes
+from commpress.bandwidth.measurement import measure_topology
+from commpress.bandwidth.planner import HierarchyPlan, plan_hierarchy
+from commpress.bandwidth.ratios import adapt_state
+from commpress.bandwidth.topology import Topology
+from commpress.bandwidth.traffic import ModelLayout, ddp_buckets
 from commpress.comm import Backend
 from commpress.comm.links import MeasurableBackend
 from commpress.compressors import Bucket, Compressor, ParamSlot, build

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from commpress.adaptive.hierarchy import Hierarchy
+from commpress.bandwidth.hierarchy import Hierarchy
 from commpress.compressors.wire.collectives import Collective, Reduction, relayed
 
 __all__ = ["CollectiveLog", "Measured", "Record", "active", "measured", "recording"]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from commpress.adaptive.hierarchy import Hierarchy
+from commpress.bandwidth.hierarchy import Hierarchy
 from commpress.compressors.base import Bucket, Context, ParamSlot
 from commpress.compressors.wire.collectives import AllGather, ReduceScatter, Reduction, in_scope
 

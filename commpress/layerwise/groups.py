@@ -2,11 +2,11 @@
 measured errors and a byte budget choose (``[layerwise] enabled = true``).
 
 Every ``every`` steps from ``start_iter`` on, each rank measures, while it reduces the
-step's buckets, what every candidate setting (:mod:`commpress.adaptive.layer_errors`)
+step's buckets, what every candidate setting (:mod:`commpress.layerwise.measure`)
 would lose on every tensor of the main method: the error of compressing gradient plus
 residual. At the first bucket of the next step the ranks sum their errors (one small
 all-reduce through the backend), solve the multiple-choice knapsack
-(:func:`commpress.adaptive.knapsack.solve`: least summed error within the budget), check
+(:func:`commpress.layerwise.knapsack.solve`: least summed error within the budget), check
 that every rank holds the same plan (a second all-reduce of its digest) and switch to it.
 
 The plan is applied through :class:`~commpress.compressors.composite.Composite`: every
@@ -41,9 +41,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from commpress.adaptive.knapsack import cheapest, solve
-from commpress.adaptive.layer_errors import candidates, tensor_errors
-from commpress.adaptive.layer_plan import LayerPlan, PlanningCost, label
 from commpress.comm import Backend
 from commpress.comm.checkpoint import sum_entries
 from commpress.compressors import EXACT, AllReduce, Bucket, Compressor, Context, ParamSlot, Reduction, Setting, build, host
@@ -53,6 +50,9 @@ from commpress.config import Config
 from commpress.config.groups import MAIN, MethodGroups
 from commpress.config.tables import LayerwiseConfig
 from commpress.errors import ConfigError
+from commpress.layerwise.knapsack import cheapest, solve
+from commpress.layerwise.measure import candidates, tensor_errors
+from commpress.layerwise.plan import LayerPlan, PlanningCost, label
 
 __all__ = ["LayerwiseGroups", "method_groups"]
 

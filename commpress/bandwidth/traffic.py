@@ -21,7 +21,7 @@ Which collectives a method issues, and their sizes, the compressor says itself
 PowerSGD's and ACP-SGD's ``min_compression_rate`` rule which tensors are compressed, Top-k's
 ``min_numel`` and ``topk_count`` which entries are sent); a method that does not is run
 once on the in-process simulated world and its collectives recorded. The hierarchical
-layout is cut exactly as the reduction cuts it (:func:`~commpress.adaptive.hierarchical.shard_ranges`).
+layout is cut exactly as the reduction cuts it (:func:`~commpress.bandwidth.hierarchical.shard_ranges`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from commpress.adaptive.hierarchical import Place, shard_ranges, shard_slots
-from commpress.adaptive.hierarchy import Hierarchy
-from commpress.adaptive.topology import Topology
+from commpress.bandwidth.hierarchical import Place, shard_ranges, shard_slots
+from commpress.bandwidth.hierarchy import Hierarchy
+from commpress.bandwidth.topology import Topology
 from commpress.comm.simulated import SimulatedWorld
 from commpress.compressors import EXACT, Bucket, Context, ParamSlot, Transfer, build
 from commpress.compressors.wire.collectives import relayed

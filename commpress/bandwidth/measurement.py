@@ -1,6 +1,6 @@
 """Measure the network between ranks: bandwidth and latency of every link, the rate of
 the flows of the hierarchical layout running at once (a node's shared uplink), and the
-time of a world all-reduce; the result is a :class:`~commpress.adaptive.topology.Topology`.
+time of a world all-reduce; the result is a :class:`~commpress.bandwidth.topology.Topology`.
 
 Links are first measured one pair at a time (the others wait at a barrier): each pair
 sends a growing message until one transfer lasts ``probe_ms`` (short messages only
@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from commpress.adaptive.topology import Flows, Matrix, Topology, host_key
+from commpress.bandwidth.topology import Flows, Matrix, Topology, host_key
 from commpress.comm.links import Links
 
 __all__ = ["domain_flows", "measure_topology", "uplink_flows"]

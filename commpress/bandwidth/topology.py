@@ -4,7 +4,7 @@ domains the links form (ranks joined by fast links, or on one host).
 
 :class:`Topology` is plain data (``to_dict``/``from_dict``, a table for people); the
 domains are a pure function of the numbers, so every rank that holds the same numbers
-derives the same domains. :func:`commpress.adaptive.measurement.measure_topology`
+derives the same domains. :func:`commpress.bandwidth.measurement.measure_topology`
 measures one.
 """
 

@@ -1,5 +1,5 @@
 """A layer-wise plan as data: each planned tensor's setting, by label, and its bytes; what
-planning has cost (:mod:`commpress.adaptive.layerwise` makes and applies plans)."""
+planning has cost (:mod:`commpress.layerwise.groups` makes and applies plans)."""
 
 from __future__ import annotations
 
