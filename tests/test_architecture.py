@@ -167,3 +167,38 @@ def test_no_code_file_is_over_400_lines():
     lines = {f.relative_to(REPO).as_posix(): len(f.read_text().splitlines()) for f in files}
     long = sorted((name, n) for name, n in lines.items() if n > MAX_LINES)
     assert not long, f"files over {MAX_LINES} lines (split them): " + ", ".join(f"{name} ({n} lines)" for name, n in long)
+
+
+#: Where the library turns what a user handed it (a dict, a file, a Config) into a Config:
+#: the public entry points only (file -> function or Class.method). Everything inside takes
+#: the Config. The commands' layer (cli/, bench/, workloads/) reads its own files.
+FRONT_DOORS = {
+    "registration.py": {"register"},
+    "hooks/state.py": {"CommState.__init__"},
+    "hooks/ddp.py": {"attach_ddp_hook"},  # register_ddp_hook's body
+    "hooks/manager.py": {"ManagedCommState.__init__"},
+    "local_sgd/config.py": {"from_config"},
+    "fsdp/config.py": {"load_fsdp_config"},  # fsdp.apply's
+}
+
+
+def test_only_the_front_doors_load_a_config():
+    found: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.split("/")[0] in {"cli", "bench", "workloads"}:
+            continue
+        tree = ast.parse(path.read_text())
+        for scope in ast.walk(tree):
+            if not isinstance(scope, (ast.FunctionDef, ast.ClassDef)):
+                continue
+            bodies = [scope] if isinstance(scope, ast.FunctionDef) else [n for n in scope.body if isinstance(n, ast.FunctionDef)]
+            for fn in bodies:
+                name = fn.name if fn is scope else f"{scope.name}.{fn.name}"
+                for node in ast.walk(fn):
+                    func = node.func if isinstance(node, ast.Call) else None
+                    if isinstance(func, ast.Attribute) and func.attr == "load" and getattr(func.value, "id", None) == "Config":
+                        found.setdefault(rel, set()).add(name)
+    # a method is seen once as a function and once under its class: keep the class's name
+    found = {rel: {n for n in names if "." in n or not any(m.endswith(f".{n}") for m in names)} for rel, names in found.items()}
+    assert found == FRONT_DOORS
