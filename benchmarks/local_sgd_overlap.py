@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.terminal import format_table
 
 ROWS = {

@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.terminal import format_table
 
 METHODS = ("ddp", "torch-powersgd", "powersgd", "acpsgd")

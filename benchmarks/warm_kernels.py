@@ -26,7 +26,7 @@ from unittest import mock
 import torch
 
 import commpress
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.workloads.synthetic import CharTransformerTask
 
 TASK = CharTransformerTask(context=64, width=256, layers=4, heads=4)

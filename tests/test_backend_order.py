@@ -11,8 +11,8 @@ import multiround  # noqa: F401  (registers test-multiround)
 import pytest
 import torch
 
+from commpress.bench.launch import run_local
 from commpress.comm.backend import Backend
-from commpress.comm.launch import run_local
 from commpress.compressors import AllGather, AllReduce, Bucket, Context, build
 
 

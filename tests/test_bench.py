@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
+from commpress.bench.launch import run_local
 from commpress.bench.methods import default_methods, parse_methods
 from commpress.bench.report import LOOPBACK_NOTE, format_report, summarize, write_plot
 from commpress.bench.runner import BenchPlan, bench_rank
 from commpress.cli import main
 from commpress.comm.from_env import detect_launcher
-from commpress.comm.launch import run_local
 from commpress.compressors import available
 from commpress.errors import ConfigError
 from commpress.workloads.shaped import SHAPE_SETS, ShapedTask, load_shapes, scale_shapes

@@ -19,10 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commpress import CommState, ddp_hook, register
+from commpress.bench.launch import run_local
 from commpress.comm import SimulatedWorld
 from commpress.comm.backend import Backend
 from commpress.comm.checkpoint import DCPState
-from commpress.comm.launch import run_local
 from commpress.compressors import AllGather, AllReduce
 
 pytestmark = pytest.mark.multiproc

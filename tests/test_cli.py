@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import commpress.comm.launch
+import commpress.bench.launch
 from commpress.cli import COMMANDS, build_parser, main, summary
 from commpress.cmdline import LIST_HELP
 
@@ -24,7 +24,7 @@ def no_ranks(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a rank was started")
 
-    monkeypatch.setattr(commpress.comm.launch, "run_local", refuse)
+    monkeypatch.setattr(commpress.bench.launch, "run_local", refuse)
     monkeypatch.setattr("torch.distributed.init_process_group", refuse)
     for var in LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from tests.test_local_sgd import _batch, _flat, _lr, _model, _run, _spread
 
 pytestmark = pytest.mark.multiproc

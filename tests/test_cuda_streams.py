@@ -8,8 +8,8 @@ make DDP wait for the streams its last callback ran on. Runs only where a CUDA d
 import pytest
 import torch
 
+from commpress.bench.launch import run_local
 from commpress.comm.backend import future_on
-from commpress.comm.launch import run_local
 
 pytestmark = [
     pytest.mark.cuda,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 CONFIGS = {

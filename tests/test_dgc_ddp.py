@@ -77,7 +77,7 @@ def _ddp_main(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ddp_runs():
-    from commpress.comm.launch import run_local
+    from commpress.bench.launch import run_local
 
     return run_local(_ddp_main, 2)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from tests.test_local_sgd import _batch, _flat, _model, _spread
 
 pytestmark = pytest.mark.multiproc

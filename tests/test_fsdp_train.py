@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.workloads.charlm import CharTask
 
 pytestmark = pytest.mark.multiproc

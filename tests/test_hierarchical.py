@@ -18,8 +18,8 @@ from hierarchical_helpers import WORLD, _grad, _slots
 
 from commpress.bandwidth.hierarchical import Place, hierarchical_reduction, hierarchy_scopes, shard_ranges, shard_slots
 from commpress.bandwidth.hierarchy import Hierarchy
+from commpress.bench.launch import run_local
 from commpress.comm import SimulatedWorld
-from commpress.comm.launch import run_local
 from commpress.compressors import Bucket, ParamSlot, build
 
 STEPS = 3

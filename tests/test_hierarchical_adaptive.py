@@ -18,7 +18,7 @@ from hierarchical_helpers import WORLD, _grad, _reduce_step, _slots
 
 from commpress.bandwidth.hierarchical import shard_ranges
 from commpress.bandwidth.topology import Topology
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 G = 1e9 / 8  #: 1 Gbit/s in bytes per second: the links within a domain
 

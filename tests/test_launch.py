@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from commpress.comm import launch
-from commpress.comm.launch import run_local
+from commpress.bench import launch
+from commpress.bench.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 

@@ -22,7 +22,7 @@ from hierarchical_helpers import _grad, _reduce_step
 
 from commpress.bandwidth.hierarchical import shard_ranges, shard_slots
 from commpress.bandwidth.topology import Topology
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.compressors import ParamSlot
 
 pytestmark = pytest.mark.multiproc

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
+from commpress.bench.launch import run_local
 from commpress.bench.methods import method_from_config, parse_methods
 from commpress.bench.report import format_report, summarize, write_json
 from commpress.bench.runner import BenchPlan, bench_rank
-from commpress.comm.launch import run_local
 from commpress.compressors import build
 from commpress.compressors.tensor_stats import _sorted_sums, top_singular, top_sums
 from commpress.layerwise import measure as layer_errors

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commpress import register
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 STEPS = 14

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from commpress.bench.launch import run_local
 from commpress.bench.methods import method_from_config, parse_methods
 from commpress.bench.runner import BenchPlan, bench_rank
-from commpress.comm.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 CONFIGS = Path(__file__).resolve().parent.parent / "docs" / "configs"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from commpress.bench.launch import run_local
 from commpress.cli.demo import DEMO_ROWS
-from commpress.comm.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 ROWS = {row.label: row.config for row in DEMO_ROWS if row.label in ("none", "local-sgd+qsr", "co2")}

@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 METHODS = ["powersgd", "acpsgd"]

@@ -26,7 +26,7 @@ from test_manager import _finish, _same, _start, _when_alone
 from torch.distributed import TCPStore
 from torchft.coordination import LighthouseServer
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 import manager_sharded_workers

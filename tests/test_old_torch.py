@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from commpress import torch_compat
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD = ROOT / "tests" / "torch_2_9"

@@ -10,8 +10,8 @@ import torch
 from test_quant_ddp import _resume
 
 from commpress import ConfigError
+from commpress.bench.launch import run_local
 from commpress.comm import SimulatedWorld
-from commpress.comm.launch import run_local
 from commpress.compressors import Bucket, build
 
 SIZES = (300, 41, 7, 1)

@@ -12,9 +12,9 @@ import torch
 
 import commpress
 from commpress import ConfigError
+from commpress.bench.launch import run_local
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
-from commpress.comm.launch import run_local
 from commpress.optim import OneBitAdam
 
 STEPS, WARMUP = 10, 4

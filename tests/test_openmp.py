@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.kernels.cpu.openmp import RANK_SPIN_COUNT, rank_env, wait_setting
 
 _NAMES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")

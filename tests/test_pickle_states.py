@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from commpress import CommState, ddp_hook, register
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.fsdp import FSDPConfig, LowPrecisionState, QuantizedState, low_precision_hook, quantized_hook
 
 pytestmark = pytest.mark.multiproc

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from commpress.bench import quality, simulated_training
+from commpress.bench.launch import run_local
 from commpress.comm import SimulatedWorld
-from commpress.comm.launch import run_local
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.config import load_fsdp_config
 from commpress.fsdp.layout import plan_units

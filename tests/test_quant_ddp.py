@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.compressors.topk import DEFAULT_MIN_NUMEL, topk_count
 
 pytestmark = pytest.mark.multiproc

@@ -13,7 +13,7 @@ import torch
 
 import commpress
 from commpress import Config, ConfigError
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.compressors import available
 from commpress.config.tables import TABLES
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 CONFIGS = Path(__file__).resolve().parents[1] / "docs" / "configs"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 pytestmark = pytest.mark.multiproc
 

@@ -10,7 +10,7 @@ import pytest
 
 from commpress.bandwidth.measurement import _flows_of, _lead, domain_flows, uplink_flows
 from commpress.bandwidth.topology import Flows, Topology, auto_threshold, find_domains
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 G = 1e9 / 8
 

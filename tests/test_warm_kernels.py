@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import commpress
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "docs" / "configs"

@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     world = args.local if args.local is not None else launch.world_size if launch.kind != "none" else None
     expected = _domains(args.expect_domains, world) if args.expect_domains is not None else None
     if args.local is not None:
-        from commpress.comm.launch import run_local
+        from commpress.bench.launch import run_local
 
         result = run_local(rank_main, args.local, args, rows)[0]
     else:

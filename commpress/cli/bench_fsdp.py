@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     mesh = _mesh(args.mesh, world)
     settings = {"steps": args.steps, "hidden": args.hidden, "batch": args.batch, "mesh": mesh, "progress": True}
     if args.local is not None:
-        from commpress.comm.launch import run_local
+        from commpress.bench.launch import run_local
 
         print(f"commpress bench-fsdp: {args.local} local ranks (gloo), {args.steps} steps per row", file=sys.stderr)
         results = run_local(_rank_main, args.local, rows, settings)[0]

@@ -130,8 +130,8 @@ def never_compressed(rows: list[DemoRow], steps: int) -> dict[str, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from commpress.bench.launch import run_local
     from commpress.cli.ranks import check_output_path
-    from commpress.comm.launch import run_local
 
     rows = rows_from_specs(args.methods, args.steps) if args.methods is not None else demo_rows(args.steps)
     if args.json is not None:

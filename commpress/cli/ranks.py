@@ -119,7 +119,7 @@ def run_on_ranks(
 
     launch = detect_launcher()
     if local is not None:
-        from commpress.comm.launch import run_local
+        from commpress.bench.launch import run_local
 
         banner(local, "local processes")
         return run_local(fn, local, plan, timeout=timeout)[0]

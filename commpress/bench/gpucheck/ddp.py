@@ -150,7 +150,7 @@ def train_all(rank: int, world: int, device_type: str, scale: float, steps: int)
 
 def _run(name: str, scale: float, steps: int) -> list[dict[str, Any]]:
     """Every rank's results of the run ``name``."""
-    from commpress.comm.launch import run_local
+    from commpress.bench.launch import run_local
 
     device, backend, ranks = RUNS[name]
     if ranks == 1:

@@ -10,7 +10,7 @@ with spinning workers and lose up to a third of their speed. A spin count of 10,
 (measurements in docs/kernels.md, "Threads and torch's OpenMP workers").
 
 libgomp reads these variables once, when torch loads it, so they must be in a process's
-environment before it starts: :func:`commpress.comm.launch.run_local` sets the default for
+environment before it starts: :func:`commpress.bench.launch.run_local` sets the default for
 the ranks it starts; for other launchers export it (``GOMP_SPINCOUNT=10000 torchrun ...``).
 """
 
