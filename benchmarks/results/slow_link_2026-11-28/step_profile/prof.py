@@ -6,7 +6,7 @@ import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 import commpress
 from commpress.bench.race import RaceTask
-from commpress.comm.launch import run_local
+from commpress.bench.launch import run_local
 from commpress.local_sgd.ddp import skip_gradient_allreduce
 
 STEPS = 40
