@@ -59,6 +59,9 @@ H1 = str(Path(__file__).resolve().parents[1] / "docs" / "configs" / "slow-link-h
 STEPS = 9  # inner steps of the comparison (a round in progress at the end: finish() syncs it)
 SAVE_STEP = 4  # the managed run's state_dict(): DiLoCo's sync started at step 4 in flight
 KILL_SYNC = 3
+#: the methods of the failure runs: Top-k, TernGrad entropy-coded, and PowerSGD, whose warm
+#: starts are shared state a healed replica must stage as its peers do
+KILLED: dict[str, dict[str, Any]] = {"topk": METHODS["topk"], "terngrad": METHODS["terngrad"], "powersgd": {"rank": 2}}
 TOGETHER = 3
 
 
@@ -67,10 +70,10 @@ def config(method: str, sync_delay: int) -> dict[str, Any]:
     the slow-link config; the others with the mix; Top-k (the failure runs) also with
     ``"sqrt_replicas"``, which under the manager follows each sync's participants."""
     table = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": sync_delay, "outer_momentum": 0.2}
-    table["outer_lr"] = "sqrt_replicas" if method in ("terngrad", "topk") else 0.8
+    table["outer_lr"] = "sqrt_replicas" if method in KILLED else 0.8
     if method != "terngrad":
         table["merge_alpha"] = 0.5
-    return {"method": method, "params": METHODS[method], "local_sgd": table}
+    return {"method": method, "params": {**METHODS, **KILLED}[method], "local_sgd": table}
 
 
 def inner_step(net: nn.Module, opt: torch.optim.Optimizer, replica: int, step: int) -> None:
@@ -141,8 +144,8 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     manager.register_state_dict_fn("model", net.load_state_dict, net.state_dict)
     manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
-    module = {"topk": topk_kernels, "terngrad": ternary_kernels}[method]
-    kernels = [f for f in vars(module).values() if hasattr(f, "signatures")]  # numba's, loaded on first use
+    module = {"topk": topk_kernels, "terngrad": ternary_kernels}.get(method)  # PowerSGD runs torch's own ops
+    kernels = [f for f in vars(module).values() if hasattr(f, "signatures")] if module else []  # numba's, loaded on first use
     loaded = [any(f.signatures for f in kernels)]
     outside: list[bool] = []
     backend: list[ManagerBackend] = []
