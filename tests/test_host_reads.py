@@ -29,7 +29,7 @@ READS = {
     "none": 1,
     "fp16": 1,
     "bf16": 1,
-    "powersgd": 5,  # a flag after each of its two all-reduces
+    "powersgd": 3,  # P's flag read with Q's, after the second all-reduce
     "acpsgd": 3,
     "terngrad": 3,
     "quant": 3,

@@ -185,12 +185,13 @@ class LowRankCompressor(Compressor):
             bucket.buffer.index_copy_(0, plan.dense_index, dense)
 
     @staticmethod
-    def _usable(summed: torch.Tensor, bucket: Bucket, plan: LowRankPlan) -> bool:
-        """Whether the all-reduced ``summed`` is finite (one flag read on the host). If not,
-        the compressed part of the bucket is set to NaN and the caller returns without
-        staging anything. Every rank sees the same sums, so all ranks agree; the non-finite
-        gradient makes torch.amp's GradScaler skip the step."""
-        if host.flags(host.finite(summed))[0]:
+    def _usable(summed: torch.Tensor, bucket: Bucket, plan: LowRankPlan, also: torch.Tensor | None = None) -> bool:
+        """Whether the all-reduced ``summed`` is finite, and the device flag ``also`` true
+        (one flag read on the host). If not, the compressed part of the bucket is set to
+        NaN and the caller returns without staging anything. Every rank sees the same sums,
+        so all ranks agree; the non-finite gradient makes torch.amp's GradScaler skip the step."""
+        flag = host.finite(summed) if also is None else host.finite(summed) & also
+        if host.flags(flag)[0]:
             return True
         for b in plan.batches:
             b.view(bucket.buffer).fill_(float("nan"))

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from commpress.compressors import host
 from commpress.compressors.base import AllReduce, Bucket, Context, ParamSlot, Reduction, Transfer
 from commpress.compressors.lowrank import LowRankCompressor, _Step
 from commpress.compressors.lowrank_plan import orthonormalize
@@ -48,14 +49,17 @@ class PowerSGDCompressor(LowRankCompressor):
                 torch.bmm(m, q, out=p)
         summed = yield AllReduce(first)
         self._write_dense(summed, bucket, plan, plan.p_numel)
-        if not plan.batches or not self._usable(summed, bucket, plan):
+        if not plan.batches:
             return
+        # P's finiteness is read with Q's, after the second all-reduce: one host read a
+        # bucket. A non-finite P (the same on every rank) makes Q non-finite on every rank.
+        p_finite = host.finite(summed)
         ps = [orthonormalize(p) for p in plan.p_views(summed)]
         second = torch.empty(plan.q_numel, dtype=torch.float32, device=bucket.buffer.device)
         for m, p, qt in zip(step.ms, ps, plan.qt_views(second)):
             torch.bmm(p.transpose(1, 2), m, out=qt)
         summed = yield AllReduce(second)
-        if not self._usable(summed, bucket, plan):
+        if not self._usable(summed, bucket, plan, p_finite):
             return
         summed.div_(ctx.world_size)
         self._decompress(bucket, step, ps, plan.qt_views(summed))
