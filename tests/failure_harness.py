@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,6 +38,9 @@ TIMEOUT_S = 5.0
 HANG_S = TIMEOUT_S + 25.0
 #: how long a rank waits at a file barrier for the others
 BARRIER_S = 240.0
+#: how long a group's ranks may take to connect (gloo connects with the group's timeout;
+#: on a loaded machine that outlasts TIMEOUT_S): the timeout is TIMEOUT_S once connected
+CONNECT_S = 240.0
 FSDP = {"weight_bits": 8, "grad_bits": 8, "min_numel": 0, "exclude": []}
 FIRST_FAILING_STEP = 2
 
@@ -280,6 +284,13 @@ def barrier(out: Path, name: str, rank: int, ranks: list[int]) -> None:
         time.sleep(0.05)
 
 
+def short_timeout(group: Any = None) -> Any:
+    """``group`` (default: the world), connected under :data:`CONNECT_S`, given the
+    launch's timeout for its collectives."""
+    _set_pg_timeout(datetime.timedelta(seconds=TIMEOUT_S), group)
+    return group
+
+
 def _groups(n: int) -> list[Any]:
-    """``n`` fresh groups over every rank, each with the launch's timeout."""
-    return [dist.new_group(timeout=datetime.timedelta(seconds=TIMEOUT_S)) for _ in range(n)]
+    """``n`` fresh groups over every rank, each with the launch's timeout once connected."""
+    return [short_timeout(dist.new_group(timeout=datetime.timedelta(seconds=CONNECT_S))) for _ in range(n)]

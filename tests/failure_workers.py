@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from failure_harness import (
+    CONNECT_S,
     FIRST_FAILING_STEP,
     FSDP,
     TIMEOUT_S,
@@ -43,6 +44,7 @@ from failure_harness import (
     describe,
     fail,
     fail_concurrently,
+    short_timeout,
 )
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -249,7 +251,10 @@ def main(argv: list[str]) -> None:
         os._exit(0)  # a failed group cannot be destroyed cleanly; the results are written
     port, world, rank = (int(a) for a in argv[2:5])
     store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=CONNECT_S))
+    dist.barrier()  # every rank connected
+    if scenario != "agreement":  # (its cases time nothing: a loaded rank may reach each check late)
+        short_timeout()
     try:
         SCENARIOS[scenario](rank, world, out)
     except BaseException:
