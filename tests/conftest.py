@@ -1,6 +1,8 @@
 """Fixtures the CPU kernel tests share (the thread count and the oracle), and the order in
 which the files run."""
 
+import faulthandler
+
 import kernel_oracle
 import pytest
 import torch
@@ -18,6 +20,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Collect SLOWEST_FILES first (the sort is stable: every file keeps its own order)."""
     first = {name: i for i, name in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))
+
+
+#: the longest a test process may take to exit once its tests are done (2 s at most normally:
+#: comm/callbacks.py's wait for gloo's callbacks)
+EXIT_DEADLINE_S = 300
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A test process stuck at exit (a process group whose destructor waits for a collective
+    no peer will join) prints every thread's stack and exits with status 1 after
+    EXIT_DEADLINE_S, instead of holding the run until CI's own limit."""
+    faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])

@@ -180,3 +180,38 @@ def test_a_forked_child_starts_with_no_count():
         """
     )
     assert out == ["child", "0", "parent", "1"]
+
+
+def test_a_backend_released_on_gloos_thread_leaves_its_groups_to_the_main_thread():
+    """The main thread lets go of a torch backend and takes the process group down while
+    gloo's worker thread still runs the backend's callback: the worker then holds the last
+    reference to the backend and its channel groups. A group destroyed on its own worker
+    thread joins that thread and the process aborts ("Resource deadlock avoided"); the
+    groups are left to the main thread instead, and the script ends with 0."""
+    out = _run(
+        """
+        import gc
+        import torch.distributed as dist
+        from commpress.comm.torch_backend import TorchBackend
+        from commpress.compressors import AllReduce
+        resumed, release = threading.Event(), threading.Event()
+
+        def once(request):
+            result = yield request
+            resumed.set()  # on gloo's thread, in the backend's callback
+            release.wait()
+            return result
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = TorchBackend(rounds=1)
+        fut = backend.run(once(AllReduce(torch.ones(2))))
+        resumed.wait()
+        del backend
+        dist.destroy_process_group()
+        gc.collect()
+        release.set()
+        fut.wait()
+        print(callbacks.drain(timeout=60.0), fut.done(), flush=True)
+        """
+    )
+    assert out == ["True", "True"]

@@ -12,6 +12,13 @@ the reduction, its futures), and at exit, before the interpreter is torn down, t
 thread waits with the GIL released until the count is zero and gloo's worker threads are
 idle: at once after a normal run, a few milliseconds on a busy machine, at most
 :data:`EXIT_WAIT` seconds where a collective never completes.
+
+The release on gloo's thread may drop the last reference to a backend, and with it to the
+process groups it opened (once ``destroy_process_group()`` has let go of them): a group
+destroyed on one of its own worker threads joins that thread and the process aborts
+("Resource deadlock avoided"). A backend hands its groups to :func:`outlive_worker`, which
+keeps them, where they are let go of on another thread, until the main thread hands over
+its next callback or exits.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["EXIT_WAIT", "drain", "pending", "when_done"]
+__all__ = ["EXIT_WAIT", "drain", "outlive_worker", "pending", "when_done"]
 
 #: the longest the process waits at exit for callbacks of collectives still in flight
 EXIT_WAIT = 2.0
@@ -68,11 +75,36 @@ class _Counted:
             self.count.changed.notify_all()
 
 
+#: what was let go of on a thread other than the main one and is released on the main one
+_kept: list[Any] = []
+_kept_lock = threading.Lock()
+
+
 def when_done(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], Any]) -> None:
     """Run ``fn(fut)`` when ``fut`` completes (on the thread that completes it; at once, on
     this thread, if it has), counted until released so that the process does not exit
     under it."""
+    if _kept:
+        _release_kept()
     fut.add_done_callback(_Counted(fn))
+
+
+def outlive_worker(*objects: Any) -> None:
+    """Called as their last holder lets go of ``objects`` (process groups): on a thread other
+    than the main one (gloo's, releasing a callback) keep them until the main thread hands
+    over its next callback or exits, so that none is destroyed on its own worker thread."""
+    if threading.current_thread() is not threading.main_thread():
+        with _kept_lock:
+            _kept.extend(objects)
+
+
+def _release_kept() -> None:
+    """On the main thread: let go of what :func:`outlive_worker` kept."""
+    if threading.current_thread() is threading.main_thread():
+        with _kept_lock:
+            kept = _kept[:]
+            _kept.clear()
+        del kept  # outside the lock: a group's destructor waits for its work to end
 
 
 def pending() -> int:
@@ -126,7 +158,8 @@ def _settle(deadline: float) -> bool:
 
 def _at_exit() -> None:
     """Before the interpreter is torn down: wait for every counted callback and for gloo's
-    workers to let go of the collectives they ran; say so on stderr if that timed out."""
+    workers to let go of the collectives they ran, then let go of the groups kept for the
+    main thread; say so on stderr if the wait timed out."""
     if not _Counted.count.ever:
         return
     deadline = time.monotonic() + EXIT_WAIT
@@ -135,6 +168,8 @@ def _at_exit() -> None:
             f"commpress: exiting before gloo's collectives finished ({pending()} callbacks pending after {EXIT_WAIT} s)",
             file=sys.stderr,
         )
+        return
+    _release_kept()
 
 
 def _reset_in_child() -> None:

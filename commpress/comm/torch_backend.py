@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from commpress.comm.backend import Channel
+from commpress.comm.callbacks import outlive_worker
 from commpress.comm.links import Links, MeasurableBackend
 from commpress.compressors.wire.collectives import AllGather, AllReduce, Collective, ReduceScatter, sum_rows
 from commpress.torch_compat import all_gather_single
@@ -80,6 +81,10 @@ class TorchBackend(MeasurableBackend):
                 comm = dist.new_group([ranks[r] for r in part], timeout=timeout)
                 if part is mine:
                     self._comms[channel] = comm
+
+    def __del__(self) -> None:
+        # its last reference may go with a collective's callback, on the channel group's own thread
+        outlive_worker(getattr(self, "group", None), getattr(self, "_comms", None))
 
     def members(self, scope: str) -> list[int]:
         return self._members[scope]
