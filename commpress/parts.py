@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
 from commpress.comm.averager import ParameterAverager
@@ -150,10 +149,8 @@ class LocalSGDPart(AppliedPart):
     def build(cls, model: torch.nn.Module, cfg: Config, request: Request) -> LocalSGDPart:
         optimizer = request.optimizer_for("local_sgd", "runs at the optimizer's step: pass register(..., optimizer=optimizer)")
         if request.manager is not None:
-            from commpress.hooks.manager import check_managed
             from commpress.local_sgd.managed import managed_from_config
 
-            check_managed(cfg)
             trainer = managed_from_config(model, optimizer, cfg, request.manager, request.total_steps)
         else:
             # torch.optim.Optimizer.__init__ makes the hook tables; a wrapper that skips it lacks them
@@ -195,13 +192,6 @@ class OneBitAdamPart(AppliedPart):
         optimizer = request.optimizer_for("onebit_adam", "takes over AdamW's step: pass register(..., optimizer=adamw)")
         table = cfg.section("onebit_adam")
         if request.manager is not None:
-            from commpress.hooks.manager import check_managed
-
-            if not isinstance(model, DistributedDataParallel):
-                raise TypeError(
-                    f"[onebit_adam] under a torchft Manager runs under managed_ddp(module); got {type(model).__name__}"
-                )
-            check_managed(cfg)
             warmup = table.warmup_steps(request.total_steps)
             managed = ManagedOneBitAdam(optimizer, model, request.manager, warmup, cfg.method, cfg.params)
             managed.attach(model)

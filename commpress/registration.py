@@ -20,6 +20,16 @@ FSDP1 root (FullyShardedDataParallel)         [fsdp] (required) alone
 plain module (neither                         [local_sgd] (required), with method, backend
 DistributedDataParallel nor sharded) in a     = 'mpi'
 job of several processes
+DistributedDataParallel model, under a        the DDP hook, with method, overrides,
+torchft Manager                               start_iter, [layerwise]; [local_sgd]
+                                              instead, with method; [onebit_adam] instead,
+                                              with method
+model sharded with fully_shard (FSDP2),       [local_sgd] (required), with method
+under a torchft Manager
+plain module (neither                         [local_sgd] (required), with method
+DistributedDataParallel nor sharded) in a
+job of several processes, under a torchft
+Manager
 single process (torch.distributed not         nothing; a config that applies to no model
 initialized)                                  is refused
 ============================================  ============================================
@@ -223,15 +233,11 @@ def register(
         )
         raise ConfigError(f"commpress.register(): {given} is not accepted with mesh=; expected neither: {instead}")
     request = Request(optimizer, process_group, total_steps, manager, mesh)
-    if manager is not None:
-        _check_sharded_under_manager(model, cfg)
-        name = next((table for table in ("local_sgd", "onebit_adam") if cfg.section(table) is not None), "ddp_hook")
-    else:
-        part = part_for(cfg, model_kind(model, cfg.backend, mesh))
-        if part is None:
-            return Registration(cfg)  # a single process: nobody to send to, nothing to apply
-        name = part.name
-    return Registration(cfg, [PART_TYPES[name].build(model, cfg, request)])
+    managed = manager is not None
+    part = part_for(cfg, model_kind(model, cfg.backend, mesh, managed), managed=managed)
+    if part is None:
+        return Registration(cfg)  # a single process: nobody to send to, nothing to apply
+    return Registration(cfg, [PART_TYPES[part.name].build(model, cfg, request)])
 
 
 @contextlib.contextmanager
@@ -241,16 +247,3 @@ def _averaged(parts: Sequence[AppliedPart]) -> Iterator[None]:
         for part in parts:
             stack.enter_context(part.averaged())
         yield
-
-
-def _check_sharded_under_manager(model: torch.nn.Module, cfg: Config) -> None:
-    """Under a torchft Manager a sharded model is an FSDP2 model inside each replica group,
-    and what joins the groups is ``[local_sgd]`` (each rank syncing its shard)."""
-    kind = model_kind(model)
-    if kind == "FSDP1" or (kind == "FSDP2" and cfg.section("local_sgd") is None):
-        got = "an FSDP1 root" if kind == "FSDP1" else "an FSDP2 model and a config without [local_sgd]"
-        raise ConfigError(
-            "commpress.register(): under a torchft Manager a sharded model is sharded with fully_shard (FSDP2) "
-            "inside its replica group and runs a config with [local_sgd] (DiLoCo between the groups, each rank "
-            f"syncing its shard: docs/fault_tolerance.md); got {got}"
-        )

@@ -29,9 +29,9 @@ from torchft.coordination import LighthouseServer  # noqa: E402
 
 import commpress  # noqa: E402
 from commpress.compressors import available  # noqa: E402
-from commpress.config import Config  # noqa: E402
+from commpress.config import Config, matrix  # noqa: E402
 from commpress.errors import ConfigError  # noqa: E402
-from commpress.hooks.manager import ManagedCommState, check_managed  # noqa: E402
+from commpress.hooks.manager import ManagedCommState  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 WORKER = Path(__file__).with_name("manager_workers.py")
@@ -184,7 +184,7 @@ def _same(a, b) -> bool:
 def test_the_bandwidth_layer_is_refused_under_a_manager():
     cfg = Config.load({"method": "powersgd", "bandwidth": {}})
     with pytest.raises(ConfigError, match=r"\[bandwidth\].*torchft Manager"):
-        check_managed(cfg)
+        matrix.part_for(cfg, "DDP", managed=True)
 
 
 def test_layerwise_under_a_manager_needs_the_model():

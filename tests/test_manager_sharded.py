@@ -49,7 +49,8 @@ def test_sharded_diloco_through_the_managers_is_the_plain_sharded_run_bit_for_bi
         assert rank["streaming"]["lr"] == 2**0.5  # sqrt of the replica groups that average, not of the ranks
         assert rank["non_finite"] == [True, True, True]  # not committed, anchor kept, local values at it
     without, with_mesh = ranks[0]["refused"]
-    assert "runs a config with [local_sgd]" in without and "got an FSDP2 model and a config without" in without
+    assert "under a torchft Manager on a model sharded with fully_shard (FSDP2)" in without
+    assert "this model takes only [local_sgd]" in without
     assert "mesh=" in with_mesh and "sharded over its replica group's ranks and no mesh" in with_mesh
 
 

@@ -7,7 +7,9 @@ register_ddp_hook, local_sgd.from_config, fsdp.apply) agree with the matrix, and
 tables are the matrix's.
 
 The distributed kinds run in a gloo group of one in this process (every part has its
-collectives; none needs a peer), after the single-process kind."""
+collectives; none needs a peer), after the single-process kind; then every kind but the
+replica groups' (``mesh=`` and ``manager=`` do not go together) under a torchft Manager of
+one replica over that group (:class:`OneReplicaManager`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import itertools
 import math
 import re
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,7 @@ FRAGMENTS = {
 }
 COMBOS = [c for n in range(4) for c in itertools.combinations(FRAGMENTS, n)]
 DISTRIBUTED = ("DDP", "FSDP2", "FSDP1", "plain", "groups")
+MANAGED = ("DDP", "FSDP2", "FSDP1", "plain")  # the kinds register(..., manager=) is handed
 _MESHES: dict = {}  # the 2-D mesh of the "groups" kind, made once in the gloo group of one
 
 
@@ -64,9 +68,63 @@ def _config(combo: tuple[str, ...]) -> dict:
     return out
 
 
-def _model(kind: str) -> torch.nn.Module:
+class OneReplicaManager:
+    """What commpress asks of a ``torchft.Manager``, for one replica over this process's
+    gloo group of one: every quorum is this replica alone, and a step commits unless a
+    collective failed (as torchft's does)."""
+
+    def __init__(self) -> None:
+        self._pg = dist.group.WORLD
+        self._timeout = timedelta(seconds=120)
+        self._step = 0
+        self._error: Exception | None = None
+
+    def current_step(self) -> int:
+        return self._step
+
+    def register_state_dict_fn(self, key, load, save) -> None:
+        pass
+
+    def start_quorum(self, *args, **kwargs) -> None:
+        self._error = None
+
+    def wait_quorum(self) -> None:
+        pass
+
+    def num_participants(self) -> int:
+        return 1
+
+    def is_participating(self) -> bool:
+        return True
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def errored(self) -> Exception | None:
+        return self._error
+
+    def report_error(self, exc: Exception) -> None:
+        self._error = exc
+
+    def should_commit(self, *args, **kwargs) -> bool:
+        committed = self._error is None
+        self._step += committed
+        return committed
+
+    def allow_state_dict_read(self) -> None:
+        pass
+
+    def disallow_state_dict_read(self) -> None:
+        pass
+
+
+def _model(kind: str, managed: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    if kind == "DDP" and managed:
+        from commpress.hooks import managed_ddp
+
+        return managed_ddp(model)
     if kind == "DDP":
         return torch.nn.parallel.DistributedDataParallel(model)
     if kind == "FSDP1":
@@ -92,11 +150,13 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 def _parts_present(reg: commpress.Registration, combo: tuple[str, ...]) -> dict[str, bool]:
     """Each item of ``combo``: whether its part of ``reg`` carries it, after three steps."""
     hook, averaging = reg.hook, reg.local_sgd or reg.onebit_adam or reg.groups_hook
+    if hook is None and hasattr(averaging, "comm"):  # 1-bit Adam under a manager averages through its DDP hook
+        hook = averaging.comm
     method = hook.compressors["main"].name if hook is not None else averaging.averager.method if averaging else None
     checks = {
         "method": lambda: method == "topk",
         "overrides": lambda: "override0" in hook.compressors,
-        "start_iter": lambda: hook.config.start_iter == 1 and hook.step == 3,
+        "start_iter": lambda: hook.config.start_iter == 1 and getattr(hook, "steps", hook.step) == 3,
         "bandwidth": lambda: hook.adaptive.plan is not None,
         # under [bandwidth] the plan is made per cross group, and one rank has none: nothing to plan
         "layerwise": lambda: hook.plan is not None if hook.adaptive is None else hook.layerwise.per_link,
@@ -113,22 +173,29 @@ def _parts_present(reg: commpress.Registration, combo: tuple[str, ...]) -> dict[
     return out
 
 
-def _case(kind: str, combo: tuple[str, ...]) -> dict:
-    """register() with ``combo`` on a fresh model of ``kind``, then three training steps."""
-    model = _model(kind)
+def _case(kind: str, combo: tuple[str, ...], managed: bool = False) -> dict:
+    """register() with ``combo`` on a fresh model of ``kind`` (under a manager of one replica:
+    ``managed``), then three training steps; under a manager each is a manager step, as
+    torchft's ``OptimizerWrapper`` makes it, but for [local_sgd], whose syncs are."""
+    model = _model(kind, managed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    manager = OneReplicaManager() if managed else None
     try:
-        reg = commpress.register(model, _config(combo), optimizer=opt, total_steps=3, mesh=_mesh(kind))
+        reg = commpress.register(model, _config(combo), optimizer=opt, total_steps=3, mesh=_mesh(kind), manager=manager)
     except ConfigError as exc:
         return {"refused": str(exc)}
     before = _flat(model).clone()
     data = torch.Generator().manual_seed(1)
     losses = []
+    steps = manager if managed and reg.local_sgd is None else None
     for _ in range(3):
+        if steps is not None:
+            steps.start_quorum()
         loss = model(torch.randn(4, 8, generator=data)).square().mean()
         opt.zero_grad()
         loss.backward()
-        opt.step()
+        if steps is None or steps.should_commit():
+            opt.step()
         losses.append(loss.item())
     reg.finish()
     return {
@@ -173,11 +240,12 @@ def runs(tmp_path_factory) -> dict:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         register.update({(kind, combo): _case(kind, combo) for kind in DISTRIBUTED for combo in COMBOS})
+        managed = {(kind, combo): _case(kind, combo, managed=True) for kind in MANAGED for combo in COMBOS}
         entries = {(kind, combo): _entry_points(kind, combo) for kind in ("DDP", "FSDP2", "plain", "groups") for combo in COMBOS}
     finally:
         _MESHES.clear()
         dist.destroy_process_group()
-    return {"register": register, "entries": entries}
+    return {"register": register, "entries": entries, "managed": managed}
 
 
 def _assert_names(message: str, items: tuple[str, ...], kind: str) -> None:
@@ -186,26 +254,46 @@ def _assert_names(message: str, items: tuple[str, ...], kind: str) -> None:
     assert KINDS[kind] in message, f"{KINDS[kind]} not named in: {message}"
 
 
+def _check_outcome(outcome: dict, refused: tuple[str, ...] | None, kind: str, combo: tuple[str, ...], seen: Counter) -> None:
+    """``outcome`` is what the matrix says: applied whole and trained, or refused naming ``refused``."""
+    if refused is None:
+        assert "refused" not in outcome, f"{combo} on {kind}: {outcome.get('refused')}"
+        if kind != "single":  # nothing applies in a single process
+            assert all(outcome["present"].values()), f"{combo} on {kind}: parts {outcome['parts']}, {outcome['present']}"
+        assert outcome["finite"] and outcome["moved"], f"{combo} on {kind} did not train: {outcome}"
+        assert len(outcome["parts"]) == (0 if kind == "single" else 1)
+        seen["applied"] += 1
+    else:
+        assert "refused" in outcome, f"{combo} on {kind} was applied ({outcome['parts']}); the matrix refuses {refused}"
+        assert set(refused) <= set(combo)
+        _assert_names(outcome["refused"], refused, kind)
+        seen["refused"] += 1
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_combination_is_applied_whole_or_refused_naming_the_items(runs, kind):
     seen = Counter()
     for combo in COMBOS:
-        outcome = runs["register"][(kind, combo)]
         refused = refused_items(Config.load(_config(combo)), kind)
-        if refused is None:
-            assert "refused" not in outcome, f"{combo} on {kind}: {outcome.get('refused')}"
-            if kind != "single":  # nothing applies in a single process
-                assert all(outcome["present"].values()), f"{combo} on {kind}: parts {outcome['parts']}, {outcome['present']}"
-            assert outcome["finite"] and outcome["moved"], f"{combo} on {kind} did not train: {outcome}"
-            assert len(outcome["parts"]) == (0 if kind == "single" else 1)
-            seen["applied"] += 1
-        else:
-            assert "refused" in outcome, f"{combo} on {kind} was applied ({outcome['parts']}); the matrix refuses {refused}"
-            assert set(refused) <= set(combo)
-            _assert_names(outcome["refused"], refused, kind)
-            seen["refused"] += 1
+        _check_outcome(runs["register"][(kind, combo)], refused, kind, combo, seen)
     assert seen["applied"] and (seen["refused"] or kind == "single"), seen
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kind", MANAGED)
+def test_under_a_manager_every_combination_is_applied_whole_or_refused_naming_the_items(runs, kind):
+    """The same under a torchft Manager: what runs there (the DDP hook but [bandwidth] on a
+    model of managed_ddp, 1-bit Adam on one, [local_sgd] on it, a plain module or FSDP2
+    within the replica group; never backend = 'mpi') is applied whole, the rest refused."""
+    seen = Counter()
+    for combo in COMBOS:
+        refused = refused_items(Config.load(_config(combo)), kind, managed=True)
+        outcome = runs["managed"][(kind, combo)]
+        _check_outcome(outcome, refused, kind, combo, seen)
+        if refused is not None:
+            assert "under a torchft Manager" in outcome["refused"], outcome["refused"]
+    assert seen["refused"] and (seen["applied"] or kind == "FSDP1"), seen
 
 
 @pytest.mark.multiproc

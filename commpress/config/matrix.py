@@ -7,8 +7,10 @@ A config's *items* are its tables and the top-level settings that only some part
 (:data:`ITEMS`). A *part* (:data:`PARTS`) is one adapter: the DDP hook, the cross-group hook
 of a sharded model's replica groups, Local SGD / CO2 / DiLoCo, 1-bit Adam, FSDP's
 collectives. Each part is chosen by its own table (the two hooks by none of theirs),
-applies to some model kinds (:data:`KINDS`) and takes some other items along;
-:data:`NEEDS` and :data:`APART` are the two rules inside a part. Everything else is
+applies to some model kinds (:data:`KINDS`), to some under a torchft ``Manager``
+(``register(..., manager=)``, where every collective goes through the manager), and takes
+some other items along; :data:`NEEDS` and :data:`APART` are the two rules inside a part,
+:data:`NOT_MANAGED` the items no part takes under a manager. Everything else is
 refused with a :class:`~commpress.errors.ConfigError` naming the items, the model kind and
 what to do instead. The docs' tables are rendered from here (:func:`rst_table`,
 :func:`markdown_table`) and a test checks they match.
@@ -33,6 +35,7 @@ __all__ = [
     "ITEMS",
     "KINDS",
     "NEEDS",
+    "NOT_MANAGED",
     "NOT_ON",
     "PARTS",
     "Part",
@@ -55,6 +58,8 @@ KINDS: dict[str, str] = {
     "plain": "a plain module (neither DistributedDataParallel nor sharded) in a job of several processes",
     "single": "a single process (torch.distributed not initialized)",
 }
+#: How refusals name a run under a torchft Manager.
+MANAGED = "under a torchft Manager"
 #: What to hand register() instead, by kind: the words after "hand register() ".
 _KIND_ADVICE = {
     "DDP": "the model wrapped in DistributedDataParallel",
@@ -62,6 +67,11 @@ _KIND_ADVICE = {
     "groups": "the model sharded over mesh['shard'] with mesh=mesh",
     "FSDP1": "the FSDP1 root",
     "plain": "the plain module",
+}
+#: What to hand register() instead under a torchft Manager, where it differs.
+_MANAGED_ADVICE = {
+    "DDP": "the module wrapped by commpress.hooks.managed_ddp",
+    "FSDP2": "the model sharded with fully_shard over its replica group's ranks",
 }
 
 #: What adding a part's table does by default, where that needs saying.
@@ -100,7 +110,8 @@ class Part:
     """One adapter a config reaches: ``name`` is its :class:`~commpress.Registration`
     attribute's state_dict key; ``table`` chooses it (None: a hook, chosen by no other
     part's table); ``kinds`` the models it applies to; ``takes`` the items it applies along;
-    ``does`` what it does, in refusals; ``entry`` how to apply it."""
+    ``does`` what it does, in refusals; ``entry`` how to apply it; ``managed`` the kinds it
+    applies to under a torchft Manager."""
 
     name: str
     table: str | None
@@ -109,10 +120,15 @@ class Part:
     does: str
     entry: str
     named: str = ""  # how a part chosen by no table is named
+    managed: tuple[str, ...] = ()
 
     @property
     def title(self) -> str:
         return self.named or label(self.table or "")
+
+    def kinds_for(self, managed: bool) -> tuple[str, ...]:
+        """The kinds it applies to, under a torchft Manager (``managed``) or not."""
+        return self.managed if managed else self.kinds
 
 
 #: Every part, the DDP hook first (the one a DDP model gets when no other table chooses).
@@ -127,6 +143,7 @@ PARTS: dict[str, Part] = {
             "the DDP comm hook compresses the gradient buckets",
             "commpress.register(ddp_model, config) (the DDP hook)",
             "the DDP hook",
+            ("DDP",),
         ),
         Part(
             "groups_hook",
@@ -145,6 +162,7 @@ PARTS: dict[str, Part] = {
             "Local SGD / CO2 / DiLoCo keep gradients local and average the whole model (with mesh=, each rank's "
             "shard over the replica groups) as one vector with the top-level method, at the optimizer's step",
             "commpress.register(model, config, optimizer=optimizer) (Local SGD / CO2 / DiLoCo at the optimizer's step)",
+            managed=("DDP", "plain", "FSDP2"),
         ),
         Part(
             "onebit_adam",
@@ -154,6 +172,7 @@ PARTS: dict[str, Part] = {
             "1-bit Adam takes over AdamW's step: exact gradients for the warm-up, then local gradients and the "
             "momentum averaged as one vector with the top-level method",
             "commpress.register(ddp_model, config, optimizer=adamw) (1-bit Adam at the optimizer's step)",
+            managed=("DDP",),
         ),
         Part(
             "fsdp",
@@ -174,16 +193,22 @@ NEEDS: dict[str, tuple[str, str]] = {
 NOT_ON: dict[str, dict[str, str]] = {
     "groups": {"backend": "the replica groups of mesh['replicate'] communicate through torch.distributed"},
 }
+#: Items a part takes, but not under a torchft Manager: item -> why.
+NOT_MANAGED: dict[str, str] = {
+    "bandwidth": "the bandwidth layer measures the links between fixed ranks",
+    "backend": "every collective goes through the manager",
+}
 #: Items a part takes, but not together: the pair -> why.
 APART: dict[frozenset[str], str] = {
     frozenset({"bandwidth", "backend"}): "[bandwidth] measures the links and reduces through torch.distributed",
 }
 
 
-def model_kind(model: torch.nn.Module, backend: str = "torch", mesh: Any = None) -> str:
+def model_kind(model: torch.nn.Module, backend: str = "torch", mesh: Any = None, managed: bool = False) -> str:
     """``model``'s key in :data:`KINDS`: ``"single"`` is a model neither wrapped nor sharded
-    with torch.distributed not initialized (and ``backend`` torch): nobody to send to;
-    ``"groups"`` any model handed with a ``mesh`` (which :mod:`commpress.comm.mesh` checks)."""
+    with torch.distributed not initialized, ``backend`` torch and no torchft Manager
+    (``managed``): nobody to send to; ``"groups"`` any model handed with a ``mesh`` (which
+    :mod:`commpress.comm.mesh` checks)."""
     if mesh is not None:
         return "groups"
     if isinstance(model, FullyShardedDataParallel):
@@ -192,7 +217,7 @@ def model_kind(model: torch.nn.Module, backend: str = "torch", mesh: Any = None)
         return "FSDP2"
     if isinstance(model, DistributedDataParallel):
         return "DDP"
-    return "plain" if dist.is_initialized() or backend != "torch" else "single"
+    return "plain" if dist.is_initialized() or backend != "torch" or managed else "single"
 
 
 def _names(items: Any) -> str:
@@ -212,9 +237,15 @@ def _apply_with(item: str) -> str:
     return f"apply {label(item)} with {chosen[0].entry}" if chosen else f"{label(item)} applies with {_where(item)}"
 
 
-def _verdict(items: tuple[str, ...], kind: str) -> tuple[Part | None, tuple[str, ...], str]:
-    """The part that applies ``items`` on ``kind`` (None in a single process), or the items
-    refused and why, with what to do instead (``why`` empty: accepted)."""
+def _advice(kind: str, managed: bool) -> str:
+    """What to hand register() to make a model of ``kind`` (under a torchft Manager: ``managed``)."""
+    return (_MANAGED_ADVICE.get(kind) if managed else None) or _KIND_ADVICE[kind]
+
+
+def _verdict(items: tuple[str, ...], kind: str, managed: bool = False) -> tuple[Part | None, tuple[str, ...], str]:
+    """The part that applies ``items`` on ``kind`` (None in a single process), under a
+    torchft Manager (``managed``) or not, or the items refused and why, with what to do
+    instead (``why`` empty: accepted)."""
     chosen = [p for p in PARTS.values() if p.table in items]
     if len(chosen) > 1:
         tables = tuple(i for i in ITEMS if any(i == p.table for p in chosen))
@@ -223,15 +254,23 @@ def _verdict(items: tuple[str, ...], kind: str) -> tuple[Part | None, tuple[str,
     if kind == "single":  # nothing applies; refuse a config that applies to no model
         _, refused, why = _verdict(items, chosen[0].kinds[0] if chosen else "DDP")
         return None, refused, (why and f"it applies to no model: {why}")
-    part = chosen[0] if chosen else next((p for p in PARTS.values() if p.table is None and kind in p.kinds), None)
+    part = chosen[0] if chosen else next((p for p in PARTS.values() if p.table is None and kind in p.kinds_for(managed)), None)
     if part is None:
-        tables = [p.table for p in PARTS.values() if kind in p.kinds]
+        tables = [p.table for p in PARTS.values() if p.table is not None and kind in p.kinds_for(managed)]
+        kinds_of = [p.kinds_for(managed) for p in PARTS.values()]
+        others = dict.fromkeys(_advice(k[0], managed) for k in kinds_of if k and kind not in k)
+        instead = f"hand register() {' or '.join(others)}"
+        if not tables:
+            return None, items, f"nothing applies to this model {MANAGED}: {instead}"
         add = " or ".join(f"add {label(t)}{_ADD_HINT.get(t, '')}" for t in tables)
-        others = dict.fromkeys(_KIND_ADVICE[p.kinds[0]] for p in PARTS.values() if kind not in p.kinds)
-        return None, items, f"this model takes only {_names(tables)}: {add}, or hand register() {' or '.join(others)}"
-    if kind not in part.kinds:
-        instead = " or ".join(_KIND_ADVICE[k] for k in part.kinds)
-        why = f"{part.does}; it applies to {' and '.join(part.kinds)} models: remove it, or hand register() {instead}"
+        return None, items, f"this model takes only {_names(tables)}: {add}, or {instead}"
+    kinds = part.kinds_for(managed)
+    if kind not in kinds:
+        if not kinds:
+            return None, (part.table,), f"{part.does}; it does not run {MANAGED}: remove it"
+        instead = " or ".join(_advice(k, managed) for k in kinds)
+        where = f" {MANAGED}" if managed else ""
+        why = f"{part.does}; it applies{where} to {' and '.join(kinds)} models: remove it, or hand register() {instead}"
         return None, (part.table,), why
     extra = tuple(i for i in items if i != part.table and i not in part.takes)
     if extra:
@@ -242,6 +281,11 @@ def _verdict(items: tuple[str, ...], kind: str) -> tuple[Part | None, tuple[str,
     if banned:
         why = "; ".join(NOT_ON[kind][i] for i in banned)
         return None, banned, f"{part.title} does not take {_names(banned)} on these models ({why}): remove it"
+    if managed:
+        banned = tuple(i for i in items if i in NOT_MANAGED)
+        if banned:
+            why = "; ".join(NOT_MANAGED[i] for i in banned)
+            return None, banned, f"{part.title} does not take {_names(banned)} {MANAGED} ({why}): remove it"
     for item, (need, why) in NEEDS.items():
         if item in items and need not in items:
             return None, (item,), f"{label(item)} needs a top-level {label(need)}: {why}"
@@ -251,32 +295,34 @@ def _verdict(items: tuple[str, ...], kind: str) -> tuple[Part | None, tuple[str,
     return part, (), ""
 
 
-def refused_items(config: Config, kind: str) -> tuple[str, ...] | None:
-    """The items :func:`part_for` names when it refuses ``config`` on ``kind``, or None
-    when it applies."""
-    _, refused, why = _verdict(items_of(config), kind)
+def refused_items(config: Config, kind: str, managed: bool = False) -> tuple[str, ...] | None:
+    """The items :func:`part_for` names when it refuses ``config`` on ``kind`` (under a
+    torchft Manager: ``managed``), or None when it applies."""
+    _, refused, why = _verdict(items_of(config), kind, managed)
     return refused if why else None
 
 
-def part_for(config: Config, kind: str, entry: str = "commpress.register()") -> Part | None:
-    """The part that applies ``config`` to a model of ``kind`` (None in a single process:
-    nothing applies); raises :class:`ConfigError` naming the items refused, the kind and
-    what to do instead."""
-    return _decide(items_of(config), kind, entry)
+def part_for(config: Config, kind: str, entry: str = "commpress.register()", managed: bool = False) -> Part | None:
+    """The part that applies ``config`` to a model of ``kind``, under a torchft Manager
+    (``managed``) or not (None in a single process: nothing applies); raises
+    :class:`ConfigError` naming the items refused, the kind and what to do instead."""
+    return _decide(items_of(config), kind, entry, managed)
 
 
-def _decide(items: tuple[str, ...], kind: str, entry: str) -> Part | None:
-    part, refused, why = _verdict(items, kind)
+def _decide(items: tuple[str, ...], kind: str, entry: str, managed: bool = False) -> Part | None:
+    part, refused, why = _verdict(items, kind, managed)
     if why:
         what = f"the config's {_names(refused)} cannot apply" if refused else "the config cannot apply"
-        raise ConfigError(f"{entry} on {KINDS[kind]}: {what}: {why}")
+        where = f" {MANAGED}" if managed else ""
+        raise ConfigError(f"{entry}{where} on {KINDS[kind]}: {what}: {why}")
     return part
 
 
-def check_part(config: Config, name: str, entry: str, kind: str | None = None) -> None:
-    """Refuse what the lower-level ``entry``, which applies part ``name`` alone, does not
-    apply: another part's items (saying where they apply), and what :func:`part_for`
-    refuses on ``kind`` (default: the part's first kind) once the part's table is added."""
+def check_part(config: Config, name: str, entry: str, kind: str | None = None, managed: bool = False) -> None:
+    """Refuse what the lower-level ``entry``, which applies part ``name`` alone (under a
+    torchft Manager: ``managed``), does not apply: another part's items (saying where they
+    apply), and what :func:`part_for` refuses on ``kind`` (default: the part's first kind)
+    once the part's table is added."""
     part = PARTS[name]
     items = items_of(config)
     foreign = [i for i in items if i != part.table and i not in part.takes]
@@ -285,29 +331,36 @@ def check_part(config: Config, name: str, entry: str, kind: str | None = None) -
         what = f"the config's {_names(foreign)} cannot apply"
         raise ConfigError(f"{entry} applies {part.title} only ({part.does}); {what}: {where}")
     if kind != "single":
-        _decide(tuple(i for i in ITEMS if i in items or i == part.table), kind or part.kinds[0], entry)
+        _decide(tuple(i for i in ITEMS if i in items or i == part.table), kind or part.kinds_for(managed)[0], entry, managed)
 
 
-def _applies(kind: str) -> list[str]:
-    """What applies on ``kind``, one phrase per part."""
-    default = any(p.table is None and kind in p.kinds for p in PARTS.values())
+def _applies(kind: str, managed: bool = False) -> list[str]:
+    """What applies on ``kind`` (under a torchft Manager: ``managed``), one phrase per part."""
+    default = any(p.table is None and kind in p.kinds_for(managed) for p in PARTS.values())
+    left_out = {**NOT_ON.get(kind, {}), **(NOT_MANAGED if managed else {})}
     out = []
     for p in PARTS.values():
-        if kind in p.kinds:
+        if kind in p.kinds_for(managed):
             head = p.title if p.table is None else f"{label(p.table)} {'instead' if default else '(required)'}"
-            takes = ", ".join(label(i) for i in ITEMS if i in p.takes and i not in NOT_ON.get(kind, {}))
+            takes = ", ".join(label(i) for i in ITEMS if i in p.takes and i not in left_out)
             out.append(f"{head}, with {takes}" if takes else f"{head} alone")
     return out
 
 
 def _rows() -> list[tuple[str, list[str]]]:
-    """The rows of the docs' tables: the model, then what applies (one phrase per part)."""
+    """The rows of the docs' tables: the model, then what applies (one phrase per part);
+    then the models something applies to under a torchft Manager."""
     rules = [f"{label(i)} needs {label(n)}" for i, (n, _) in NEEDS.items()]
     rules += [f"{_names(i for i in ITEMS if i in pair)} do not combine" for pair in APART]
-    rows = [(KINDS[k].removeprefix("a ").removeprefix("an "), _applies(k)) for k in KINDS if k != "single"]
+    rows = [(_model_name(k), _applies(k)) for k in KINDS if k != "single"]
     rows[0][1].append("; ".join(rules))
-    rows.append((KINDS["single"].removeprefix("a "), ["nothing; a config that applies to no model is refused"]))
+    rows += [(f"{_model_name(k)}, {MANAGED}", _applies(k, True)) for k in KINDS if k != "single" and _applies(k, True)]
+    rows.append((_model_name("single"), ["nothing; a config that applies to no model is refused"]))
     return rows
+
+
+def _model_name(kind: str) -> str:
+    return KINDS[kind].removeprefix("a ").removeprefix("an ")
 
 
 def markdown_table() -> str:

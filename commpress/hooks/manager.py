@@ -34,33 +34,11 @@ from torch.nn.parallel import DistributedDataParallel
 from commpress.comm.manager_backend import ManagerBackend, replay, report
 from commpress.compressors import Bucket, Context
 from commpress.config import Config
+from commpress.config.matrix import check_part
 from commpress.errors import ConfigError
 from commpress.hooks.state import CommState
 
-__all__ = ["ManagedCommState", "check_managed", "managed_ddp"]
-
-#: tables that do not run under a Manager (yet), and why ([local_sgd]: DiLoCo and Local SGD
-#: run, :mod:`commpress.local_sgd.managed`; [onebit_adam]: :mod:`commpress.optim.managed_onebit_adam`)
-_REFUSED = {
-    "fsdp": "FSDP",
-    "bandwidth": "the bandwidth layer (it measures links between fixed ranks)",
-}
-
-
-def check_managed(config: Config) -> None:
-    """Refuse what does not run under a torchft Manager: the tables of :data:`_REFUSED`
-    and ``backend = "mpi"``; ``[local_sgd]`` is checked by the trainer it makes."""
-    for table, what in _REFUSED.items():
-        if config.section(table) is not None:
-            raise ConfigError(
-                f"the config's [{table}] table ({what}) does not run under a torchft Manager yet: remove it; the DDP "
-                "hook's method, params, overrides, start_iter and [layerwise] do, as do [onebit_adam] and [local_sgd]"
-            )
-    if config.backend != "torch":
-        raise ConfigError(
-            f'backend = {config.backend!r}: under a torchft Manager every collective goes through it; set backend = "torch"'
-        )
-
+__all__ = ["ManagedCommState", "managed_ddp"]
 
 #: PyTorch's reducer says this once per process, at the first forward of a DDP built with
 #: ``find_unused_parameters=True`` that uses all its parameters: a C++ warning written to
@@ -143,12 +121,7 @@ class ManagedCommState(CommState):
         key: str = "commpress",
     ) -> None:
         cfg = Config.load(config)
-        check_managed(cfg)
-        if cfg.section("local_sgd") is not None:
-            raise ConfigError(
-                "the config's [local_sgd] table runs from the optimizer's step, not from the DDP hook: pass it to "
-                "commpress.register(model, config, optimizer=..., manager=...)"
-            )
+        check_part(cfg, "ddp_hook", "ManagedCommState (the DDP hook's state)", managed=True)
         self.manager = manager
         self._settling = threading.RLock()  # the manager reads the shared state from its quorum thread
         super().__init__(config, model)

@@ -82,6 +82,11 @@ class ManagedOneBitAdam(AdamStepTakeover):
         self._step: int | None = None  # the step whose backward ran, if it was past the warm-up
 
     @property
+    def frozen(self) -> bool:
+        """Whether the variance is frozen: the next step averages the momentum."""
+        return self.comm.steps >= self.warmup_steps
+
+    @property
     def traffic(self) -> Traffic:
         """Bytes this replica sent: the warm-up's gradients and the momenta."""
         return self.comm.traffic
