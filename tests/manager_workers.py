@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchft import Manager, ProcessGroupGloo
 
 from commpress.compressors import available
-from commpress.hooks import CommState, ManagedCommState, ddp_hook, managed_ddp, register_ddp_hook
+from commpress.hooks import CommState, ddp_hook, managed_ddp, register_ddp_hook
 
 #: method parameters that make every method compress the small test layers
 PARAMS: dict[str, dict[str, Any]] = {
@@ -164,7 +164,7 @@ def same_runs(out: Path, lighthouse: str, port: int, replica: int, layerwise: bo
         for step in range(steps):
             step_plain(plain, opt, replica, step)
         managed = managed_ddp(model(0), bucket_cap_mb=BUCKET_MB)
-        mstate = ManagedCommState(cfg, managed.module, manager, key=method)
+        mstate = CommState(cfg, managed.module, manager=manager, key=method)
         managed.register_comm_hook(mstate, ddp_hook)
         mopt = torch.optim.SGD(managed.parameters(), lr=0.1)
         committed = [step_managed(managed, mopt, manager, replica, step) for step in range(steps)]
@@ -225,7 +225,7 @@ def first_steps(out: Path, lighthouse: str, replica: int) -> None:
         manager = make_manager(replica, lighthouse, min_size=2, init_sync=True, name=method.replace("-", "_"))
         net = managed_ddp(model(replica), bucket_cap_mb=BUCKET_MB)
         manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
-        state = ManagedCommState(configs[method], net.module, manager, key=method)
+        state = CommState(configs[method], net.module, manager=manager, key=method)
         net.register_comm_hook(state, ddp_hook)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         seen[method] = [step_managed(net, opt, manager, replica, step) for step in range(STEPS)]

@@ -176,7 +176,6 @@ FRONT_DOORS = {
     "registration.py": {"register"},
     "hooks/state.py": {"CommState.__init__"},
     "hooks/ddp.py": {"attach_ddp_hook"},  # register_ddp_hook's body
-    "hooks/manager.py": {"ManagedCommState.__init__"},
     "local_sgd/config.py": {"from_config"},
     "fsdp/config.py": {"load_fsdp_config"},  # fsdp.apply's
 }

@@ -123,6 +123,9 @@ def test_the_count_outlasts_torchft_callbacks_on_a_collective():
             _pg = Group()
             _timeout = None
 
+            def current_step(self):
+                return 0
+
             def num_participants(self):
                 return 2
 

@@ -31,7 +31,7 @@ import commpress  # noqa: E402
 from commpress.compressors import available  # noqa: E402
 from commpress.config import Config, matrix  # noqa: E402
 from commpress.errors import ConfigError  # noqa: E402
-from commpress.hooks.manager import ManagedCommState  # noqa: E402
+from commpress.hooks import CommState  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 WORKER = Path(__file__).with_name("manager_workers.py")
@@ -190,7 +190,7 @@ def test_the_bandwidth_layer_is_refused_under_a_manager():
 def test_layerwise_under_a_manager_needs_the_model():
     cfg = {"method": "topk", "layerwise": {"enabled": True}}
     with pytest.raises(ConfigError, match=r"\[layerwise\].*needs the model"):
-        ManagedCommState(cfg, None, object())
+        CommState(cfg, None, manager=object())
 
 
 def test_torchfts_own_ddp_is_refused_with_the_wrapper_to_use():

@@ -30,7 +30,7 @@ from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
 from commpress.config import Config
 from commpress.errors import ConfigError
-from commpress.hooks.manager import ManagedCommState
+from commpress.hooks import CommState
 from commpress.local_sgd import DiLoCo
 from commpress.local_sgd.managed import ManagedDiLoCo, managed_from_config
 
@@ -94,7 +94,7 @@ def test_what_does_not_run_under_a_manager_is_refused():
     with pytest.raises(ConfigError, match=r"CO2 under a torchft Manager: staleness_penalty = 'adaptive'"):
         managed_from_config(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()), cfg, object())
     with pytest.raises(ConfigError, match=r"\[local_sgd\].*register"):
-        ManagedCommState({"local_sgd": {"algorithm": "diloco"}}, None, object())
+        CommState({"local_sgd": {"algorithm": "diloco"}}, None, manager=object())
 
 
 def test_a_skipped_sync_takes_its_eager_move_back():

@@ -93,6 +93,35 @@ class Backend(ABC):
     #: and go, and a joining one heals from a peer)
     fixed_members: bool = True
 
+    # ---- the step's transaction: a fixed group's step always commits -------------------
+    #: whether this member takes part in the step (a replica that heals in it does not)
+    participating: bool = True
+    #: whether a member of the step heals in it (it is then handed what it lacks)
+    heals: bool = False
+    #: per reduction of the step, its collectives' results, while this member heals (None: it does not)
+    log: list[list[Any]] | None = None
+
+    def begin_step(self) -> None:
+        """Begin a step: for a fixed group, nothing to ask."""
+        return None
+
+    def step_of(self, counted: int) -> int:
+        """The number of the step begun: for a fixed group, the caller's own count."""
+        return counted
+
+    def committed(self) -> bool:
+        """Whether the step begun last is committed: a fixed group's always is."""
+        return True
+
+    def survived(self, exc: BaseException) -> bool:
+        """Whether the run survives ``exc``, a failure of the step's collectives (the step is
+        then not committed): never in a fixed group, where it is raised."""
+        return False
+
+    def share_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
+        """Name the state a member that heals takes from a peer: none in a fixed group."""
+        return None
+
     @property
     def rounds(self) -> dict[str, int]:
         """How many collectives one reduction may issue, per scope."""

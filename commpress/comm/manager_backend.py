@@ -25,7 +25,7 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -53,13 +53,11 @@ class ManagerBackend(Backend):
 
     fixed_members = False
 
-    def __init__(self, manager: Any, rounds: int) -> None:
+    def __init__(self, manager: Any, rounds: int | Mapping[str, int]) -> None:
         super().__init__(0, 1, rounds)
         self.manager = manager
-        self.participating = True
-        self.heals = False
-        #: per reduction of this step, its collectives' results, while this replica heals
-        self.log: list[list[Any]] | None = None
+        self._base = manager.current_step()  # steps are counted from here: 0 on every replica of a fresh job
+        self._began_at: int | None = None  # the manager's step begun last
         self._tail: torch.futures.Future | None = None
         self._lock = threading.Lock()
 
@@ -76,6 +74,26 @@ class ManagerBackend(Backend):
         self.heals = m._pg.size() > self.world_size
         self._failure = None
         self.log = None if self.participating else []
+        self._began_at = m.current_step()
+
+    def step_of(self, counted: int) -> int:
+        """Committed steps since this backend was made: the manager's step, the same on every
+        replica whenever it joined."""
+        return self.manager.current_step() - self._base
+
+    def committed(self) -> bool:
+        """Whether the manager committed the step begun last (``should_commit()`` moved its step on)."""
+        return self._began_at is None or self.manager.current_step() > self._began_at
+
+    def survived(self, exc: BaseException) -> bool:
+        """A failed step is reported to the manager, which does not commit it: the run goes on."""
+        report(self.manager, exc)
+        return True
+
+    def share_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
+        """Register ``save`` and ``load`` with the manager under ``key``: a healing replica
+        receives a healthy peer's ``save()`` and calls ``load`` with it in ``should_commit()``."""
+        self.manager.register_state_dict_fn(key, load, save)
 
     def members(self, scope: str) -> list[int]:
         return list(range(self.world_size))

@@ -22,6 +22,7 @@ from commpress.compressors.base import (
     Setting,
     Transfer,
     lay_out,
+    without_per_rank,
 )
 from commpress.compressors.registry import EXACT, available, build, check_params, compressor_class, register_compressor
 
@@ -46,4 +47,5 @@ __all__ = [
     "compressor_class",
     "lay_out",
     "register_compressor",
+    "without_per_rank",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "Transfer",
     "lay_out",
     "over_tensors",
+    "without_per_rank",
 ]
 
 #: (method, params): one setting of a method, as a config names it.
@@ -294,3 +295,10 @@ class Compressor(ABC):
         """Whether :meth:`adapt_state` converts the state of ``previous`` (a plan then moves
         a tensor's entries rather than what it owes). The default: the same class."""
         return type(previous) is type(self)
+
+
+def without_per_rank(compressor: Compressor, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``compressor``'s ``state`` with its per-rank entries (:attr:`Compressor.per_rank_state`)
+    emptied: what every rank shares, and what a replica that heals from a peer receives (its
+    error feedback starts from zero)."""
+    return {k: ({} if k in compressor.per_rank_state else v) for k, v in state.items()}

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from commpress.compressors import EXACT, Compressor, build
+from commpress.compressors import EXACT, Compressor, build, without_per_rank
 from commpress.compressors.composite import Composite
 from commpress.config import Config
 from commpress.errors import ConfigError
@@ -91,6 +91,10 @@ class MethodGroups:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for key, c in self.compressors.items():
             c.load_state_dict(state.get(key, {}))
+
+    def shared(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` (a :meth:`state_dict`) without the per-rank entries: what every rank shares."""
+        return {key: without_per_rank(self.compressors[key], s) for key, s in state.items()}
 
 
 def last_layer_names(model: nn.Module) -> list[str]:

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.config import Config
-from commpress.hooks.manager import ManagedCommState
 from commpress.hooks.optimizer import hand_over_momentum
 from commpress.hooks.removable import register_removable_hook
 from commpress.hooks.state import CommState
@@ -43,8 +42,8 @@ def register_ddp_hook(
     parameters is handed over to them and those groups' momentum set to 0
     (:func:`commpress.hooks.optimizer.hand_over_momentum`); ignored otherwise.
     ``manager``: a ``torchft.Manager`` every collective goes through
-    (:class:`~commpress.hooks.manager.ManagedCommState`; wrap the model with
-    :func:`~commpress.hooks.manager.managed_ddp`).
+    (:class:`~commpress.hooks.state.CommState`'s ``manager=``; wrap the model with
+    :func:`~commpress.hooks.managed_ddp.managed_ddp`).
     """
     return attach_ddp_hook(model, config, process_group, optimizer, manager)[0]
 
@@ -67,10 +66,7 @@ def attach_ddp_hook(
         )
     cfg = Config.load(config)
     group = cfg.group_for(model, process_group)
-    if manager is not None:
-        state: CommState = ManagedCommState(cfg, model.module, manager)
-    else:
-        state = CommState(cfg, model=model.module, process_group=group)
+    state = CommState(cfg, model=model.module, process_group=group, manager=manager)
     groups = state.groups
     compressor_of = lambda name: groups.compressors[groups.key_for(name)]  # noqa: E731
     give_back = hand_over_momentum(optimizer, model.module.named_parameters(), compressor_of, cfg.start_iter)

@@ -1,4 +1,16 @@
-"""CommState: a config's method groups plus a backend, the state object of commpress hooks."""
+"""CommState: a config's method groups plus a backend, the state object of commpress hooks.
+
+The same class runs on a fixed process group and under a torchft ``Manager`` (``manager=``),
+whose backend (:class:`~commpress.comm.manager_backend.ManagerBackend`) makes each step a
+transaction: a step it does not commit (a failed collective, too few replicas) leaves the
+compressors' state as if it never ran, as a non-finite step does; the step counter is the
+manager's committed steps, the same on every replica; a replica that heals in a step replays
+it on the peer's state it is handed (:mod:`commpress.hooks.healing`), its per-rank state
+(error feedback, residuals, local momentum) started from zero. Under a manager a
+``[layerwise]`` plan is made at the step after a measured one by every participant (a healing
+replica sending zero errors, :attr:`~commpress.layerwise.groups.LayerwiseGroups.by_step`), its
+collectives part of the step; at a step that does not plan, a healing replica is handed the
+plan in force first."""
 
 from __future__ import annotations
 
@@ -13,39 +25,37 @@ import torch.distributed
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_config
 from commpress.comm.backend import OnBackend
+from commpress.comm.manager_backend import ManagerBackend
 from commpress.comm.pickling import check_default_group
 from commpress.comm.warm import load_model_kernels
-from commpress.compressors import Bucket, Context, ParamSlot, build, compressor_class, host, lay_out
-from commpress.compressors.registry import methods_taking
+from commpress.compressors import Bucket, Context, ParamSlot, build, host
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
 from commpress.config.matrix import check_part
 from commpress.errors import ConfigError
+from commpress.hooks.healing import HealLog
+from commpress.hooks.model_check import check_model
+from commpress.hooks.names import BucketNames
+from commpress.hooks.step_flags import StepFlags, step_was_finite
 from commpress.layerwise.groups import LayerwiseGroups, method_groups
 from commpress.layerwise.plan import LayerPlan
 
-__all__ = ["CommState", "check_model"]
+__all__ = ["CommState"]
 
 
 class CommState(OnBackend):
     """Everything a commpress hook needs: the resolved config, its method groups, the
-    backend, and the step counter.
+    backend, and the step counter; under a torchft ``manager`` its shared state is
+    registered with the manager under ``key``.
 
     Like PyTorch's ``PowerSGDState`` it may be built before ``init_process_group``
-    (Lightning builds hook states first): it then connects at the first reduction. On
-    connecting (at construction when torch.distributed is up) every rank compares a hash of the resolved config before any
-    collective whose shape depends on it, and raises :class:`ConfigError` if any differs.
-
-    A step's state changes (error feedback, warm starts, the step counter) are committed
-    together when the next step starts, or discarded if any bucket's average was
-    non-finite (GradScaler then skips the step): training continues exactly as if that
-    step had not happened.
-
-    Checkpoints: :meth:`state_dict` is this rank's part (error feedback differs per
-    rank) and records rank, world size, step and config; ``state_dict(full=True)``
-    gathers the whole job's parts (every rank calls it) for a checkpoint saved on rank 0
-    only, and :meth:`load_state_dict` hands each rank its own part (see
-    :mod:`commpress.comm.checkpoint`). A state pickles like PyTorch's ``PowerSGDState``:
+    (Lightning builds hook states first): it then connects at the first reduction, where
+    every rank compares a hash of the resolved config before any collective whose shape
+    depends on it (:class:`ConfigError` if any differs). A step's state changes (error
+    feedback, warm starts, the step counter) are committed together when the next step
+    starts, or discarded if any bucket's average was non-finite (GradScaler then skips the
+    step). :meth:`state_dict` is this rank's part, ``state_dict(full=True)`` the whole
+    job's (:mod:`commpress.comm.checkpoint`). A state pickles like ``PowerSGDState``:
     without its process group, reconnecting to the default group at first use.
     """
 
@@ -55,17 +65,27 @@ class CommState(OnBackend):
         model: torch.nn.Module | None = None,
         process_group: Any = None,
         backend: Backend | None = None,
+        manager: Any = None,
+        key: str = "commpress",
     ) -> None:
         self.config = Config.load(config)
-        check_part(self.config, "ddp_hook", "CommState (the DDP hook's state)")
+        check_part(self.config, "ddp_hook", "CommState (the DDP hook's state)", managed=manager is not None)
         if self.config.overrides and model is None:
             raise ConfigError("config has overrides by parameter name: pass model= so names can be resolved")
         groups = method_groups(self.config, model)
         if model is not None:
             check_model(model, self.config, groups)
+        if manager is not None:
+            if isinstance(groups, LayerwiseGroups):  # every participant plans at the step after a measured one
+                if model is None:
+                    raise ConfigError("[layerwise] under a torchft Manager needs the model (model=): every replica plans")
+                groups.by_step = True
+            backend = ManagerBackend(manager, groups.rounds)
         self._setup(groups, model, process_group, backend, None)
         if model is not None:
-            self._names = {id(p): n for n, p in model.named_parameters()}
+            self._names = BucketNames({id(p): n for n, p in model.named_parameters()})
+        if backend is not None:
+            backend.share_state(key, self.load_shared, self.shared_state_dict)
         if backend is not None or self.config.backend != "torch" or torch.distributed.is_initialized():
             self.connect()  # fail early where we can; lazy only before init_process_group
 
@@ -80,10 +100,7 @@ class CommState(OnBackend):
         self.groups = groups
         #: the per-tensor plan of ``[layerwise]`` (None without it)
         self.layerwise = groups if isinstance(groups, LayerwiseGroups) else None
-        self._names: dict[int, str] = {}
-        #: (name, shape) of every parameter in the order buckets first held them
-        self._order: dict[str, tuple[int, ...]] = {}
-        self._bind = bind  # a pickled state's order: parameters are named by it
+        self._names = BucketNames(bind=bind)
         self._model = model
         self._process_group = process_group
         self._backend = backend
@@ -92,11 +109,13 @@ class CommState(OnBackend):
         self.step = 0
         self._layouts: dict[int, tuple[tuple[int, ...], tuple[ParamSlot, ...]]] = {}
         self._step_open = False  # a bucket of the current step has been seen
-        self._finite: list[torch.Tensor] = []  # one flag per bucket of the open step
-        self._in_flight = 0  # reductions whose completion callback has not run yet
-        self._done = threading.Condition()  # guards _finite and _in_flight (callbacks run on comm threads)
+        self._flags = StepFlags()
         self._saved: Mapping[str, Any] | None = None  # loaded before connect()
         self._check_resume = True  # ranks compare step and config at the first reduction
+        self._ran = False  # a step's reductions ran since the last end_step()
+        self._heal = HealLog()  # what this step ran, for a replay while it heals
+        self._joined = False  # shared state taken from a peer: per-rank state dropped at its commit
+        self._settling = threading.RLock()  # a manager reads the shared state from its quorum thread
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -129,6 +148,12 @@ class CommState(OnBackend):
         return self._backend
 
     @property
+    def steps(self) -> int:
+        """Steps taken: under a torchft Manager the committed ones since registration, the
+        same on every replica."""
+        return self._backend.step_of(self.step) if self._backend is not None else self.step
+
+    @property
     def plan(self) -> LayerPlan | None:
         """The ``[layerwise]`` plan in force: each tensor's setting and bytes (None before
         the first plan, or without the table)."""
@@ -158,8 +183,14 @@ class CommState(OnBackend):
         if first_bucket:
             self.end_step()
         self.connect()
-        if first_bucket and self._check_resume and self._backend.can_block:
-            checkpoint.check_resume(self._backend, self.step, self.config.digest(), "the DDP hook state (CommState)")
+        backend = self._backend
+        if first_bucket:
+            backend.begin_step()
+            self.step = backend.step_of(self.step)
+            self._heal.clear()
+            self._ran = True
+        if first_bucket and self._check_resume and backend.can_block and backend.fixed_members:
+            checkpoint.check_resume(backend, self.step, self.config.digest(), "the DDP hook state (CommState)")
             self._check_resume = False
         if first_bucket and self.adaptive is not None and self.step >= self.config.start_iter:
             # nothing in flight: safe to re-measure; before a layer-wise plan, whose budget a new setting sets
@@ -170,7 +201,7 @@ class CommState(OnBackend):
         members = tuple(id(p) for p in params) if params is not None else (buffer.numel(),)
         cached = self._layouts.get(index)
         if cached is None or cached[0] != members:
-            cached = self._layouts[index] = (members, self._slots(buffer, params))
+            cached = self._layouts[index] = (members, self._names.slots(buffer, params))
         slots = cached[1]
         self._step_open = not advance
         step = self.step
@@ -179,19 +210,32 @@ class CommState(OnBackend):
         bucket = Bucket(index, buffer, slots)
         ctx = Context(rank=self.rank, world_size=self.world_size, step=step)
         if step < self.config.start_iter:
-            fut = self._backend.run(self._warmup.reduce(bucket, ctx), buffer.device)
+            fut = backend.run(self._warmup.reduce(bucket, ctx), buffer.device)
         elif self.adaptive is not None:
             fut = self.adaptive.run(bucket, step)
         else:
-            fut = self._backend.run(self.groups.composite.reduce(bucket, ctx), buffer.device)
-        with self._done:  # counted once started (a hook that raised has nothing in flight)
-            self._in_flight += 1
+            fut = backend.run(self.groups.composite.reduce(bucket, ctx), buffer.device)
+        self._flags.started()  # counted once started (a hook that raised has nothing in flight)
+        if backend.log is not None:
+            self._heal.bucket(index, buffer, slots, ctx)
         return fut.then(functools.partial(self._record_finite, buffer))
 
     def _replan(self, device: torch.device) -> None:
         """The layer-wise plan at the first bucket of a step, if due (per link under the
-        bandwidth layer: over its cross groups), exchanged on the buckets' ``device``."""
-        self.layerwise.replan(self.adaptive.backend if self.adaptive is not None else self._backend, self.step, device)
+        bandwidth layer: over its cross groups), exchanged on the buckets' ``device``; else
+        the plan in force handed to a replica that heals in this step (its buckets'
+        collectives follow the plan). A failure the backend survives fails the step only."""
+        backend = self.adaptive.backend if self.adaptive is not None else self._backend
+        try:
+            planned = self.layerwise.replan(backend, self.step, device)
+            if not planned and backend.heals:
+                backend.run(self.layerwise.sharing(not backend.participating, device)).wait()
+        except Exception as exc:
+            if not backend.survived(exc):
+                raise
+            return
+        if backend.log is not None and (planned or backend.heals):
+            self._heal.plan(self.step, device) if planned else self._heal.handed_over()
 
     def _record_finite(self, buffer: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
         """The hook's result, ``buffer``; notes whether its average is finite (what the
@@ -199,14 +243,13 @@ class CommState(OnBackend):
         try:
             known = fut.value()
             flag = host.finite(buffer) if known is None else torch.tensor(known)
-        except BaseException:
+        except BaseException as exc:
             flag = torch.tensor(False)  # a failed bucket discards the whole step
+            if isinstance(exc, Exception) and self._backend.survived(exc):
+                return buffer  # handed back as it is, as torchft's DDP does: the step is not committed
             raise
         finally:
-            with self._done:
-                self._finite.append(flag)
-                self._in_flight -= 1
-                self._done.notify_all()
+            self._flags.landed(flag)
         return buffer
 
     def end_step(self) -> None:
@@ -215,51 +258,31 @@ class CommState(OnBackend):
 
         Waits for reductions still in flight (their callbacks run on communication
         threads); a step whose last bucket never started (an exception during backward)
-        is discarded, as if it had not happened."""
-        with self._done:
-            if self._in_flight and self._backend is not None and not self._backend.can_block:
-                raise RuntimeError("end_step with reductions in flight in a one-process world: they would never finish")
-            self._done.wait_for(lambda: self._in_flight == 0)
-            flags, self._finite = self._finite, []
-            if self._step_open:
-                self._step_open = False
-                self.groups.end_step(False)
-                return
+        is discarded, as if it had not happened. A step its backend did not commit (under a
+        torchft Manager) is discarded too."""
+        with self._settling:
+            ran, self._ran = self._ran, False
+            committed = not ran or self._backend.committed()
+            if not committed:
+                self._flags.add(torch.tensor(False))
+            self._settle_step()
+            if ran and committed and self._joined:
+                self.groups.load_state_dict(self.groups.shared(self.groups.state_dict()))
+                self._joined = False
+
+    def _settle_step(self) -> None:
+        if self._flags.in_flight and self._backend is not None and not self._backend.can_block:
+            raise RuntimeError("end_step with reductions in flight in a one-process world: they would never finish")
+        flags = self._flags.collect()
+        if self._step_open:
+            self._step_open = False
+            self.groups.end_step(False)
+            return
         if flags:
             finite = step_was_finite(flags)
             self.groups.end_step(finite)
             if not finite:
                 self.step -= 1
-
-    def _slots(self, buffer: torch.Tensor, params: Sequence[torch.Tensor] | None) -> tuple[ParamSlot, ...]:
-        if params is None:
-            return (ParamSlot("flat", buffer.shape, 0),)
-        slots, numel = lay_out((self._name_of(p), p.shape) for p in params)
-        if numel != buffer.numel():
-            raise ValueError(f"bucket parameters hold {numel} elements, its buffer {buffer.numel()}")
-        return slots
-
-    def _name_of(self, p: torch.Tensor) -> str:
-        """The model's name of ``p``; without a model, a name by order of first appearance
-        (the same on every rank); in a state restored from a pickle, the name the pickled
-        state gave the parameter that appeared at that place (checked by shape)."""
-        name = self._names.get(id(p))
-        if name is None:
-            i = len(self._names)
-            if self._bind is None:
-                name = f"param{i}"
-            elif i >= len(self._bind) or tuple(self._bind[i][1]) != tuple(p.shape):
-                expected = "no more parameters" if i >= len(self._bind) else f"{self._bind[i][0]!r} of shape {self._bind[i][1]}"
-                raise ValueError(
-                    f"this CommState was unpickled from a run whose parameter number {i} (in bucket order) was "
-                    f"{expected}; this model's has shape {tuple(p.shape)}: register the hook of the same model, or build "
-                    "a new state with commpress.register and load its state_dict()"
-                )
-            else:
-                name = self._bind[i][0]
-            self._names[id(p)] = name
-        self._order.setdefault(name, tuple(p.shape))
-        return name
 
     # ---- checkpoints -------------------------------------------------------------------
 
@@ -321,21 +344,49 @@ class CommState(OnBackend):
             out["layerwise"] = self.layerwise.combine_plan_states(shared["layerwise"], [p["layerwise"] for p in parts], scale)
         return out
 
+    # ---- live recovery (under a torchft Manager) ----------------------------------------
+
+    def shared_state_dict(self) -> dict[str, Any]:
+        """The committed state every replica shares (:meth:`state_dict` without the per-rank
+        entries): what the manager sends a healing replica."""
+        with self._settling:
+            state = self.state_dict()
+        shared = {**state, "compressors": self.groups.shared(state["compressors"])}
+        if self.layerwise is not None:
+            shared["layerwise"] = self.layerwise.shared_plan_state(state["layerwise"])
+        return shared
+
+    def load_shared(self, state: Mapping[str, Any]) -> None:
+        """Take a healthy peer's shared state (the manager calls it in ``should_commit``),
+        then replay this step's collectives on it, so the state this step commits is the
+        peers'. A replay that fails fails the step here (it is then not committed)."""
+        with self._settling:
+            ran = self._ran
+            self.load_state_dict(state)  # drops what this step staged on the stale state
+            log = self._backend.log if self._backend is not None else None
+            if not ran or log is None:
+                return  # healed before the step (use_async_quorum=False): it takes part in it
+            self._joined = True
+            try:
+                self._heal.replay(self.groups.composite, self.layerwise, self.config.start_iter, log)
+            except Exception as exc:
+                self.groups.end_step(False)
+                if not self._backend.survived(exc):
+                    raise
+                return
+            self._ran = True
+            self._flags.add(torch.tensor(True))  # committed with the step, if the manager commits it
+
     # ---- pickling (PyTorch's hook states pickle without their process group) -------------
 
     def __getstate__(self) -> dict[str, Any]:
         check_default_group(self._process_group, "the DDP hook state (CommState)")
-        if self._names and not self._order and self._bind is None:
-            raise TypeError(
-                "a CommState built with model= pickles only after its first reduction: until then its copy could not "
-                "tell which parameter bears which name (overrides and per-tensor settings follow names); build it "
-                "without model= (a config without overrides), or build it in each process after the model"
-            )
+        self._names.check_picklable()
         connected = self._backend is not None
         return {
             "config": self.config,
             "state": self.state_dict() if connected else self._saved,
-            "order": list(self._order.items()) or self._bind,  # None: no bucket seen yet, bind on first use
+            "order": self._names.pickled_order(),
             "last_layer": sorted(self.groups.last_layer),
         }
 
@@ -345,54 +396,3 @@ class CommState(OnBackend):
         order = data["order"]
         self._setup(groups, None, None, None, [(n, tuple(s)) for n, s in order] if order else None)
         self._saved = data["state"]  # loaded, with its rank checked, when this state connects
-
-
-def step_was_finite(flags: Sequence[torch.Tensor]) -> bool:
-    """Whether every bucket's average was finite: the one host transfer per step."""
-    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all().item())
-
-
-def check_model(model: torch.nn.Module, config: Config, groups: MethodGroups) -> None:
-    """Refuse, at registration, what the hooks cannot reduce: sparse gradients, parameter
-    dtypes a group's method does not take, override globs that match no parameter."""
-    for name, module in model.named_modules():
-        if getattr(module, "sparse", False) is True:
-            raise ConfigError(
-                f"module {name or type(module).__name__!r} ({type(module).__name__}) has sparse=True: DDP comm hooks "
-                "reduce dense gradient buckets only; construct it with sparse=False to use commpress"
-            )
-    names = []
-    refused: dict[tuple[str, torch.dtype], list[str]] = {}  # (method, dtype) -> parameter names
-    for name, p in model.named_parameters():
-        names.append(name)
-        compressor = groups.compressors[groups.key_for(name)]
-        if p.requires_grad and p.dtype not in compressor.dtypes:
-            refused.setdefault((compressor.name, p.dtype), []).append(name)
-    if refused:
-        raise ConfigError("; ".join(_dtype_advice(method, dtype, found, config) for (method, dtype), found in refused.items()))
-    unmatched = config.unmatched_overrides(names)
-    if unmatched:
-        raise ConfigError(f"overrides: params {unmatched} match no parameter of the model (names look like {names[:3]})")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _dtype_advice(method: str, dtype: torch.dtype, names: list[str], config: Config) -> str:
-    """Which parameters of ``dtype`` ``method`` refuses, and advice that works: the
-    methods that take the dtype, through an override, or converting the model."""
-    shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
-    accepted = ", ".join(_dtype_name(d) for d in compressor_class(method).dtypes)
-    found = f"{len(names)} parameter{'s' if len(names) > 1 else ''} of dtype {_dtype_name(dtype)} ({shown})"
-    takers = methods_taking(dtype)
-    if not takers:
-        return f"{found}: no method takes {_dtype_name(dtype)} (method {method!r} takes {accepted}): convert them to one of those"
-    globs = ", ".join(f'"{n}"' for n in names[:4])
-    if len(names) > 4:
-        globs += f", ... (all {len(names)}, or globs that match them)"
-    first = " as the first [[overrides]] entry (the first match wins)" if config.overrides else ""
-    return (
-        f"{found}: method {method!r} does not take {_dtype_name(dtype)} (accepted: {accepted}); convert them, or send "
-        f'them with {" / ".join(takers)} through an override{first}: [[overrides]] params = [{globs}], method = "{takers[0]}"'
-    )

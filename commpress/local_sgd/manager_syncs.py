@@ -23,7 +23,7 @@ import torch
 
 from commpress.comm.averager import ParameterAverager
 from commpress.comm.manager_backend import ManagerBackend, replay, report
-from commpress.compressors import Context
+from commpress.compressors import Context, without_per_rank
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
 from commpress.local_sgd.local_sgd import Average
@@ -152,8 +152,7 @@ class ManagerSyncs:
         step count (a restarted replica then chooses QSR's rounds as its peers do)."""
         with self._settling:
             compressor = self.averager.compressor
-            state = compressor.state_dict()
-            shared = {k: ({} if k in compressor.per_rank_state else v) for k, v in state.items()}
+            shared = without_per_rank(compressor, compressor.state_dict())
             return {
                 "anchor": self.anchor.clone(),
                 "outer": copy.deepcopy(self.outer_optimizer.state_dict()),

@@ -8,7 +8,7 @@ everything goes through the manager inside the backward pass, before ``should_co
 during the warm-up the DDP hook averages the gradients exactly; after it, the hook first
 turns each bucket's gradient into this replica's momentum ``beta1 * m + (1 - beta1) * g``
 and averages that with the method, so ``p.grad`` holds the averaged momentum when the
-optimizer steps. Both run through a :class:`~commpress.hooks.manager.ManagedCommState`
+optimizer steps. Both run through a :class:`~commpress.hooks.state.CommState` under the manager
 whose ``start_iter`` is the warm-up; it keeps the method's state (committed with the step,
 dropped with it) and heals a (re)joining replica. The step, if committed, is AdamW's own
 in the warm-up and after it AdamW's update with the averaged momentum and the frozen
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
-from commpress.hooks.manager import ManagedCommState
+from commpress.hooks.state import CommState
 from commpress.local_sgd.local_sgd import check_finite
 from commpress.optim.onebit_adam import (
     AdamStepTakeover,
@@ -55,7 +55,7 @@ def managed_hook(state: "ManagedOneBitAdam", bucket: dist.GradBucket) -> torch.f
 
 class ManagedOneBitAdam(AdamStepTakeover):
     """1-bit Adam attached to ``optimizer`` (AdamW) of the ``model`` made by
-    :func:`~commpress.hooks.manager.managed_ddp`, its averages through ``manager``: exact for
+    :func:`~commpress.hooks.managed_ddp.managed_ddp`, its averages through ``manager``: exact for
     ``warmup_steps`` committed steps, then the momentum with ``method`` and ``params``."""
 
     name = "1-bit Adam under a torchft Manager"
@@ -77,7 +77,7 @@ class ManagedOneBitAdam(AdamStepTakeover):
         self.manager = manager
         self.warmup_steps = warmup_steps
         config = {"method": method, "params": dict(params or {}), "start_iter": warmup_steps}
-        self.comm = ManagedCommState(config, model.module, manager, key=key)
+        self.comm = CommState(config, model.module, manager=manager, key=key)
         self._group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self._step: int | None = None  # the step whose backward ran, if it was past the warm-up
 
