@@ -211,7 +211,7 @@ def failing(role: str, out: Path, lighthouse: str, port: int, rank: int) -> None
 def _dies(trainer: Any, ft: Manager, shard: int, meet: dist.TCPStore) -> None:
     """In sync :data:`KILL_SYNC` rank 0 exits as it starts the average (once rank 1 holds the
     sync's quorum: rank 0 serves the group's quorum), rank 1 once its average is there."""
-    start, ask = trainer.averager.start, trainer._ask
+    start, ask = trainer.averager.start, trainer._wait_and_ask
 
     def starting(*args: Any, **kwargs: Any) -> Any:
         if ft.current_step() == KILL_SYNC:
@@ -229,7 +229,7 @@ def _dies(trainer: Any, ft: Manager, shard: int, meet: dist.TCPStore) -> None:
 
     trainer.averager.start = starting
     if shard == 1:
-        trainer._ask = asking
+        trainer._wait_and_ask = asking
 
 
 def _load_shards(model: torch.nn.Module, state: dict[str, Any]) -> None:

@@ -98,7 +98,7 @@ def test_what_does_not_run_under_a_manager_is_refused():
 
 
 def test_a_skipped_sync_takes_its_eager_move_back():
-    """The sync that does not count under a manager (:meth:`ManagedDiLoCo._skip`) leaves the
+    """The sync that does not count under a manager (:meth:`ManagedDiLoCo._skip_sync`) leaves the
     local values where the steps alone took them: on a linear loss (the same gradient
     wherever the values are) that is the plain run without the sync, to float tolerance."""
     torch.manual_seed(0)
@@ -118,6 +118,6 @@ def test_a_skipped_sync_takes_its_eager_move_back():
             trainer.apply_due()
     (flight,) = trainer._in_flight
     assert flight.start is not None and not torch.equal(flight.start, trainer.flat.read())
-    ManagedDiLoCo._skip(trainer, flight)
+    ManagedDiLoCo._skip_sync(trainer, flight)
     for a, b in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b)

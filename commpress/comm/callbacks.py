@@ -140,7 +140,7 @@ def _workers_busy() -> bool | None:
     return False
 
 
-def _settle(deadline: float) -> bool:
+def _wait_until_idle(deadline: float) -> bool:
     """Wait, the GIL released, until gloo's workers have been idle for two looks in a row
     (50 ms where that cannot be seen), at most until ``deadline``; whether they were."""
     idle = 0
@@ -163,7 +163,7 @@ def _at_exit() -> None:
     if not _Counted.count.ever:
         return
     deadline = time.monotonic() + EXIT_WAIT
-    if not drain() or not _settle(deadline):
+    if not drain() or not _wait_until_idle(deadline):
         print(
             f"commpress: exiting before gloo's collectives finished ({pending()} callbacks pending after {EXIT_WAIT} s)",
             file=sys.stderr,

@@ -161,7 +161,7 @@ class DiLoCo(LocalSGD):
         ``rounds % fragments`` at the end of a round. ``final``: land what is in flight,
         then start every fragment whose local values differ from the anchor (finish)."""
         if final:
-            self._land(until=None)
+            self._apply_syncs_due(until=None)
             for fragment in self.fragments:
                 if self.fresh[fragment.index] != self.clock.step:
                     self._start_fragment(fragment, self.clock.step, replace=True)
@@ -169,16 +169,16 @@ class DiLoCo(LocalSGD):
         if not self.clock.round_ends:
             return
         self._check_ranks()
-        self._land(until=None)  # a round shorter than sync_delay (QSR's last) lands the previous first
+        self._apply_syncs_due(until=None)  # a round shorter than sync_delay (QSR's last) lands the previous first
         self._start_fragment(self.fragments[self.clock.rounds % len(self.fragments)], self.clock.step + self.sync_delay)
 
     def apply_due(self, final: bool = False) -> None:
         """Land the averages due by this step (``final``: all in flight), then end the
         round if this step ended it (``final``: if steps were taken in it)."""
-        self._land(until=None if final else self.clock.step)
+        self._apply_syncs_due(until=None if final else self.clock.step)
         self._end_round(final)
 
-    def _land(self, until: int | None) -> None:
+    def _apply_syncs_due(self, until: int | None) -> None:
         """Land, in the order they started, the averages due by step ``until`` (None: all)."""
         while self._in_flight and (until is None or self._in_flight[0].due <= until):
             self._land_one(self._in_flight.pop(0))

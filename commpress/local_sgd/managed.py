@@ -69,9 +69,9 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         key: str = "commpress_diloco",
         **kwargs: Any,
     ) -> None:
-        averager = self._through(manager, method, params)
+        averager = self._manager_averager(manager, method, params)
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
-        #: per sync in flight, oldest first, how it lands once asked (:meth:`_settle`)
+        #: per sync in flight, oldest first, how it lands once asked (:meth:`_outcome_of`)
         self._outcomes: list[str] = []
         self._register(key)
 
@@ -87,36 +87,36 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         fragment of the manager's step). ``final``: land, then sync every fragment, each
         landing at once (replicas cannot know which fragments their peers changed)."""
         if final:
-            self._land(until=None)
+            self._apply_syncs_due(until=None)
             for fragment in self.fragments:
-                self._quorum()
+                self._start_manager_step()
                 self._start_fragment(fragment, self.clock.step, replace=True)
-                self._land(until=None)
+                self._apply_syncs_due(until=None)
             return
         if not self.clock.round_ends:
             return
-        self._land(until=None)
-        self._quorum()
+        self._apply_syncs_due(until=None)
+        self._start_manager_step()
         fragment = self.fragments[self.syncs % len(self.fragments)]
         self._start_fragment(fragment, self.clock.step + self.sync_delay)
 
     def _start_fragment(self, fragment: Fragment, due: int, replace: bool = False) -> None:
-        self._record(fragment.bucket, fragment.stop - fragment.start)
+        self._keep_for_replay(fragment.bucket, fragment.stop - fragment.start)
         super()._start_fragment(fragment, due, replace)
 
     def _land_one(self, flight: _InFlight) -> None:
-        """Land a sync: the outer step and the merge, or the sync skipped (:meth:`_skip`).
-        Whether it counts is asked now (:meth:`_ask`), or was when the state was saved."""
+        """Land a sync: the outer step and the merge, or the sync skipped (:meth:`_skip_sync`).
+        Whether it counts is asked now (:meth:`_wait_and_ask`), or was when the state was saved."""
         if self._outcomes:
             outcome = self._outcomes.pop(0)
             with self._settling:
-                self._land_as(flight, outcome)
+                self._apply_outcome(flight, outcome)
             return
-        verdict = self._ask(flight.average)
+        verdict = self._wait_and_ask(flight.average)
         with self._settling:  # the compressor's state and the anchor change together for a reading peer
-            self._land_as(flight, self._settle(flight, *verdict))
+            self._apply_outcome(flight, self._outcome_of(flight, *verdict))
 
-    def _settle(self, flight: _InFlight, average: torch.Tensor | None, finite: bool, committed: bool) -> str:
+    def _outcome_of(self, flight: _InFlight, average: torch.Tensor | None, finite: bool, committed: bool) -> str:
         """Keep or drop the compressor's staged state; how the sync lands: ``"apply"``,
         ``"replace"`` (applied, the local values taking the anchor's: a healed replica's
         model is its peer's, no steps of its own to keep), ``"anchor"`` (not counted, and a
@@ -128,15 +128,15 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
             return "replace" if healed and flight.start is not None else "apply"
         return "anchor" if healed or not finite else "skip"
 
-    def _land_as(self, flight: _InFlight, outcome: str) -> None:
+    def _apply_outcome(self, flight: _InFlight, outcome: str) -> None:
         if outcome in ("apply", "replace"):
             self._apply(dataclasses.replace(flight, replace=outcome == "replace" or flight.replace), flight.average.buffer)
         elif outcome == "anchor":
             self._to_anchor(flight.fragment)
         else:
-            self._skip(flight)
+            self._skip_sync(flight)
 
-    def _skip(self, flight: _InFlight) -> None:
+    def _skip_sync(self, flight: _InFlight) -> None:
         """A sync that does not count leaves the fragment's local values as if it had not
         run: the steps taken since the fragment's last sync are kept (the next sync sends
         them), and an eager move made when it started is taken back, ``start - anchor``
@@ -159,9 +159,9 @@ class ManagedDiLoCo(ManagerSyncs, DiLoCo):
         on alike): the saved state holds the outcomes, and a restored run lands them at
         the same steps without asking again."""
         for flight in self._in_flight[len(self._outcomes) :]:
-            verdict = self._ask(flight.average)
+            verdict = self._wait_and_ask(flight.average)
             with self._settling:
-                self._outcomes.append(self._settle(flight, *verdict))
+                self._outcomes.append(self._outcome_of(flight, *verdict))
         for flight, outcome in zip(self._in_flight, self._outcomes):
             if outcome in ("anchor", "skip"):  # its average is not used (and may have failed): saved as it is
                 done: torch.futures.Future = torch.futures.Future()

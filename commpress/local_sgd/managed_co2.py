@@ -60,7 +60,7 @@ class ManagedCO2(ManagerSyncs, CO2):
                 f"{self.name}: staleness_penalty = 'adaptive' is not accepted: its all-reduce would run between two "
                 "manager steps; expected a number >= 1"
             )
-        averager = self._through(manager, method, params)
+        averager = self._manager_averager(manager, method, params)
         super().__init__(model, inner_optimizer, period, averager=averager, **kwargs)
         #: the landed average of the sync in flight (None: not landed, or dropped) once waited for
         self._landed: tuple[torch.Tensor | None] | None = None
@@ -76,11 +76,11 @@ class ManagedCO2(ManagerSyncs, CO2):
         if self._pending is not None:
             self._apply(send)
         self.flat.write(self.anchor)  # before the quorum: a healing peer reads these values
-        self._quorum()
-        self._record(self.flat.bucket, send.numel())
+        self._start_manager_step()
+        self._keep_for_replay(self.flat.bucket, send.numel())
         self._pending = Average(self.averager.start(self.flat.bucket(send), False), send, self.clock.rounds)
         if not self.backend.participating:
-            self._land()
+            self._decide_now()
             self.flat.write(self.anchor)  # the peer's
         self.clock.round_done()
 
@@ -93,19 +93,19 @@ class ManagedCO2(ManagerSyncs, CO2):
             with self._settling:
                 self._step(average)
         else:
-            verdict = self._ask(self._pending)
+            verdict = self._wait_and_ask(self._pending)
             with self._settling:  # the compressor's state and the anchor change together for a reading peer
-                self._step(self._settle(*verdict))
+                self._step(self._keep_or_drop(*verdict))
         self._pending = None
 
-    def _land(self) -> None:
+    def _decide_now(self) -> None:
         """Ask now whether the sync in flight counts, and keep its average for the round's end."""
         assert self._pending is not None
-        verdict = self._ask(self._pending)
+        verdict = self._wait_and_ask(self._pending)
         with self._settling:
-            self._landed = (self._settle(*verdict),)
+            self._landed = (self._keep_or_drop(*verdict),)
 
-    def _settle(self, average: torch.Tensor | None, finite: bool, committed: bool) -> torch.Tensor | None:
+    def _keep_or_drop(self, average: torch.Tensor | None, finite: bool, committed: bool) -> torch.Tensor | None:
         """Keep or drop the compressor's staged state; the average to apply (None: none;
         a non-finite one is dropped as a failed one: the model restarted from the anchor)."""
         counts = committed and average is not None
@@ -128,7 +128,7 @@ class ManagedCO2(ManagerSyncs, CO2):
         whether it counts: its average is saved if it does, and applied at the next round's
         end as it would have been."""
         if self._pending is not None and self._landed is None:
-            self._land()
+            self._decide_now()
         if self._landed is not None and self._landed[0] is None:  # dropped: nothing to apply
             self._pending, self._landed = None, None
         return super()._part()

@@ -40,8 +40,8 @@ Replay = tuple[Callable[[torch.Tensor], Any], int, Context]
 
 class ManagerSyncs:
     """Mixed in before a :class:`~commpress.local_sgd.LocalSGD` trainer: call
-    :meth:`_through` for the averager before the trainer's ``__init__``, :meth:`_register`
-    after it, :meth:`_quorum` and :meth:`_record` when a sync starts."""
+    :meth:`_manager_averager` for the averager before the trainer's ``__init__``, :meth:`_register`
+    after it, :meth:`_start_manager_step` and :meth:`_keep_for_replay` when a sync starts."""
 
     manager: Any
     name: str
@@ -50,7 +50,7 @@ class ManagerSyncs:
     outer_optimizer: torch.optim.Optimizer
     clock: RoundClock
 
-    def _through(self, manager: Any, method: str, params: Mapping[str, Any] | None) -> ParameterAverager:
+    def _manager_averager(self, manager: Any, method: str, params: Mapping[str, Any] | None) -> ParameterAverager:
         """The averager of ``method`` whose collectives go through ``manager``."""
         self.manager = manager
         rounds = MethodGroups(Config(method=method, params=dict(params or {}))).rounds
@@ -101,7 +101,7 @@ class ManagerSyncs:
         self.manager.allow_state_dict_read()
         super()._end_step()  # type: ignore[misc]
 
-    def _quorum(self) -> None:
+    def _start_manager_step(self) -> None:
         """A new manager step: its quorum, participants and this replica's role in it."""
         self.manager.allow_state_dict_read()  # a healing peer may read this replica's state now
         self._at_quorum = self.clock.state_dict()
@@ -123,13 +123,13 @@ class ManagerSyncs:
     def _follow_participants(self) -> None:
         """What changes with the sync's participants (nothing here)."""
 
-    def _record(self, bucket: Callable[[torch.Tensor], Any], numel: int) -> None:
+    def _keep_for_replay(self, bucket: Callable[[torch.Tensor], Any], numel: int) -> None:
         """A sync of ``numel`` values put in ``bucket`` starts: the compressors' step is
         the manager's, and what a replay of it needs is kept until it lands."""
         self.averager.calls = self.syncs
         self._replays.append((bucket, numel, self.averager.next_context()))
 
-    def _ask(self, average: Average) -> tuple[torch.Tensor | None, bool, bool]:
+    def _wait_and_ask(self, average: Average) -> tuple[torch.Tensor | None, bool, bool]:
         """Wait for the oldest sync in flight, ``average``, and ask the manager whether it
         counts (a healing replica takes its peer's state in ``should_commit``): the averaged
         values (None: a failed collective or a non-finite average), whether they are
