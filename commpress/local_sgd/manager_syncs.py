@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from commpress.comm.averager import ParameterAverager
-from commpress.comm.manager_backend import ManagerBackend, replay, report
+from commpress.comm.manager_backend import ManagerBackend, replay
 from commpress.compressors import Context, without_per_rank
 from commpress.config import Config
 from commpress.config.groups import MethodGroups
@@ -59,16 +59,16 @@ class ManagerSyncs:
         return ParameterAverager(method, params, backend=ManagerBackend(manager, rounds))
 
     def _register(self, key: str) -> None:
-        """Count syncs from the manager's step now (0 in a fresh job, on every replica),
-        load the compressor's kernels, register the shared state with the manager under ``key``."""
-        self._base = self.manager.current_step()
+        """Load the compressor's kernels, register the shared state with the manager under
+        ``key`` (syncs count from the manager's step when the backend was made: 0 in a
+        fresh job, on every replica)."""
         self.commits: list[bool] = []  # should_commit() of every sync, in order
         self._healed = False  # set when the manager hands this replica a peer's state
         self._at_quorum: dict[str, Any] | None = None  # the clock when this replica last asked for a quorum
         self._most = 0  # the most participants of any sync so far
         self._past_end = False  # warned that a sync started past total_steps
         load_trainer_kernels(self)  # type: ignore[arg-type]  # before the first quorum: its sync is not slowed
-        self.manager.register_state_dict_fn(key, self.load_shared, self.shared_state_dict)
+        self.backend.share_state(key, self.load_shared, self.shared_state_dict)
 
     @property
     def backend(self) -> ManagerBackend:
@@ -88,7 +88,7 @@ class ManagerSyncs:
     @property
     def syncs(self) -> int:
         """Committed syncs since registration: the manager's step, the same on every replica."""
-        return self.manager.current_step() - self._base
+        return self.backend.step_of(0)
 
     def _check_ranks(self) -> None:
         """Membership is the manager's business: nothing to compare at a sync."""
@@ -140,7 +140,7 @@ class ManagerSyncs:
         try:
             values = self._wait(average)  # type: ignore[attr-defined]
         except Exception as exc:  # a failed collective or a non-finite average: the sync does not count
-            report(self.manager, exc)
+            self.backend.survived(exc)
             finite = not isinstance(exc, FloatingPointError)
         committed = self.manager.should_commit()
         self.commits.append(committed)
