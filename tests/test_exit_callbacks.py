@@ -185,36 +185,60 @@ def test_a_forked_child_starts_with_no_count():
     assert out == ["child", "0", "parent", "1"]
 
 
-def test_a_backend_released_on_gloos_thread_leaves_its_groups_to_the_main_thread():
+def test_a_backend_released_on_gloos_thread_leaves_its_groups_to_the_main_thread(tmp_path):
     """The main thread lets go of a torch backend and takes the process group down while
     gloo's worker thread still runs the backend's callback: the worker then holds the last
     reference to the backend and its channel groups. A group destroyed on its own worker
     thread joins that thread and the process aborts ("Resource deadlock avoided"); the
-    groups are left to the main thread instead, and the script ends with 0."""
-    out = _run(
+    groups are left to the main thread instead, and the script ends with 0. Two ranks, so
+    that rank 0's all-reduce completes on gloo's thread: rank 1 joins it only once rank 0
+    has handed its callback over (a key in their store)."""
+    script = textwrap.dedent(
         """
-        import gc
+        import gc, sys, threading, torch
         import torch.distributed as dist
+        from commpress.comm import callbacks
         from commpress.comm.torch_backend import TorchBackend
         from commpress.compressors import AllReduce
+        rank = int(sys.argv[1])
+        store = dist.FileStore(sys.argv[2], 2)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        backend = TorchBackend(rounds=1)
+
+        def plain(request):
+            return (yield request)
+
+        if rank == 1:
+            store.wait(["handed over"])
+            backend.run(plain(AllReduce(torch.ones(2)))).wait()
+            sys.exit(0)
         resumed, release = threading.Event(), threading.Event()
 
         def once(request):
             result = yield request
-            resumed.set()  # on gloo's thread, in the backend's callback
+            resumed.set()
+            print("on gloo's thread:", threading.current_thread() is not threading.main_thread(), flush=True)
             release.wait()
             return result
 
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        backend = TorchBackend(rounds=1)
         fut = backend.run(once(AllReduce(torch.ones(2))))
+        store.set("handed over", "1")
         resumed.wait()
         del backend
         dist.destroy_process_group()
         gc.collect()
         release.set()
         fut.wait()
-        print(callbacks.drain(timeout=60.0), fut.done(), flush=True)
+        print(callbacks.drain(timeout=60.0), fut.value() is not None, flush=True)
         """
     )
-    assert out == ["True", "True"]
+    store = str(tmp_path / "store")
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(r), store], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in range(2)
+    ]
+    outs = [r.communicate(timeout=120) for r in ranks]
+    assert [r.returncode for r in ranks] == [0, 0], [err for _, err in outs]
+    assert outs[0][0].split() == ["on", "gloo's", "thread:", "True", "True", "True"]
