@@ -25,7 +25,6 @@ from commpress.fsdp import FSDP2State, apply
 from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks.ddp import attach_ddp_hook
 from commpress.local_sgd import from_config
-from commpress.local_sgd.warm import load_trainer_kernels
 from commpress.optim import ManagedOneBitAdam, OneBitAdam, check_adam
 
 __all__ = ["PART_TYPES", "AppliedPart", "Request"]
@@ -148,27 +147,22 @@ class LocalSGDPart(AppliedPart):
     @classmethod
     def build(cls, model: torch.nn.Module, cfg: Config, request: Request) -> LocalSGDPart:
         optimizer = request.optimizer_for("local_sgd", "runs at the optimizer's step: pass register(..., optimizer=optimizer)")
-        if request.manager is not None:
-            from commpress.local_sgd.managed import managed_from_config
-
-            trainer = managed_from_config(model, optimizer, cfg, request.manager, request.total_steps)
-        else:
-            # torch.optim.Optimizer.__init__ makes the hook tables; a wrapper that skips it lacks them
-            if not hasattr(optimizer, "_optimizer_step_post_hooks"):
-                raise TypeError(
-                    f"the config's [local_sgd] table runs at the optimizer's step hooks, which this "
-                    f"{type(optimizer).__name__} does not hold (a wrapper: Accelerate's AcceleratedOptimizer, for one): "
-                    "pass the torch.optim optimizer it wraps (optimizer.optimizer)"
-                )
-            trainer = from_config(
-                model,
-                optimizer,
-                cfg,
-                total_steps=request.total_steps,
-                process_group=request.process_group,
-                mesh=request.mesh,
+        # torch.optim.Optimizer.__init__ makes the hook tables; a wrapper that skips it lacks them
+        if not hasattr(optimizer, "_optimizer_step_post_hooks"):
+            raise TypeError(
+                f"the config's [local_sgd] table runs at the optimizer's step hooks, which this "
+                f"{type(optimizer).__name__} does not hold (a wrapper: Accelerate's AcceleratedOptimizer, for one): "
+                "pass the torch.optim optimizer it wraps (optimizer.optimizer)"
             )
-            load_trainer_kernels(trainer)  # the averaging's kernels loaded now, not inside the first sync
+        trainer = from_config(
+            model,
+            optimizer,
+            cfg,
+            total_steps=request.total_steps,
+            process_group=request.process_group,
+            mesh=request.mesh,
+            manager=request.manager,
+        )
         trainer.register_optimizer_hooks()
         return cls(trainer)
 

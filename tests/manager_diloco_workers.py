@@ -43,8 +43,8 @@ from commpress.compressors.wire.collectives import relayed
 from commpress.config import Config
 from commpress.kernels.cpu import ternary as ternary_kernels
 from commpress.kernels.cpu import topk as topk_kernels
+from commpress.local_sgd import from_config
 from commpress.local_sgd.flat import FlatModel
-from commpress.local_sgd.managed import managed_from_config
 
 #: the methods compared with the plain run, and their parameters
 METHODS: dict[str, dict[str, Any]] = {"none": {}, "terngrad": {"entropy": True}, "topk": {"ratio": 0.3}}
@@ -117,7 +117,7 @@ def resumed_run(
     model and optimizer: the resumed model, its trainer, the first trainer, the state."""
     nets = [model(0), model(0)]
     opts = [torch.optim.AdamW(net.parameters(), lr=0.01) for net in nets]
-    trainers = [managed_from_config(n, o, Config.load(cfg), manager, key=f"{key}{i}") for i, (n, o) in enumerate(zip(nets, opts))]
+    trainers = [from_config(n, o, Config.load(cfg), manager=manager, key=f"{key}{i}") for i, (n, o) in enumerate(zip(nets, opts))]
     for trainer in trainers:
         trainer.register_optimizer_hooks()
     state: dict[str, Any] = {}

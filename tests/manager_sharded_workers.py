@@ -41,7 +41,7 @@ from torchft import Manager, ProcessGroupGloo
 import commpress
 from commpress.config import Config
 from commpress.errors import ConfigError
-from commpress.local_sgd.managed import managed_from_config
+from commpress.local_sgd import from_config
 
 #: the slow-link kind of Streaming DiLoCo: TernGrad entropy-coded, the eager merge, sqrt(M)
 CONFIG = {
@@ -105,7 +105,7 @@ def same_runs(rank: int, world: int, lighthouse: str) -> dict[str, Any]:
             model = _model(mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
             if managed:  # as register(..., manager=ft) builds it, under a key of its own per config
-                trainer = managed_from_config(model, opt, Config.load(config), ft, key=name)
+                trainer = from_config(model, opt, Config.load(config), manager=ft, key=name)
                 trainer.register_optimizer_hooks()
             else:
                 trainer = commpress.register(model, config, optimizer=opt, mesh=mesh).local_sgd
@@ -134,15 +134,15 @@ def non_finite(mesh: Any, ft: Manager, rank: int) -> list[bool]:
     model = _model(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     config = {"method": "none", "local_sgd": {"algorithm": "diloco", "period": 2}}
-    trainer = managed_from_config(model, opt, Config.load(config), ft, key="non_finite")
+    trainer = from_config(model, opt, Config.load(config), manager=ft, key="non_finite")
     trainer.register_optimizer_hooks()
     anchor = trainer.anchor.clone()
     start = trainer.averager.start
 
-    def poisoned(bucket: Any, *args: Any) -> Any:
+    def poisoned(bucket: Any, *args: Any, **kwargs: Any) -> Any:
         if rank == 0:
             bucket.buffer[0] = float("inf")
-        return start(bucket, *args)
+        return start(bucket, *args, **kwargs)
 
     trainer.averager.start = poisoned
     for index in (0, 1):  # the sync lands in step 1
@@ -211,7 +211,7 @@ def failing(role: str, out: Path, lighthouse: str, port: int, rank: int) -> None
 def _dies(trainer: Any, ft: Manager, shard: int, meet: dist.TCPStore) -> None:
     """In sync :data:`KILL_SYNC` rank 0 exits as it starts the average (once rank 1 holds the
     sync's quorum: rank 0 serves the group's quorum), rank 1 once its average is there."""
-    start, ask = trainer.averager.start, trainer._wait_and_ask
+    start, wait = trainer.averager.start, trainer._wait
 
     def starting(*args: Any, **kwargs: Any) -> Any:
         if ft.current_step() == KILL_SYNC:
@@ -221,15 +221,15 @@ def _dies(trainer: Any, ft: Manager, shard: int, meet: dist.TCPStore) -> None:
             meet.set("quorate", "1")
         return start(*args, **kwargs)
 
-    def asking(average: Any) -> Any:
+    def waiting(average: Any) -> Any:
         if ft.current_step() == KILL_SYNC:
             average.future.wait()
             os._exit(0)
-        return ask(average)
+        return wait(average)
 
     trainer.averager.start = starting
     if shard == 1:
-        trainer._wait_and_ask = asking
+        trainer._wait = waiting
 
 
 def _load_shards(model: torch.nn.Module, state: dict[str, Any]) -> None:

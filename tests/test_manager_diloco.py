@@ -31,8 +31,7 @@ from commpress.comm.averager import ParameterAverager
 from commpress.config import Config
 from commpress.errors import ConfigError
 from commpress.hooks import CommState
-from commpress.local_sgd import DiLoCo
-from commpress.local_sgd.managed import ManagedDiLoCo, managed_from_config
+from commpress.local_sgd import DiLoCo, from_config
 
 pytestmark = pytest.mark.multiproc
 WORKERS = "manager_diloco_workers.py"
@@ -91,14 +90,14 @@ def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bi
 
 def test_what_does_not_run_under_a_manager_is_refused():
     cfg = Config.load({"local_sgd": {"algorithm": "co2", "staleness_penalty": "adaptive"}})
-    with pytest.raises(ConfigError, match=r"CO2 under a torchft Manager: staleness_penalty = 'adaptive'"):
-        managed_from_config(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()), cfg, object())
+    with pytest.raises(ConfigError, match=r"CO2: staleness_penalty = 'adaptive' is not accepted under a torchft Manager"):
+        from_config(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()), cfg, manager=object())
     with pytest.raises(ConfigError, match=r"\[local_sgd\].*register"):
         CommState({"local_sgd": {"algorithm": "diloco"}}, None, manager=object())
 
 
 def test_a_skipped_sync_takes_its_eager_move_back():
-    """The sync that does not count under a manager (:meth:`ManagedDiLoCo._skip_sync`) leaves the
+    """The sync that does not count under a manager (:meth:`DiLoCo._skip_sync`) leaves the
     local values where the steps alone took them: on a linear loss (the same gradient
     wherever the values are) that is the plain run without the sync, to float tolerance."""
     torch.manual_seed(0)
@@ -118,6 +117,6 @@ def test_a_skipped_sync_takes_its_eager_move_back():
             trainer.apply_due()
     (flight,) = trainer._in_flight
     assert flight.start is not None and not torch.equal(flight.start, trainer.flat.read())
-    ManagedDiLoCo._skip_sync(trainer, flight)
+    trainer._skip_sync(flight)
     for a, b in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b)

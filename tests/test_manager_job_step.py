@@ -1,6 +1,6 @@
 """Small pieces of the torchft integration, without a lighthouse.
 
-The step count a healing replica takes (``ManagerSyncs._peer_clock``): its peer's, read when
+The step count a healing replica takes (``commpress.local_sgd.transaction.peer_clock``): its peer's, read when
 the peer answered the quorum, plus what its own clock did since its quorum (a delayed sync
 heals when it lands), so that it reads what the peer's own clock reads then. And
 ``managed_ddp``: built with ``find_unused_parameters=True`` (what keeps DDP's buckets), it
@@ -13,13 +13,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from commpress.local_sgd.manager_syncs import ManagerSyncs
 from commpress.local_sgd.periods import QSR
 from commpress.local_sgd.rounds import RoundClock
+from commpress.local_sgd.transaction import peer_clock
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTICE = "find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters"
@@ -40,14 +39,14 @@ def _at_quorum(clock: RoundClock, rounds: int, lr: float = 0.1) -> RoundClock:
 def test_a_healing_replica_takes_the_step_count_its_peer_has_when_the_sync_lands(delay):
     peer = _at_quorum(RoundClock(2), rounds=9)  # the peer at its quorum: step 18
     own = _at_quorum(RoundClock(2), rounds=1)  # a restarted replica at its first quorum: step 2
-    heals = SimpleNamespace(clock=own, _at_quorum=own.state_dict())
+    at_quorum = own.state_dict()
     sent = peer.state_dict()
     for clock in (peer, own):  # the sync starts; delay steps later it lands
         clock.round_done()
         for _ in range(delay):
             clock.begin_step(0.1)
             clock.end_step()
-    taken = ManagerSyncs._peer_clock(heals, sent)
+    taken = peer_clock(at_quorum, own.state_dict(), sent)
     assert taken == peer.state_dict(), (taken, peer.state_dict())
     assert taken["step"] == 18 + delay
 
@@ -57,8 +56,7 @@ def test_healing_in_the_quorums_own_step_takes_the_peers_rounds_as_they_are():
     peer = _at_quorum(RoundClock(QSR(alpha=0.2, h_base=2)), rounds=3, lr=0.01)
     own = _at_quorum(RoundClock(QSR(alpha=0.2, h_base=2)), rounds=1, lr=0.1)
     assert peer.periods != own.periods
-    heals = SimpleNamespace(clock=own, _at_quorum=own.state_dict())
-    assert ManagerSyncs._peer_clock(heals, peer.state_dict()) == peer.state_dict()
+    assert peer_clock(own.state_dict(), own.state_dict(), peer.state_dict()) == peer.state_dict()
 
 
 def _stderr_of(script: str) -> str:

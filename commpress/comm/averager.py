@@ -13,10 +13,13 @@ import torch.distributed as dist
 from commpress.comm import Backend, checkpoint, make_backend
 from commpress.comm.agreement import agree_on_settings
 from commpress.comm.backend import OnBackend, future_on
+from commpress.comm.manager_backend import ManagerBackend
 from commpress.comm.pickling import BoundToProcess
 from commpress.compressors import AllReduce, Bucket, Compressor, Context, Reduction
+from commpress.compressors.registry import methods_taking
 from commpress.config import Config
 from commpress.config.groups import MAIN, MethodGroups
+from commpress.errors import ConfigError
 
 __all__ = ["ParameterAverager"]
 
@@ -39,6 +42,9 @@ class ParameterAverager(OnBackend, BoundToProcess):
     Built with a backend name, it opens that backend at :meth:`connect`, after the one
     exchange in which the ranks agree on the method, its params and the caller's settings
     (the trainer's period, model, ...); used before, it connects with its own settings.
+    Built with a torchft ``manager``, it reduces through the manager
+    (:class:`~commpress.comm.manager_backend.ManagerBackend`), whose replicas heal rather
+    than agree.
     """
 
     def __init__(
@@ -47,10 +53,13 @@ class ParameterAverager(OnBackend, BoundToProcess):
         params: Mapping[str, Any] | None = None,
         process_group: Any = None,
         backend: Backend | str = "torch",
+        manager: Any = None,
     ) -> None:
         self.groups = MethodGroups(Config(method=method, params=dict(params or {})))
         self.method = method
         self.process_group = process_group
+        if manager is not None:  # a torchft Manager: its backend, the step transaction over the manager
+            backend = ManagerBackend(manager, self.groups.rounds)
         self._backend_name = backend if isinstance(backend, str) else None
         self._backend = None if isinstance(backend, str) else backend
         if self._backend is not None and self._backend.rounds.get("world", 0) < self.groups.rounds:
@@ -114,6 +123,17 @@ class ParameterAverager(OnBackend, BoundToProcess):
     def next_context(self) -> Context:
         """The context the next :meth:`start` reduces in (a replay of it needs the same)."""
         return Context(rank=self.rank, world_size=self.world_size, step=self.calls)
+
+    def check_takes(self, dtype: torch.dtype, who: str) -> None:
+        """Refuse values of ``dtype`` the method does not take (``who``: whose values, for the error)."""
+        compressor = self.compressor
+        if dtype not in compressor.dtypes:
+            name = str(dtype).removeprefix("torch.")
+            takers = methods_taking(dtype)
+            advice = f"average with {' / '.join(takers)}, or convert the model" if takers else "convert the model"
+            raise ConfigError(
+                f"{who} {name} values with method {compressor.name!r}, which does not take {name}: {advice}"
+            )
 
     def settle(self, commit: bool) -> None:
         """Commit (or drop) the compressor state a ``start(..., commit=False)`` staged."""

@@ -105,6 +105,19 @@ class Backend(ABC):
         """Begin a step: for a fixed group, nothing to ask."""
         return None
 
+    def open_step(self) -> None:
+        """Begin a step of the caller's own (a trainer's sync): a fixed group's begins at once."""
+        self.begin_step()
+
+    def commit(self) -> bool:
+        """End the step opened last; whether it counts: a fixed group's always does."""
+        return True
+
+    def allow_state_reads(self, allowed: bool) -> None:
+        """Whether a peer may read the shared state now (not while an inner step changes it):
+        no peer reads it in a fixed group."""
+        return None
+
     def step_of(self, counted: int) -> int:
         """The number of the step begun: for a fixed group, the caller's own count."""
         return counted

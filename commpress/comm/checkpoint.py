@@ -242,3 +242,16 @@ def combine_compressors(
                 state[entry] = sum_entries([p.get(key, {}).get(entry, {}) for p in parts], scale)
         out[key] = state
     return out
+
+
+def check_same_mesh(state: Mapping[str, Any], shard_shapes: list[list[int]], world_size: int, what: str) -> None:
+    """A sharded model's state loads on the mesh it was saved on only: ``shard_shapes`` in
+    ``world_size`` replica groups (its rows are this shard's)."""
+    config = state.get("config", {}) if isinstance(state, Mapping) else {}
+    saved = (config.get("shard_shapes"), state.get("world_size") if isinstance(state, Mapping) else None)
+    if saved != (shard_shapes, world_size):
+        raise ConfigError(
+            f"{what}: the state was saved by a rank holding shards of shapes {saved[0]} in {saved[1]} replica "
+            f"groups; this rank holds {shard_shapes} in {world_size}: a sharded model's commpress state does not reshard "
+            "(the model and optimizer do, through torch.distributed.checkpoint): resume on the mesh it was saved on"
+        )

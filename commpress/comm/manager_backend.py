@@ -76,6 +76,23 @@ class ManagerBackend(Backend):
         self.log = None if self.participating else []
         self._began_at = m.current_step()
 
+    def open_step(self) -> None:
+        """A step of the caller's own: ask the manager for a quorum, then :meth:`begin_step`."""
+        self.manager.start_quorum()
+        self.begin_step()
+
+    def commit(self) -> bool:
+        """``should_commit()``: whether every participant's step succeeded (a healing replica
+        takes its peer's state in it)."""
+        return bool(self.manager.should_commit())
+
+    def allow_state_reads(self, allowed: bool) -> None:
+        """Let a healing peer read the shared state (between inner steps) or not."""
+        if allowed:
+            self.manager.allow_state_dict_read()
+        else:
+            self.manager.disallow_state_dict_read()
+
     def step_of(self, counted: int) -> int:
         """Committed steps since this backend was made: the manager's step, the same on every
         replica whenever it joined."""

@@ -27,10 +27,25 @@ from torch import nn
 from commpress.comm.averager import ParameterAverager
 from commpress.config.tables import check_co2_settings
 from commpress.errors import ConfigError
-from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, check_outer_arguments, describe_optimizer
+from commpress.local_sgd.average import Average
+from commpress.local_sgd.outer import OuterOptimizer, check_outer_arguments, describe_optimizer
 from commpress.local_sgd.periods import Period
+from commpress.local_sgd.trainer import Trainer
 
-__all__ = ["CO2", "ClippedSGD"]
+__all__ = ["CO2", "ClippedSGD", "check_penalty"]
+
+
+def check_penalty(penalty: float | str, can_block: bool, fixed_members: bool) -> None:
+    """Refuse ``staleness_penalty = 'adaptive'`` where its blocking all-reduce at every sync
+    point cannot run: ranks simulated in one thread, or between two torchft manager steps."""
+    if penalty != "adaptive" or (can_block and fixed_members):
+        return
+    where = "with ranks simulated in one process" if fixed_members else "under a torchft Manager"
+    why = "waits for ranks that run later" if fixed_members else "would run between two manager steps"
+    raise ConfigError(
+        f"CO2: staleness_penalty = 'adaptive' is not accepted {where}: its blocking all-reduce at every sync point "
+        f"{why}; use a number >= 1"
+    )
 
 
 class ClippedSGD(torch.optim.Optimizer):
@@ -51,7 +66,7 @@ class ClippedSGD(torch.optim.Optimizer):
                 p.sub_(m, alpha=group["lr"])
 
 
-class CO2(LocalSGD):
+class CO2(Trainer):
     """CO2 with ``period`` local steps per round, outer learning rate ``outer_lr``, outer
     momentum ``outer_momentum`` (beta), ``staleness_penalty`` (a constant Lambda >= 1, or
     ``"adaptive"``: Lambda grows with the gap between the local models and the stale
@@ -63,6 +78,14 @@ class CO2(LocalSGD):
     ``wait_seconds`` records how long each sync point waited for the background average
     (near zero when the link keeps up with one round of compute); ``penalties`` each Lambda.
     Call :meth:`finish` at the end of training to apply the last average.
+
+    Under a torchft Manager every sync is one manager step that spans a round: not
+    committed (a peer lost, a failed collective, a non-finite average), the outer step and
+    the compressor's staged state are dropped, and so is the round's pseudo-gradient (the
+    local model has restarted from the anchor already), as torchft's own DiLoCo drops a
+    failed sync's steps. A (re)joining replica contributes nothing to its first sync, waits
+    for its average at once and takes a healthy peer's state; it restarts from that anchor
+    and applies the sync's average at the round's end, as its peers do.
     """
 
     name = "CO2"
@@ -82,6 +105,7 @@ class CO2(LocalSGD):
         average_buffers: bool = False,
         total_steps: int | None = None,
         outer_optimizer: OuterOptimizer | None = None,
+        key: str | None = None,
     ) -> None:
         outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "clip": clip}
         check_outer_arguments(self.name, outer_optimizer, outer)
@@ -92,13 +116,11 @@ class CO2(LocalSGD):
         self.outer_lr, self.outer_momentum = float(lr), float(momentum)
         self.clip = None if clip is None else float(clip)
         self._given_outer = outer_optimizer
-        super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps)
-        if self.staleness_penalty == "adaptive" and not self.averager.can_block:
-            raise ConfigError(
-                "staleness_penalty = 'adaptive' is not accepted with ranks simulated in one process: its blocking "
-                "all-reduce at every sync point waits for ranks that run later; use a number >= 1"
-            )
+        super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps, key)
+        check_penalty(self.staleness_penalty, self.averager.can_block, self.backend.fixed_members)
         self._pending: Average | None = None
+        #: the landed average of the sync in flight (None: dropped), once asked at a heal or a save
+        self._landed: tuple[torch.Tensor | None] | None = None
         self._pending_anchor: torch.Tensor | None = None  # the pending round's anchor, for the adaptive penalty
         self.penalties: list[float] = []
 
@@ -124,17 +146,22 @@ class CO2(LocalSGD):
 
     def start_due(self, final: bool = False) -> None:
         """At the end of a round (``final``: of a round in progress): apply the previous
-        round's average, start this round's in the background, restart from the anchor."""
+        round's average, restart from the anchor, then start this round's sync in the
+        background; a healing replica lands it at once."""
         if not (self.clock.in_round if final else self.clock.round_ends):
             return
-        self._check_ranks()
         local = self.flat.read()
         send = torch.sub(self.anchor, local)
         if self._pending is not None:
             self._apply(local)  # waits before this round's average starts: one in flight at a time
-        self._pending = Average(self.averager.start(self.flat.bucket(send)), send, self.clock.rounds)
+        self.flat.write(self.anchor)  # before the quorum: a healing peer reads these values
+        self._begin_sync()
+        self.transaction.keep_for_replay(self.flat.bucket, send.numel())
+        self._pending = Average(self.averager.start(self.flat.bucket(send), commit=False), send, self.clock.rounds)
         self._pending_anchor = self.anchor.clone() if self.staleness_penalty == "adaptive" else None
-        self.flat.write(self.anchor)
+        if not self.backend.participating:
+            self._decide_now()
+            self.flat.write(self.anchor)  # the peer's
         self.clock.round_done()
 
     def apply_due(self, final: bool = False) -> None:
@@ -145,10 +172,38 @@ class CO2(LocalSGD):
             self.flat.write(self.anchor)
 
     def _apply(self, local: torch.Tensor) -> None:
-        """The outer step from the stale average ``D``, scaled by the staleness penalty."""
+        """The outer step from the stale average if its sync counts: asked now, or already
+        (a healing replica at its sync's start, a save)."""
         pending, self._pending = self._pending, None
         assert pending is not None
-        stale = self._wait(pending)
+        verdict = None if self._landed is not None else self.transaction.ask(lambda: self._wait(pending))
+        with self.transaction.lock:  # the compressor's state and the anchor change together for a reading peer
+            if verdict is None:
+                assert self._landed is not None
+                (average,), self._landed = self._landed, None
+            else:
+                average = self._keep_or_drop(*verdict)
+            self._step(average, local)
+
+    def _decide_now(self) -> None:
+        """Ask now whether the sync in flight counts, and keep its average for the round's end."""
+        pending = self._pending
+        assert pending is not None
+        verdict = self.transaction.ask(lambda: self._wait(pending))
+        with self.transaction.lock:
+            self._landed = (self._keep_or_drop(*verdict),)
+
+    def _keep_or_drop(self, average: torch.Tensor | None, finite: bool, committed: bool) -> torch.Tensor | None:
+        """Keep or drop the compressor's staged state; the average to apply (None: none; a
+        non-finite one is dropped as a failed one: the model restarted from the anchor)."""
+        counts = committed and average is not None
+        self.transaction.settle(counts)
+        return average if counts else None
+
+    def _step(self, stale: torch.Tensor | None, local: torch.Tensor) -> None:
+        """The outer step from the stale average ``D`` scaled by the staleness penalty (None: no step)."""
+        if stale is None:
+            return
         penalty = self._penalty(stale, self._pending_anchor, local)
         self.penalties.append(penalty)
         if penalty != 1.0:
@@ -165,23 +220,26 @@ class CO2(LocalSGD):
         step = torch.linalg.vector_norm(stale, dtype=torch.float64).item()
         return max(1.0, mean_gap / step) if step > 0 else 1.0
 
-    def _part(self) -> dict[str, Any]:
-        """Adds the average in flight (waited for, so a restored run applies the same values
-        at its next sync)."""
+    def _syncs_part(self) -> dict[str, Any]:
+        """The average in flight, asked first whether it counts (as a healing replica does):
+        saved if it does, and applied at the next round's end as it would have been."""
+        if self._pending is not None and self._landed is None:
+            self._decide_now()
+        if self._landed is not None and self._landed[0] is None:  # dropped: nothing to apply
+            self._pending, self._landed = None, None
         pending = None
         if self._pending is not None:
-            self._pending.future.wait()
             anchor = self._pending_anchor
             pending = {"average": self._pending.buffer.clone(), "anchor": None if anchor is None else anchor.clone()}
-        return {**super()._part(), "pending": pending}
+        return {"pending": pending}
 
-    def _load_part(self, state: Mapping[str, Any]) -> None:
-        super()._load_part(state)
-        pending = state["pending"]
-        self._pending, self._pending_anchor = None, None
+    def _load_syncs(self, part: Mapping[str, Any]) -> None:
+        pending = part["pending"]
+        self._pending, self._pending_anchor, self._landed = None, None, None
         if pending is not None:
             done: torch.futures.Future = torch.futures.Future()
             buffer = pending["average"].clone()
             done.set_result(buffer)
             self._pending = Average(done, buffer, self.clock.rounds - 1)
             self._pending_anchor = None if pending["anchor"] is None else pending["anchor"].clone()
+            self._landed = (self._pending.buffer,)

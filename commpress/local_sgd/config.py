@@ -22,10 +22,12 @@ from commpress.config import Config
 from commpress.config.matrix import check_part, model_kind
 from commpress.config.tables import LocalSGDConfig
 from commpress.errors import ConfigError
-from commpress.local_sgd.co2 import CO2
+from commpress.local_sgd.co2 import CO2, check_penalty
 from commpress.local_sgd.diloco import DiLoCo
 from commpress.local_sgd.local_sgd import LocalSGD
 from commpress.local_sgd.periods import QSR, Constant, Period
+from commpress.local_sgd.trainer import Trainer
+from commpress.local_sgd.warm import load_trainer_kernels
 
 __all__ = ["LocalSGDConfig", "from_config", "period_policy", "trainer_for"]
 
@@ -44,24 +46,36 @@ def from_config(
     total_steps: int | None = None,
     process_group: Any = None,
     mesh: Any = None,
-) -> LocalSGD:
+    manager: Any = None,
+    key: str | None = None,
+) -> Trainer:
     """A :class:`LocalSGD`, :class:`CO2` or :class:`DiLoCo` for ``model`` from a config with a ``[local_sgd]``
     table; its top-level ``method`` and ``params`` choose the averaging compressor. ``mesh``:
     the 2-D mesh of a model sharded over ``mesh["shard"]`` (:mod:`commpress.comm.mesh`): each
-    rank averages its shard over ``mesh["replicate"]``."""
+    rank averages its shard over ``mesh["replicate"]``. ``manager``: a ``torchft.Manager``
+    every sync goes through, its shared state registered under ``key``. The averaging's
+    kernels are loaded here, not inside the first sync, which the peers wait for."""
     cfg = Config.load(config)
     section = cfg.section("local_sgd")
     if section is None:
         raise ConfigError("the config has no [local_sgd] table")
     entry = "commpress.local_sgd.from_config"
-    check_part(cfg, "local_sgd", entry, model_kind(model, cfg.backend, mesh))
+    managed = manager is not None
+    check_part(cfg, "local_sgd", entry, model_kind(model, cfg.backend, mesh, managed), managed=managed)
+    if section.algorithm == "co2":
+        check_penalty(section.value("staleness_penalty"), True, not managed)
     if mesh is not None:
         if process_group is not None:
             raise ConfigError(f"{entry}: process_group is not accepted with mesh=; expected None (mesh['replicate'] is used)")
         process_group = replica_groups(mesh, model, entry).replicate
-    group = cfg.group_for(model, process_group)
-    averager = ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend)
-    return trainer_for(model, optimizer, section, averager, total_steps)
+    if managed:
+        averager = ParameterAverager(cfg.method, cfg.params, manager=manager)
+    else:
+        group = cfg.group_for(model, process_group)
+        averager = ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend)
+    trainer = trainer_for(model, optimizer, section, averager, total_steps, key)
+    load_trainer_kernels(trainer)
+    return trainer
 
 
 def trainer_for(
@@ -70,10 +84,11 @@ def trainer_for(
     section: LocalSGDConfig,
     averager: ParameterAverager,
     total_steps: int | None = None,
-) -> LocalSGD:
+    key: str | None = None,
+) -> Trainer:
     """The :class:`LocalSGD`, :class:`CO2` or :class:`DiLoCo` that the ``[local_sgd]``
     table ``section`` describes, averaging through ``averager``."""
-    common = {"averager": averager, "average_buffers": section.average_buffers, "total_steps": total_steps}
+    common = {"averager": averager, "average_buffers": section.average_buffers, "total_steps": total_steps, "key": key}
     if section.algorithm == "local_sgd":
         return LocalSGD(model, optimizer, period_policy(section), **common)
     outer = {"outer_lr": section.value("outer_lr"), "outer_momentum": section.value("outer_momentum")}

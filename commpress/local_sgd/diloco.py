@@ -18,8 +18,6 @@ alpha * local + (1 - alpha) * anchor`` (alpha 0: the anchor).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,24 +26,13 @@ from torch import nn
 from commpress.comm.averager import ParameterAverager
 from commpress.config.tables import SQRT_REPLICAS, check_diloco_settings, check_streaming, resolve_merge
 from commpress.errors import ConfigError
-from commpress.local_sgd.fragments import Fragment, split
-from commpress.local_sgd.local_sgd import Average, LocalSGD, OuterOptimizer, check_outer_arguments, describe_optimizer
+from commpress.local_sgd.average import InFlight
+from commpress.local_sgd.fragments import Fragment
+from commpress.local_sgd.local_sgd import LocalSGD
+from commpress.local_sgd.outer import OuterOptimizer, check_outer_arguments, describe_optimizer
 from commpress.local_sgd.periods import Constant, Period
 
 __all__ = ["DiLoCo"]
-
-
-@dataclass
-class _InFlight:
-    """A fragment's average and the step count at which it lands; ``replace``: the local
-    values then take the anchor's whatever the merge (the final syncs of finish); ``start``:
-    the local values after the eager move (``merge = "eager"`` with a delay)."""
-
-    average: Average
-    fragment: Fragment
-    due: int
-    replace: bool = False
-    start: torch.Tensor | None = None
 
 
 class DiLoCo(LocalSGD):
@@ -90,6 +77,7 @@ class DiLoCo(LocalSGD):
         average_buffers: bool = False,
         total_steps: int | None = None,
         outer_optimizer: OuterOptimizer | None = None,
+        key: str | None = None,
     ) -> None:
         outer = {"outer_lr": outer_lr, "outer_momentum": outer_momentum, "nesterov": nesterov}
         check_outer_arguments(self.name, outer_optimizer, outer)
@@ -107,12 +95,8 @@ class DiLoCo(LocalSGD):
         self.merge_alpha = float(values["merge_alpha"])
         self.outer_period = self.default("period") if period is None else period
         self._given_outer = outer_optimizer
-        super().__init__(model, inner_optimizer, self.outer_period, process_group, averager, average_buffers, total_steps)
-        if self.outer_lr_setting == SQRT_REPLICAS:
-            self._scale_outer_lr()
-        #: per fragment, the step count at which its local values last equalled the anchor
-        self.fresh = [0] * len(self.fragments)
-        self._in_flight: list[_InFlight] = []
+        super().__init__(model, inner_optimizer, self.outer_period, process_group, averager, average_buffers, total_steps, key)
+        self._follow_participants()
 
     def _round_period(self, period: int | Period) -> int | Period:
         """Streaming: a round of H / F steps ends with one fragment's sync."""
@@ -126,22 +110,20 @@ class DiLoCo(LocalSGD):
         assert h is not None
         return Constant(h // self.fragment_count)
 
-    def _outer_params(self) -> list[torch.Tensor]:
-        """The anchor of each fragment (the whole anchor with one fragment); cuts
-        ``fragments`` here, where the flat model is first known (cut by the whole tensors'
-        sizes, so every shard of a sharded model syncs the same tensors together)."""
-        self.fragments = split(self.flat.slots, self.fragment_count, self.name, self.flat.whole_numel)
-        return [self.anchor[f.where] for f in self.fragments]
-
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The given one, or SGD as the paper steps it (torch's Nesterov, dampening 0)."""
         if self._given_outer is not None:
             return self._given_outer(params)
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
 
-    def _scale_outer_lr(self) -> None:
+    def _follow_participants(self) -> None:
         """``outer_lr = SQRT_REPLICAS``: the outer lr becomes sqrt(M), M the ranks (replica
-        groups) that average, known once the averager has connected."""
+        groups) that average: known once the averager has connected, and under a torchft
+        Manager this sync's participants (a healing replica's input counts as zero and it is
+        not among them; every replica of the quorum sees the same M, so their outer steps
+        stay bit for bit equal)."""
+        if self.outer_lr_setting != SQRT_REPLICAS:
+            return
         self.outer_lr = math.sqrt(self.averager.world_size)
         for group in self.outer_optimizer.param_groups:
             group["lr"] = self.outer_lr
@@ -156,92 +138,41 @@ class DiLoCo(LocalSGD):
             streaming["merge_alpha"] = self.merge_alpha
         return {"outer_period": repr(self.outer_period), **outer, **streaming}
 
-    def start_due(self, final: bool = False) -> None:
-        """Start the average the step just counted is due to start: the fragment
-        ``rounds % fragments`` at the end of a round. ``final``: land what is in flight,
-        then start every fragment whose local values differ from the anchor (finish)."""
-        if final:
-            self._apply_syncs_due(until=None)
-            for fragment in self.fragments:
-                if self.fresh[fragment.index] != self.clock.step:
-                    self._start_fragment(fragment, self.clock.step, replace=True)
-            return
-        if not self.clock.round_ends:
-            return
-        self._check_ranks()
-        self._apply_syncs_due(until=None)  # a round shorter than sync_delay (QSR's last) lands the previous first
-        self._start_fragment(self.fragments[self.clock.rounds % len(self.fragments)], self.clock.step + self.sync_delay)
-
-    def apply_due(self, final: bool = False) -> None:
-        """Land the averages due by this step (``final``: all in flight), then end the
-        round if this step ended it (``final``: if steps were taken in it)."""
-        self._apply_syncs_due(until=None if final else self.clock.step)
-        self._end_round(final)
-
-    def _apply_syncs_due(self, until: int | None) -> None:
-        """Land, in the order they started, the averages due by step ``until`` (None: all)."""
-        while self._in_flight and (until is None or self._in_flight[0].due <= until):
-            self._land_one(self._in_flight.pop(0))
-
-    def _start_fragment(self, fragment: Fragment, due: int, replace: bool = False) -> None:
-        anchor, local = self.anchor[fragment.where], self.flat.read(tensors=fragment.tensors)
-        start = None
-        if self.merge == "eager" and due > self.clock.step and not replace:
-            start = torch.lerp(anchor, local, self._outer_lr(fragment.index))  # anchor + lr * (local - anchor)
-        started = self._start(anchor, local, fragment.bucket)  # takes local for the pseudo-gradient
-        if start is not None:
-            self.flat.write(start, fragment.tensors)
-        self._in_flight.append(_InFlight(started, fragment, due, replace, start))
+    def _eager_move(self, fragment: Fragment, anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor | None:
+        """``merge = "eager"``: a delayed sync moves the local values to ``anchor + outer_lr *
+        (local - anchor)`` when it starts."""
+        return torch.lerp(anchor, local, self._outer_lr(fragment.index)) if self.merge == "eager" else None
 
     def _outer_lr(self, index: int) -> float:
         """The outer optimizer's lr for ``outer_params[index]``."""
         param = self.outer_params[index]
         return next(float(g["lr"]) for g in self.outer_optimizer.param_groups if any(p is param for p in g["params"]))
 
-    def _land_one(self, flight: _InFlight) -> None:
-        self._apply(flight, self._wait(flight.average))
-
-    def _apply(self, flight: _InFlight, average: torch.Tensor) -> None:
-        """The outer step with the averaged pseudo-gradient, then the merge of the local values."""
-        fragment = flight.fragment
-        self.outer_step(fragment.index, average)
-        if flight.replace or (flight.start is None and self.merge_alpha == 0):
-            self._to_anchor(fragment)
-            return
-        where, tensors = fragment.where, fragment.tensors
+    def _merge(self, flight: InFlight) -> None:
+        """The new anchor plus the steps taken since the eager move, or a mix with the anchor."""
+        where, tensors = flight.fragment.where, flight.fragment.tensors
         local = self.flat.read(tensors=tensors)
-        if flight.start is not None:  # the new anchor plus the steps taken since the eager move
+        if flight.start is not None:
             local.sub_(flight.start).add_(self.anchor[where])
         else:
             local.mul_(self.merge_alpha).add_(self.anchor[where], alpha=1 - self.merge_alpha)
         self.flat.write(local, tensors)
+        self.fresh[flight.fragment.index] = -1
+
+    def _skip_sync(self, flight: InFlight) -> None:
+        """A sync that does not count leaves the fragment's local values as if it had not
+        run: the steps taken since the fragment's last sync are kept (the next sync sends
+        them), and an eager move made when it started is taken back, ``start - anchor``
+        divided by the outer lr (an outer lr of 0 moved nothing: back to the anchor)."""
+        if flight.start is None:
+            return
+        fragment = flight.fragment
+        lr = self._outer_lr(fragment.index)
+        if lr == 0:
+            self._to_anchor(fragment)
+            return
+        anchor = self.anchor[fragment.where]
+        local = self.flat.read(tensors=fragment.tensors)
+        local.sub_(flight.start).add_(torch.lerp(anchor, flight.start, 1 / lr))  # the values before the move
+        self.flat.write(local, fragment.tensors)
         self.fresh[fragment.index] = -1
-
-    def _to_anchor(self, fragment: Fragment) -> None:
-        """The fragment's local values become its anchor's."""
-        self.flat.write(self.anchor[fragment.where], fragment.tensors)
-        self.fresh[fragment.index] = self.clock.step
-
-    def _part(self) -> dict[str, Any]:
-        """Adds each fragment's last sync step and the averages in flight (waited for, so a
-        restored run lands the same values at the same steps)."""
-        in_flight = []
-        for flight in self._in_flight:
-            flight.average.future.wait()
-            saved = {"fragment": flight.fragment.index, "due": flight.due, "round": flight.average.round}
-            copies = {"average": flight.average.buffer.clone(), "start": None if flight.start is None else flight.start.clone()}
-            in_flight.append({**saved, **copies, "replace": flight.replace})
-        return {**super()._part(), "fresh": list(self.fresh), "in_flight": in_flight}
-
-    def _load_part(self, part: Mapping[str, Any]) -> None:
-        super()._load_part(part)
-        self.fresh = [int(step) for step in part["fresh"]]
-        self._in_flight = []
-        for saved in part["in_flight"]:
-            done: torch.futures.Future = torch.futures.Future()
-            buffer = saved["average"].clone()
-            done.set_result(buffer)
-            average = Average(done, buffer, int(saved["round"]))
-            start = None if saved["start"] is None else saved["start"].clone()
-            fragment = self.fragments[saved["fragment"]]
-            self._in_flight.append(_InFlight(average, fragment, int(saved["due"]), saved["replace"], start))

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 from commpress.comm.warm import load_kernels
-from commpress.local_sgd.local_sgd import LocalSGD
+from commpress.local_sgd.trainer import Trainer
 
 __all__ = ["load_trainer_kernels"]
 
 
-def load_trainer_kernels(trainer: LocalSGD) -> None:
+def load_trainer_kernels(trainer: Trainer) -> None:
     """Run ``trainer``'s averaging method once, by fresh compressors in a simulated world,
     on values shaped like the tensors its syncs send (the flat model's, so every DiLoCo
     fragment's too); its averager, anchor, outer optimizer and counters stay as they were."""

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
 from commpress.hooks.state import CommState
-from commpress.local_sgd.local_sgd import check_finite
+from commpress.local_sgd.average import check_finite
 from commpress.optim.onebit_adam import (
     AdamStepTakeover,
     adam_parameters,

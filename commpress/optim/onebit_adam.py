@@ -50,7 +50,7 @@ from commpress.compressors import AllReduce, Bucket, Reduction, lay_out
 from commpress.config import digest_of
 from commpress.errors import ConfigError
 from commpress.hooks.removable import CommHookSwitch, register_removable_hook
-from commpress.local_sgd.local_sgd import check_finite
+from commpress.local_sgd.average import check_finite
 
 __all__ = ["AdamStepTakeover", "OneBitAdam", "adam_parameters", "check_adam", "frozen_update"]
 
