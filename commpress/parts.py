@@ -24,7 +24,7 @@ from commpress.config import Config
 from commpress.fsdp import FSDP2State, apply
 from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks.ddp import attach_ddp_hook
-from commpress.local_sgd import from_config
+from commpress.local_sgd.config import build_trainer
 from commpress.optim import ManagedOneBitAdam, OneBitAdam, check_adam
 
 __all__ = ["PART_TYPES", "AppliedPart", "Request"]
@@ -154,7 +154,7 @@ class LocalSGDPart(AppliedPart):
                 f"{type(optimizer).__name__} does not hold (a wrapper: Accelerate's AcceleratedOptimizer, for one): "
                 "pass the torch.optim optimizer it wraps (optimizer.optimizer)"
             )
-        trainer = from_config(
+        trainer = build_trainer(
             model,
             optimizer,
             cfg,

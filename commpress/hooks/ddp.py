@@ -11,9 +11,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.config import Config
+from commpress.config.matrix import check_part
 from commpress.hooks.optimizer import hand_over_momentum
 from commpress.hooks.removable import register_removable_hook
-from commpress.hooks.state import CommState
+from commpress.hooks.state import ENTRY, CommState
 
 __all__ = ["attach_ddp_hook", "ddp_hook", "register_ddp_hook"]
 
@@ -45,18 +46,21 @@ def register_ddp_hook(
     (:class:`~commpress.hooks.state.CommState`'s ``manager=``; wrap the model with
     :func:`~commpress.hooks.managed_ddp.managed_ddp`).
     """
-    return attach_ddp_hook(model, config, process_group, optimizer, manager)[0]
+    cfg = Config.load(config)
+    check_part(cfg, "ddp_hook", ENTRY, managed=manager is not None)
+    return attach_ddp_hook(model, cfg, process_group, optimizer, manager)[0]
 
 
 def attach_ddp_hook(
     model: DistributedDataParallel,
-    config: Config | Mapping[str, Any] | str | None = None,
+    cfg: Config,
     process_group: Any = None,
     optimizer: torch.optim.Optimizer | None = None,
     manager: Any = None,
 ) -> tuple[CommState, Callable[[], None]]:
-    """:func:`register_ddp_hook`, and the call that takes it off again: DDP all-reduces as
-    it does without a hook, the optimizer gets its momentum back."""
+    """:func:`register_ddp_hook` of a config the matrix has accepted, and the call that takes
+    it off again: DDP all-reduces as it does without a hook, the optimizer gets its momentum
+    back."""
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"register_ddp_hook() expects a DistributedDataParallel model, got {type(model).__name__}")
     if manager is not None and type(model).__module__.startswith("torchft"):
@@ -64,9 +68,8 @@ def attach_ddp_hook(
             "torchft's DistributedDataParallel registers its own all-reduce hook, and DDP takes one hook only: wrap the "
             "module with commpress.hooks.managed_ddp(module) instead (the same DDP, without that hook)"
         )
-    cfg = Config.load(config)
     group = cfg.group_for(model, process_group)
-    state = CommState(cfg, model=model.module, process_group=group, manager=manager)
+    state = CommState.of_part(cfg, model=model.module, process_group=group, manager=manager)
     groups = state.groups
     compressor_of = lambda name: groups.compressors[groups.key_for(name)]  # noqa: E731
     give_back = hand_over_momentum(optimizer, model.module.named_parameters(), compressor_of, cfg.start_iter)

@@ -2,15 +2,9 @@
 
 The same class runs on a fixed process group and under a torchft ``Manager`` (``manager=``),
 whose backend (:class:`~commpress.comm.manager_backend.ManagerBackend`) makes each step a
-transaction: a step it does not commit (a failed collective, too few replicas) leaves the
-compressors' state as if it never ran, as a non-finite step does; the step counter is the
-manager's committed steps, the same on every replica; a replica that heals in a step replays
-it on the peer's state it is handed (:mod:`commpress.hooks.healing`), its per-rank state
-(error feedback, residuals, local momentum) started from zero. Under a manager a
-``[layerwise]`` plan is made at the step after a measured one by every participant (a healing
-replica sending zero errors, :attr:`~commpress.layerwise.groups.LayerwiseGroups.by_step`), its
-collectives part of the step; at a step that does not plan, a healing replica is handed the
-plan in force first."""
+transaction: a step it does not commit leaves the compressors' state as if it never ran, the
+step counter is the manager's committed steps, and a replica that heals in a step replays it
+on the peer's state it is handed (:mod:`commpress.hooks.healing`)."""
 
 from __future__ import annotations
 
@@ -34,13 +28,17 @@ from commpress.config.groups import MethodGroups
 from commpress.config.matrix import check_part
 from commpress.errors import ConfigError
 from commpress.hooks.healing import HealLog
+from commpress.hooks.job_state import JobState
 from commpress.hooks.model_check import check_model
 from commpress.hooks.names import BucketNames
 from commpress.hooks.step_flags import StepFlags, step_was_finite
 from commpress.layerwise.groups import LayerwiseGroups, method_groups
 from commpress.layerwise.plan import LayerPlan
 
-__all__ = ["CommState"]
+__all__ = ["ENTRY", "CommState"]
+
+#: how the matrix's refusals name the DDP hook's front doors, the same from either
+ENTRY = "the DDP hook's state (CommState, register_ddp_hook)"
 
 
 class CommState(OnBackend):
@@ -68,8 +66,29 @@ class CommState(OnBackend):
         manager: Any = None,
         key: str = "commpress",
     ) -> None:
-        self.config = Config.load(config)
-        check_part(self.config, "ddp_hook", "CommState (the DDP hook's state)", managed=manager is not None)
+        cfg = Config.load(config)
+        check_part(cfg, "ddp_hook", ENTRY, managed=manager is not None)
+        self._build(cfg, model, process_group, backend, manager, key)
+
+    @classmethod
+    def of_part(cls, config: Config, model: torch.nn.Module | None = None, **kwargs: Any) -> CommState:
+        """The state of a config :mod:`commpress.config.matrix` has accepted already (the DDP
+        part of :func:`commpress.register`, 1-bit Adam under a manager); ``kwargs``: the
+        constructor's ``process_group``, ``manager``, ``key``."""
+        state = cls.__new__(cls)
+        state._build(config, model, **kwargs)
+        return state
+
+    def _build(
+        self,
+        config: Config,
+        model: torch.nn.Module | None,
+        process_group: Any = None,
+        backend: Backend | None = None,
+        manager: Any = None,
+        key: str = "commpress",
+    ) -> None:
+        self.config = config
         if self.config.overrides and model is None:
             raise ConfigError("config has overrides by parameter name: pass model= so names can be resolved")
         groups = method_groups(self.config, model)
@@ -81,9 +100,8 @@ class CommState(OnBackend):
                     raise ConfigError("[layerwise] under a torchft Manager needs the model (model=): every replica plans")
                 groups.by_step = True
             backend = ManagerBackend(manager, groups.rounds)
-        self._setup(groups, model, process_group, backend, None)
-        if model is not None:
-            self._names = BucketNames({id(p): n for n, p in model.named_parameters()})
+        names = BucketNames({id(p): n for n, p in model.named_parameters()}) if model is not None else BucketNames()
+        self._setup(groups, model, process_group, backend, names)
         if backend is not None:
             backend.share_state(key, self.load_shared, self.shared_state_dict)
         if backend is not None or self.config.backend != "torch" or torch.distributed.is_initialized():
@@ -95,12 +113,12 @@ class CommState(OnBackend):
         model: torch.nn.Module | None,
         process_group: Any,
         backend: Backend | None,
-        bind: list[tuple[str, tuple[int, ...]]] | None,
+        names: BucketNames,
     ) -> None:
         self.groups = groups
         #: the per-tensor plan of ``[layerwise]`` (None without it)
         self.layerwise = groups if isinstance(groups, LayerwiseGroups) else None
-        self._names = BucketNames(bind=bind)
+        self._names = names
         self._model = model
         self._process_group = process_group
         self._backend = backend
@@ -313,7 +331,8 @@ class CommState(OnBackend):
         if self._backend is None:
             self._saved = state
             return
-        part = checkpoint.own_part(state, self.rank, self.world_size, what, self._holds_per_rank, self._combine)
+        job = JobState(self.groups, self.layerwise, self.rank, self.world_size)
+        part = checkpoint.own_part(state, self.rank, self.world_size, what, job.holds_per_rank, job.combine)
         checkpoint.check_config(part["config"], self.config.to_dict(), what)
         self.end_step()
         self.step = int(part["step"])
@@ -323,26 +342,6 @@ class CommState(OnBackend):
             self.layerwise.load_plan_state(part["layerwise"])
         self.groups.load_state_dict(part["compressors"])
         self._check_resume = True
-
-    def _holds_per_rank(self, part: Mapping[str, Any]) -> bool:
-        parked = part.get("adaptive", {}).get("parked")
-        if self.layerwise is not None and self.layerwise.holds_per_rank(part.get("layerwise", {})):
-            return True
-        return bool(parked) or checkpoint.compressors_per_rank(self.groups.compressors, part["compressors"])
-
-    def _combine(self, shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scale: float) -> dict[str, Any]:
-        if "adaptive" in shared:
-            raise ConfigError(
-                f"this job has {self.world_size} ranks, the state was saved by {shared['world_size']}: the "
-                "bandwidth layer's plan was measured for that job's links; resume it with the same world size, or "
-                "without the saved state (the layer measures again)"
-            )
-        combined = [p["compressors"] for p in parts]
-        compressors = checkpoint.combine_compressors(self.groups.compressors, shared["compressors"], combined, scale)
-        out = {**shared, "rank": self.rank, "world_size": self.world_size, "compressors": compressors}
-        if self.layerwise is not None:
-            out["layerwise"] = self.layerwise.combine_plan_states(shared["layerwise"], [p["layerwise"] for p in parts], scale)
-        return out
 
     # ---- live recovery (under a torchft Manager) ----------------------------------------
 
@@ -394,5 +393,5 @@ class CommState(OnBackend):
         self.config = data["config"]
         groups = method_groups(self.config, last_layer=data["last_layer"])
         order = data["order"]
-        self._setup(groups, None, None, None, [(n, tuple(s)) for n, s in order] if order else None)
+        self._setup(groups, None, None, None, BucketNames(bind=[(n, tuple(s)) for n, s in order] if order else None))
         self._saved = data["state"]  # loaded, with its rank checked, when this state connects

@@ -118,11 +118,13 @@ class CO2(Trainer):
         self._given_outer = outer_optimizer
         super().__init__(model, inner_optimizer, period, process_group, averager, average_buffers, total_steps, key)
         check_penalty(self.staleness_penalty, self.averager.can_block, self.backend.fixed_members)
+        self.penalties: list[float] = []
+
+    def _no_syncs(self) -> None:
         self._pending: Average | None = None
         #: the landed average of the sync in flight (None: dropped), once asked at a heal or a save
         self._landed: tuple[torch.Tensor | None] | None = None
         self._pending_anchor: torch.Tensor | None = None  # the pending round's anchor, for the adaptive penalty
-        self.penalties: list[float] = []
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The given one, or momentum SGD without Nesterov (clipped: :class:`ClippedSGD`)."""
@@ -235,7 +237,7 @@ class CO2(Trainer):
 
     def _load_syncs(self, part: Mapping[str, Any]) -> None:
         pending = part["pending"]
-        self._pending, self._pending_anchor, self._landed = None, None, None
+        self._no_syncs()
         if pending is not None:
             done: torch.futures.Future = torch.futures.Future()
             buffer = pending["average"].clone()

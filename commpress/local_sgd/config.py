@@ -29,7 +29,9 @@ from commpress.local_sgd.periods import QSR, Constant, Period
 from commpress.local_sgd.trainer import Trainer
 from commpress.local_sgd.warm import load_trainer_kernels
 
-__all__ = ["LocalSGDConfig", "from_config", "period_policy", "trainer_for"]
+__all__ = ["LocalSGDConfig", "build_trainer", "from_config", "period_policy", "trainer_for"]
+
+ENTRY = "commpress.local_sgd.from_config"
 
 
 def period_policy(section: LocalSGDConfig) -> Period:
@@ -56,18 +58,34 @@ def from_config(
     every sync goes through, its shared state registered under ``key``. The averaging's
     kernels are loaded here, not inside the first sync, which the peers wait for."""
     cfg = Config.load(config)
-    section = cfg.section("local_sgd")
-    if section is None:
+    if cfg.section("local_sgd") is None:
         raise ConfigError("the config has no [local_sgd] table")
-    entry = "commpress.local_sgd.from_config"
     managed = manager is not None
-    check_part(cfg, "local_sgd", entry, model_kind(model, cfg.backend, mesh, managed), managed=managed)
+    check_part(cfg, "local_sgd", ENTRY, model_kind(model, cfg.backend, mesh, managed), managed=managed)
+    return build_trainer(model, optimizer, cfg, total_steps, process_group, mesh, manager, key)
+
+
+def build_trainer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: Config,
+    total_steps: int | None = None,
+    process_group: Any = None,
+    mesh: Any = None,
+    manager: Any = None,
+    key: str | None = None,
+) -> Trainer:
+    """:func:`from_config` of a config the matrix has accepted (the Local SGD part of
+    :func:`commpress.register`)."""
+    section = cfg.section("local_sgd")
+    assert section is not None
+    managed = manager is not None
     if section.algorithm == "co2":
         check_penalty(section.value("staleness_penalty"), True, not managed)
     if mesh is not None:
         if process_group is not None:
-            raise ConfigError(f"{entry}: process_group is not accepted with mesh=; expected None (mesh['replicate'] is used)")
-        process_group = replica_groups(mesh, model, entry).replicate
+            raise ConfigError(f"{ENTRY}: process_group is not accepted with mesh=; expected None (mesh['replicate'] is used)")
+        process_group = replica_groups(mesh, model, ENTRY).replicate
     if managed:
         averager = ParameterAverager(cfg.method, cfg.params, manager=manager)
     else:

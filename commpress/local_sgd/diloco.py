@@ -40,16 +40,15 @@ class DiLoCo(LocalSGD):
     anchor: ``outer_optimizer`` builds it from the anchor's tensors (one flat tensor per
     fragment; e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
     nesterov=True)``, any ``torch.optim.Optimizer``), or, left None, SGD with ``outer_lr``
-    (``"sqrt_replicas"``: the square root of the ranks averaging, measured best on the
-    race's transformer; its larger model wants 1.0), ``outer_momentum`` and ``nesterov``.
+    (``"sqrt_replicas"``: the square root of the ranks averaging), ``outer_momentum`` and
+    ``nesterov``.
     ``fragments`` (F), ``sync_delay`` (tau) and ``merge`` make it Streaming DiLoCo, which
     needs a constant H divisible by F and tau < H / F: a landed average becomes the new
     anchor plus the tau steps taken since its sync started, from local values moved eagerly
     by the outer lr on their own pseudo-gradient (``"eager"``, the default unless
     ``merge_alpha`` is given), or a mix, ``merge_alpha`` (alpha) of the local values
     (``"mix"``, the paper's). Arguments left None take the ``[local_sgd]`` table's defaults
-    for ``algorithm = "diloco"`` (outer SGD at 0.8, momentum 0.2, Nesterov: measured best at
-    H 4-8, where the paper's 0.7 / 0.9 loses 21-43%).
+    for ``algorithm = "diloco"`` (``docs/local_sgd.md`` has them, with the runs that chose them).
 
     ``averager`` compresses the pseudo-gradients (any commpress method, its error
     feedback kept per fragment across rounds). Call :meth:`finish` at the end of training:

@@ -12,12 +12,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
-from commpress.comm.averager import ParameterAverager
 from commpress.local_sgd.average import Average, InFlight
 from commpress.local_sgd.fragments import Fragment, split
-from commpress.local_sgd.periods import Period
 from commpress.local_sgd.trainer import Trainer
 
 __all__ = ["LocalSGD"]
@@ -37,18 +34,7 @@ class LocalSGD(Trainer):
     merge = "mix"
     merge_alpha = 0.0
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        period: int | Period | None = None,
-        process_group: Any = None,
-        averager: ParameterAverager | str | None = None,
-        average_buffers: bool = False,
-        total_steps: int | None = None,
-        key: str | None = None,
-    ) -> None:
-        super().__init__(model, optimizer, period, process_group, averager, average_buffers, total_steps, key)
+    def _no_syncs(self) -> None:
         #: per fragment, the step count at which its local values last equalled the anchor
         self.fresh = [0] * len(self.fragments)
         self._in_flight: list[InFlight] = []

@@ -122,6 +122,7 @@ class Trainer(BoundToProcess):
             self.flat.write(self.anchor)
         self.backend = self.averager.backend
         self.transaction = SyncTransaction(self.averager, self.name)
+        self._no_syncs()
         self.wait_seconds: list[float] = []
         self._hooks: list[RemovableHandle] = []
         self.backend.share_state(key or f"commpress_{self.algorithm}", self.load_shared, self.shared_state_dict)
@@ -246,6 +247,10 @@ class Trainer(BoundToProcess):
 
     def _follow_participants(self) -> None:
         """What changes with the sync's participants (nothing here)."""
+
+    def _no_syncs(self) -> None:
+        """No sync in flight yet."""
+        raise NotImplementedError
 
     def start_due(self, final: bool = False) -> None:
         """Start the sync the step just counted is due to start (``final``: the last ones)."""

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
+from commpress.config import Config
 from commpress.hooks.state import CommState
 from commpress.local_sgd.average import check_finite
 from commpress.optim.onebit_adam import (
@@ -76,8 +77,8 @@ class ManagedOneBitAdam(AdamStepTakeover):
         self.optimizer = optimizer
         self.manager = manager
         self.warmup_steps = warmup_steps
-        config = {"method": method, "params": dict(params or {}), "start_iter": warmup_steps}
-        self.comm = CommState(config, model.module, manager=manager, key=key)
+        config = Config(method=method, params=dict(params or {}), start_iter=warmup_steps)
+        self.comm = CommState.of_part(config, model.module, manager=manager, key=key)
         self._group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self._step: int | None = None  # the step whose backward ran, if it was past the warm-up
 
