@@ -5,12 +5,15 @@
 #   ROWS=slow SEED=0 VARIANT=slow-link-lr1 run.sh   ddp, the slow-link configs and an outer-lr variant
 #   ROWS=slow SEED=1 VARIANT=slow-link-lr2 run.sh   (seed 1: the other variant)
 #   ROWS=all  SEED=0 run.sh   ddp, PyTorch's PowerSGD hook, the other ready DDP configs and slow-link-lr2
+#   ROWS=lr2  SEED=0 RANKS=2 run.sh   ddp, slow-link and slow-link-lr2 alone (the outer lr's second seed, more ranks)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=.venv/bin/python
 R=benchmarks/results/schedule_race_2026-12-01
 C=docs/configs
-if [ "${ROWS:-slow}" = slow ]; then
+if [ "${ROWS:-slow}" = lr2 ]; then
+  ARGS=(--methods ddp --config $C/slow-link.toml --config $R/slow-link-lr2.toml)
+elif [ "${ROWS:-slow}" = slow ]; then
   ARGS=(--methods ddp --config $C/slow-link-h1.toml --config $C/slow-link.toml --config $R/${VARIANT:-slow-link-lr1}.toml)
 else
   ARGS=(--methods "ddp;torch-powersgd:rank=4")
@@ -20,5 +23,6 @@ else
   ARGS+=(--config $R/slow-link-lr2.toml)
 fi
 NAME=${ROWS:-slow}_seed${SEED:-0}
-$PY -m commpress race --local 2 "${ARGS[@]}" --target-steps 400 --max-steps 600 --eval-every 10 \
+[ "${RANKS:-2}" = 2 ] || NAME=${NAME}_ranks${RANKS}
+$PY -m commpress race --local "${RANKS:-2}" "${ARGS[@]}" --target-steps 400 --max-steps 600 --eval-every 10 \
   --seed "${SEED:-0}" --quiet --json $R/$NAME.json 2>&1 | tee $R/$NAME.log
