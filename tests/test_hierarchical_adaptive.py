@@ -15,6 +15,7 @@ import eftopk  # noqa: F401  (registers test-eftopk and its ratio mapping)
 import pytest
 import torch
 from hierarchical_helpers import WORLD, _grad, _reduce_step, _slots
+from nested import same_nested
 
 from commpress.bandwidth.hierarchical import shard_ranges
 from commpress.bandwidth.topology import Topology
@@ -191,22 +192,13 @@ def test_plan_changes_apply_on_every_rank_and_keep_error_feedback(adaptive):
             assert all(torch.equal(x[index], y[index]) for x, y in zip(run["results"], runs[0]["results"]))
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
 
 @pytest.mark.multiproc
 def test_topk_ratio_change_keeps_its_residuals(adaptive):
     for r in adaptive:
         before, after, old, new = r["topk"]
         assert new < old  # slower cross links: fewer entries
-        assert before and _same(before, after)
+        assert before and same_nested(before, after)
 
 
 @pytest.mark.multiproc

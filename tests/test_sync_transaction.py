@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from nested import same_nested
 from torch import nn
 
 from commpress.comm import SimulatedWorld
@@ -61,15 +62,6 @@ def _state(trainer: Any) -> Any:
     return copy.deepcopy((trainer.averager.compressor.state_dict(), trainer.anchor, trainer.outer_optimizer.state_dict()))
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
 
 @pytest.mark.parametrize("kind", [LocalSGD, DiLoCo])
 def test_a_non_finite_sync_raises_on_every_rank_and_changes_nothing(kind):
@@ -83,7 +75,7 @@ def test_a_non_finite_sync_raises_on_every_rank_and_changes_nothing(kind):
     for _, _, trainer in ranks:
         with pytest.raises(FloatingPointError, match="not finite"):
             trainer.apply_due()
-    assert all(_same(_state(t), b) for (*_, t), b in zip(ranks, before))
+    assert all(same_nested(_state(t), b) for (*_, t), b in zip(ranks, before))
 
 
 def test_a_non_finite_co2_sync_raises_on_every_rank_and_changes_nothing():
@@ -97,4 +89,4 @@ def test_a_non_finite_co2_sync_raises_on_every_rank_and_changes_nothing():
         _local_step(rank, ranks, 4)
         with pytest.raises(FloatingPointError, match="not finite"):
             _local_step(rank, ranks, 5)  # the round ends: the poisoned sync lands
-    assert all(_same(_state(t), b) for (*_, t), b in zip(ranks, before))
+    assert all(same_nested(_state(t), b) for (*_, t), b in zip(ranks, before))
