@@ -116,11 +116,11 @@ class Trainer(BoundToProcess):
         self.averager.check_takes(self.flat.dtype, f"{self.name} averages the model's")
         #: what keeps DDP's gradients local (None for a plain module)
         self.ddp_switch = skip_gradient_allreduce(model) if is_ddp else None  # DDP broadcast rank 0's model
-        fixed = self.averager.backend.fixed_members  # under a torchft Manager a replica heals from a peer instead
+        self.backend = self.averager.backend
+        fixed = self.backend.fixed_members  # under a torchft Manager a replica heals from a peer instead
         if not is_ddp and self.averager.can_block and fixed:  # ranks in one thread start from identical models (class docstring)
             self.averager.broadcast(self.anchor)
             self.flat.write(self.anchor)
-        self.backend = self.averager.backend
         self.transaction = SyncTransaction(self.averager, self.name)
         self._no_syncs()
         self.wait_seconds: list[float] = []
