@@ -31,15 +31,16 @@ from commpress.comm.torch_backend import group_timeout
 from commpress.errors import CollectiveError
 from commpress.local_sgd import CO2, LocalSGD
 
-#: the process group timeout of every launch (init_process_group and the groups made here)
+#: the collective timeout of a case's groups once it is set to fail (:func:`short_timeout`)
 TIMEOUT_S = 5.0
 #: how long a survivor's failing call may take before the case is recorded as a hang: the
 #: timeout plus the tests' margin plus a little, so a hang is told apart from a late error
 HANG_S = TIMEOUT_S + 25.0
 #: how long a rank waits at a file barrier for the others
 BARRIER_S = 240.0
-#: how long a group's ranks may take to connect (gloo connects with the group's timeout;
-#: on a loaded machine that outlasts TIMEOUT_S): the timeout is TIMEOUT_S once connected
+#: the timeout of every group while the ranks connect, set up the cases and run their
+#: healthy steps: on a loaded machine one rank may reach a collective many seconds after its
+#: peer, which must make the run slower, never red
 CONNECT_S = 240.0
 FSDP = {"weight_bits": 8, "grad_bits": 8, "min_numel": 0, "exclude": []}
 FIRST_FAILING_STEP = 2
@@ -92,13 +93,13 @@ class Case:
         """The first collective failure of the case's backend, where it has one."""
         return None
 
-    def channel_timeouts(self) -> list[float]:
-        """The timeouts (s) of the communicators the case's backend opened."""
+    def groups(self) -> list[Any]:
+        """The process group the case was given, then the communicators its backend opened."""
         return []
 
-
-def _timeouts(groups: Any) -> list[float]:
-    return [group_timeout(g).total_seconds() for g in groups]
+    def channel_timeouts(self) -> list[float]:
+        """The timeouts (s) of the communicators the case's backend opened."""
+        return [group_timeout(g).total_seconds() for g in self.groups()[1:]]
 
 
 class DDPCase(Case):
@@ -106,6 +107,7 @@ class DDPCase(Case):
 
     def __init__(self, rank: int, config: dict[str, Any], group: Any = None) -> None:
         super().__init__(rank)
+        self.group = group if group is not None else dist.group.WORLD
         self.ddp = DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=0.002)
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=0.05)
         self.state = commpress.register(self.ddp, config).hook
@@ -125,11 +127,10 @@ class DDPCase(Case):
     def failure(self) -> CollectiveError | None:
         return self._backend().failure
 
-    def channel_timeouts(self) -> list[float]:
-        out = _timeouts(self.state.backend._comms.values())
+    def groups(self) -> list[Any]:
+        out = [self.group, *self.state.backend._comms.values()]
         if self.state.adaptive is not None:
-            out += _timeouts(self.state.adaptive.backend._comms.values())
-            out += _timeouts([self.state.adaptive._links.group])
+            out += [*self.state.adaptive.backend._comms.values(), self.state.adaptive._links.group]
         return out
 
 
@@ -161,8 +162,9 @@ class LocalCase(Case):
     def failure(self) -> CollectiveError | None:
         return self.trainer.averager.backend.failure
 
-    def channel_timeouts(self) -> list[float]:
-        return _timeouts(self.trainer.averager.backend._comms.values())
+    def groups(self) -> list[Any]:
+        backend = self.trainer.averager.backend
+        return [backend.group, *backend._comms.values()]
 
 
 class FSDPCase(Case):
@@ -170,6 +172,7 @@ class FSDPCase(Case):
 
     def __init__(self, rank: int, mesh: DeviceMesh, config: dict[str, Any] = FSDP) -> None:
         super().__init__(rank)
+        self.mesh = mesh
         self.model = _mlp()
         fully_shard(self.model, mesh=mesh)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
@@ -180,6 +183,9 @@ class FSDPCase(Case):
         self.opt.zero_grad()
         F.mse_loss(self.model(x), y).backward()
         self.opt.step()
+
+    def groups(self) -> list[Any]:
+        return [self.mesh.get_group()]  # FSDP runs its collectives on the mesh's group itself
 
 
 # ---- recording ----------------------------------------------------------------------------
@@ -284,13 +290,18 @@ def barrier(out: Path, name: str, rank: int, ranks: list[int]) -> None:
         time.sleep(0.05)
 
 
-def short_timeout(group: Any = None) -> Any:
-    """``group`` (default: the world), connected under :data:`CONNECT_S`, given the
-    launch's timeout for its collectives."""
-    _set_pg_timeout(datetime.timedelta(seconds=TIMEOUT_S), group)
-    return group
+def short_timeout(groups: list[Any]) -> None:
+    """Give the default group and ``groups`` :data:`TIMEOUT_S`: done just before a case is
+    driven into its failure, so that only the failing call runs under the short timeout."""
+    for group in [dist.group.WORLD, *groups]:
+        _set_pg_timeout(datetime.timedelta(seconds=TIMEOUT_S), group)
+
+
+def arm(cases: dict[str, Case]) -> None:
+    """Every group of ``cases`` (and the default group) to :data:`TIMEOUT_S`."""
+    short_timeout([g for case in cases.values() for g in case.groups()])
 
 
 def _groups(n: int) -> list[Any]:
-    """``n`` fresh groups over every rank, each with the launch's timeout once connected."""
-    return [short_timeout(dist.new_group(timeout=datetime.timedelta(seconds=CONNECT_S))) for _ in range(n)]
+    """``n`` fresh groups over every rank, under :data:`CONNECT_S` until they are armed."""
+    return [dist.new_group(timeout=datetime.timedelta(seconds=CONNECT_S)) for _ in range(n)]

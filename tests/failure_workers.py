@@ -40,6 +40,7 @@ from failure_harness import (
     _groups,
     _mlp,
     _timed,
+    arm,
     barrier,
     describe,
     fail,
@@ -99,9 +100,11 @@ def lost_peer(rank: int, world: int, out: Path, make_cases: Callable[[int], dict
     if rank == lost:
         barrier(out, "stalled", rank, survivors)  # silent on the network until they are done
         os._exit(1)  # dead: no clean-up, sockets close
+    arm(phases["stalled"])
     rec.data["cases"]["stalled"] = fail_concurrently(phases["stalled"])
     rec.save()
     barrier(out, "stalled", rank, [*survivors, lost])  # the lost rank's marker comes first
+    arm(phases["dead"])
     rec.data["cases"]["dead"] = fail_concurrently(phases["dead"])
     rec.save()
 
@@ -187,6 +190,7 @@ def absent(rank: int, world: int, out: Path) -> None:
     if rank == 1:
         barrier(out, "done", rank, [0, 1])
         return
+    short_timeout(groups)  # the wraps above ran under CONNECT_S; the calls below time out
     config = {"method": "fp16"}
 
     def local(make: Callable[[nn.Module, torch.optim.Optimizer], Any]) -> Callable[[], Any]:
@@ -215,7 +219,7 @@ def mpi_lost_peer(how: str, out: Path) -> None:
     """Under mpirun: DDP with ``backend = "mpi"``; rank 1 stalls or dies at step 2."""
     from commpress.comm.from_env import init_from_env
 
-    launch = init_from_env("gloo", timeout=TIMEOUT_S)  # the MPI backend takes this timeout too
+    launch = init_from_env("gloo", timeout=CONNECT_S)  # the MPI backend takes this timeout too
     rank = launch.rank
     rec = Recorder(out, rank)
     case = DDPCase(rank, {"method": "fp16", "backend": "mpi"})
@@ -223,6 +227,7 @@ def mpi_lost_peer(how: str, out: Path) -> None:
         case.step(i)
     rec.data["info"]["mpi_timeout"] = case.state.backend.timeout
     rec.save()
+    case.state.backend.timeout = TIMEOUT_S  # the failing step alone runs under the short timeout
     if rank == 1:
         if how == "dead":
             os._exit(0)  # a clean exit code: mpirun would otherwise end the job itself
@@ -236,8 +241,8 @@ SCENARIOS = {"peers": peers, "hierarchical": hierarchical, "agreement": agreemen
 
 def load_every_kernel() -> None:
     """Every method's kernels loaded before any group exists (what ``register()`` does for
-    its own method): a rank compiling them inside a case's set-up, while its peer waits in
-    that case's first collective, would outlast the groups' 5 s timeout on a loaded machine."""
+    its own method), so that no case's set-up compiles while its peer waits in the case's
+    first collective."""
     for method in available():
         commpress.CommState({"method": method, "params": PARAMS.get(method, {})}, model=_mlp()).load_kernels()
 
@@ -253,8 +258,6 @@ def main(argv: list[str]) -> None:
     store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=CONNECT_S))
     dist.barrier()  # every rank connected
-    if scenario != "agreement":  # (its cases time nothing: a loaded rank may reach each check late)
-        short_timeout()
     try:
         SCENARIOS[scenario](rank, world, out)
     except BaseException:

@@ -3,7 +3,8 @@ survivor raise a clear error within the process group's timeout, never hang or c
 local data, and leaves nothing of the failed step committed.
 
 The ranks run tests/failure_workers.py (gloo over loopback, or ``mpirun`` for the MPI
-backend) with a 5 s group timeout; each survivor records what it saw in a JSON file, and the
+backend); their groups connect and run the healthy steps under a long timeout and get a 5 s
+one just before the failure. Each survivor records what it saw in a JSON file, and the
 tests below check those records. One launch covers many cases: every case has its own
 communicators, so the cases of a phase fail side by side (docs/failures.md shows the
 messages).
@@ -24,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from failure_workers import TIMEOUT_S
+from failure_workers import CONNECT_S, TIMEOUT_S
 
 from commpress.compressors import available
 
@@ -199,12 +200,13 @@ def test_fsdp2_survivor_raises(peers, how):
 
 
 def test_channel_groups_inherit_the_group_timeout(peers, hierarchical):
+    """Recorded after the healthy steps, while every group the harness made has CONNECT_S."""
     for results in (peers, hierarchical):
         timeouts = results[0]["info"]["channel_timeouts"]
         for name, found in timeouts.items():
             if name.endswith("fsdp2"):  # FSDP uses the mesh's group itself
                 continue
-            assert found and all(t == TIMEOUT_S for t in found), f"{name}: communicator timeouts {found} s"
+            assert found and all(t == CONNECT_S for t in found), f"{name}: communicator timeouts {found} s"
 
 
 @pytest.mark.parametrize(
@@ -311,7 +313,7 @@ def mpi(request, tmp_path_factory) -> tuple[str, dict[int, Any]]:
 
 def test_mpi_survivor_raises_collective_error(mpi):
     how, results = mpi
-    assert results[0]["info"]["mpi_timeout"] == TIMEOUT_S  # taken from the torch group's timeout
+    assert results[0]["info"]["mpi_timeout"] == CONNECT_S  # taken from the torch group's timeout
     record = _case(results, 0, how, "ddp/fp16")
     _check_ddp(record, how, _collective(0))
     reason = "an MPI collective did not complete within 5 s" if how == "stalled" else "MPI_ERR_PROC_FAILED"
