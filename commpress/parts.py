@@ -25,7 +25,8 @@ from commpress.fsdp import FSDP2State, apply
 from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks.ddp import attach_ddp_hook
 from commpress.local_sgd.config import build_trainer
-from commpress.optim import ManagedOneBitAdam, OneBitAdam, check_adam
+from commpress.optim import AtTheStep, InTheBackward, OneBitAdam, check_adam
+from commpress.optim.momentum import MomentumAverage
 
 __all__ = ["PART_TYPES", "AppliedPart", "Request"]
 
@@ -184,17 +185,15 @@ class OneBitAdamPart(AppliedPart):
     @classmethod
     def build(cls, model: torch.nn.Module, cfg: Config, request: Request) -> OneBitAdamPart:
         optimizer = request.optimizer_for("onebit_adam", "takes over AdamW's step: pass register(..., optimizer=adamw)")
-        table = cfg.section("onebit_adam")
+        check_adam(optimizer)  # before the warm-up's fraction asks for total_steps
+        warmup = cfg.section("onebit_adam").warmup_steps(request.total_steps)
+        group = None
         if request.manager is not None:
-            warmup = table.warmup_steps(request.total_steps)
-            managed = ManagedOneBitAdam(optimizer, model, request.manager, warmup, cfg.method, cfg.params)
-            managed.attach(model)
-            return cls(managed)
-        check_adam(optimizer)
-        warmup = table.warmup_steps(request.total_steps)
-        group = cfg.group_for(model, request.process_group)
-        averager = ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend)
-        onebit = OneBitAdam(optimizer, model.module.named_parameters(), averager, warmup)
+            average: MomentumAverage = InTheBackward.of(model.module, request.manager, cfg.method, cfg.params, warmup)
+        else:
+            group = cfg.group_for(model, request.process_group)
+            average = AtTheStep(ParameterAverager(cfg.method, cfg.params, process_group=group, backend=cfg.backend))
+        onebit = OneBitAdam(optimizer, model.module.named_parameters(), average, warmup)
         onebit.attach(model, group)
         return cls(onebit)
 

@@ -57,7 +57,7 @@ from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks import CommState
 from commpress.layerwise.plan import LayerPlan
 from commpress.local_sgd import LocalSGD
-from commpress.optim import ManagedOneBitAdam, OneBitAdam
+from commpress.optim import OneBitAdam
 from commpress.parts import PART_TYPES, AppliedPart, Request
 from commpress.replica_state import ReplicaState
 
@@ -103,7 +103,7 @@ class Registration:
         return self._target("local_sgd")
 
     @property
-    def onebit_adam(self) -> OneBitAdam | ManagedOneBitAdam | None:
+    def onebit_adam(self) -> OneBitAdam | None:
         return self._target("onebit_adam")
 
     @property

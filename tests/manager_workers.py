@@ -257,7 +257,7 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     if what == "adam":
         opt: torch.optim.Optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
         manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
-        state = commpress.register(net, ONEBIT_ADAM, optimizer=opt, manager=manager).onebit_adam.comm
+        state = commpress.register(net, ONEBIT_ADAM, optimizer=opt, manager=manager).onebit_adam.average.comm
     else:
         cfg = {"layerwise": PLAN_EVERY_STEP, "planned": PLAN_ONCE}.get(what, FAILING)
         state = register_ddp_hook(net, cfg, manager=manager)

@@ -12,7 +12,7 @@ from commpress import CommState, ConfigError
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
 from commpress.local_sgd import LocalSGD
-from commpress.optim import OneBitAdam
+from commpress.optim import AtTheStep, OneBitAdam
 from commpress.parts import DDPHook
 from commpress.registration import Registration
 
@@ -38,7 +38,7 @@ def _loaders():
         "CommState before it connects": CommState({"method": "fp16"}),
         "CommState": CommState({"method": "topk", "params": {"ratio": 0.5}}, backend=backend()),
         "LocalSGD": LocalSGD(model, sgd, period=2, averager=ParameterAverager("none", backend=backend())),
-        "OneBitAdam": OneBitAdam(adamw, model.named_parameters(), ParameterAverager("none", backend=backend()), 2),
+        "OneBitAdam": OneBitAdam(adamw, model.named_parameters(), AtTheStep(ParameterAverager("none", backend=backend())), 2),
     }
 
 

@@ -206,14 +206,18 @@ def test_a_non_finite_averaged_momentum_stops_the_managed_1bit_adam_step(bad):
     """The step's check covers every parameter in one host sync (the largest magnitude of
     each): a bad value in the last parameter, past an empty one, stops the step before
     AdamW's update touches any parameter."""
-    from commpress.optim.managed_onebit_adam import ManagedOneBitAdam
+    from commpress.optim import InTheBackward, OneBitAdam
 
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(0)), torch.nn.Parameter(torch.ones(4))]
+    opt = torch.optim.AdamW(params)
     for p in params:
         p.grad = torch.ones_like(p)
+    opt.step()  # a warm-up step: Adam's state for every parameter
     params[2].grad[1] = bad
-    onebit = ManagedOneBitAdam.__new__(ManagedOneBitAdam)  # only what the step's check reads
-    onebit.params, onebit._step = params, 7
+    before = [p.detach().clone() for p in params]
+    average = InTheBackward.__new__(InTheBackward)  # only what the step reads: step 7's momenta in p.grad
+    average._step = 7
+    onebit = OneBitAdam(opt, [(str(i), p) for i, p in enumerate(params)], average, 1)
     with pytest.raises(FloatingPointError, match="round 7 is not finite"):
-        onebit._take_step()
-    assert all(torch.equal(p, torch.ones_like(p)) for p in params)
+        onebit._pre_step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))

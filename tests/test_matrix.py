@@ -149,7 +149,8 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
 
 def _parts_present(reg: commpress.Registration, combo: tuple[str, ...]) -> dict[str, bool]:
     """Each item of ``combo``: whether its part of ``reg`` carries it, after three steps."""
-    hook, averaging = reg.hook, reg.local_sgd or reg.onebit_adam or reg.groups_hook
+    onebit = reg.onebit_adam.average if reg.onebit_adam is not None else None  # where its momenta are averaged
+    hook, averaging = reg.hook, reg.local_sgd or onebit or reg.groups_hook
     if hook is None and hasattr(averaging, "comm"):  # 1-bit Adam under a manager averages through its DDP hook
         hook = averaging.comm
     method = hook.compressors["main"].name if hook is not None else averaging.averager.method if averaging else None

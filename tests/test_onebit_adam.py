@@ -15,7 +15,7 @@ from commpress import ConfigError
 from commpress.bench.launch import run_local
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
-from commpress.optim import OneBitAdam
+from commpress.optim import AtTheStep, OneBitAdam
 
 STEPS, WARMUP = 10, 4
 #: the momentum's method in the multi-rank runs: 1-bit signs, every tensor compressed
@@ -57,7 +57,7 @@ def test_the_update_is_adamw_with_the_variance_frozen():
     model, ref = _model(), _model()
     opt, ref_opt = _adamw(model), _adamw(ref)
     averager = ParameterAverager("none", backend=SimulatedWorld(1).backends[0])
-    onebit = OneBitAdam(opt, model.named_parameters(), averager, WARMUP)
+    onebit = OneBitAdam(opt, model.named_parameters(), AtTheStep(averager), WARMUP)
     beta1, beta2 = 0.9, 0.999
     for step in range(STEPS):
         for m in (model, ref):
@@ -68,7 +68,7 @@ def test_the_update_is_adamw_with_the_variance_frozen():
             onebit.finish_step(onebit.start_step())
         else:
             opt.step()
-        onebit.steps += 1
+        onebit.average.stepped()
         if step < WARMUP:
             ref_opt.step()
             continue
@@ -239,7 +239,7 @@ def test_a_coordinate_without_gradient_before_the_freeze_steps_at_most_lr():
     (AdamW's own bound), not lr * m / eps."""
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.0)
-    onebit = OneBitAdam(opt, [("w", p)], ParameterAverager("none", backend=SimulatedWorld(1).backends[0]), 2)
+    onebit = OneBitAdam(opt, [("w", p)], AtTheStep(ParameterAverager("none", backend=SimulatedWorld(1).backends[0])), 2)
     for step in range(6):
         p.grad = torch.tensor([1.0, 1.0 if step >= 2 else 0.0])
         before = p.detach().clone()
@@ -247,6 +247,6 @@ def test_a_coordinate_without_gradient_before_the_freeze_steps_at_most_lr():
             onebit.finish_step(onebit.start_step())
         else:
             opt.step()
-        onebit.steps += 1
+        onebit.average.stepped()
         assert (before - p.detach()).abs().max() <= 0.1 + 1e-6
     assert p[1] < -0.05  # it did move

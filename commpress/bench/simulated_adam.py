@@ -10,7 +10,7 @@ from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
 from commpress.compressors import EXACT, Bucket, Context, build
 from commpress.config import Config
-from commpress.optim import OneBitAdam
+from commpress.optim import AtTheStep, OneBitAdam
 
 __all__ = ["OneBitAdamRanks"]
 
@@ -25,8 +25,8 @@ class OneBitAdamRanks:
         self.names = [n for n, _ in models[0].named_parameters()]
         self.exact = build(EXACT)
         self.ranks = [
-            OneBitAdam(opt, model.named_parameters(), ParameterAverager(cfg.method, cfg.params, backend=backend), warmup)
-            for model, opt, backend in zip(models, opts, sim.backends)
+            OneBitAdam(opt, model.named_parameters(), AtTheStep(ParameterAverager(cfg.method, cfg.params, backend=b)), warmup)
+            for model, opt, b in zip(models, opts, sim.backends)
         ]
 
     def __call__(self, step: int, grads: list) -> None:
@@ -43,4 +43,4 @@ class OneBitAdamRanks:
                 _set_grads(model, b.views())
                 opt.step()
         for r in self.ranks:
-            r.steps += 1
+            r.average.stepped()

@@ -3,10 +3,10 @@ warm-up, then the second moment frozen and the first moment averaged compressed.
 
 During the warm-up the DDP hook averages gradients exactly (as DDP does) and AdamW steps
 unchanged, so the run is plain DDP + AdamW bit for bit. From step ``warmup_steps`` on,
-gradients stay local (the hook sends one finiteness flag per bucket) and, at each
-``optimizer.step()``, every rank forms its local momentum ``beta1 * m + (1 - beta1) * g``,
-the ranks average it through any commpress method (``onebit`` by default, with its error
-feedback) and every rank applies AdamW's update with that average and the frozen variance::
+every rank forms its local momentum ``beta1 * m + (1 - beta1) * g``, the ranks average it
+through any commpress method (``onebit`` by default, with its error feedback) and every
+rank applies AdamW's update with that average and the frozen variance (where the average
+runs, at the step or in the backward under a torchft Manager: :mod:`commpress.optim.momentum`)::
 
     m     = average over ranks of (beta1 * m + (1 - beta1) * g_rank)
     m_hat = m / (1 - beta1**t)
@@ -33,7 +33,6 @@ step (which then skips every parameter); the post-hook gives them back.
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
 
 import math
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -42,17 +41,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from commpress.comm import Traffic, checkpoint
-from commpress.comm.averager import ParameterAverager
+from commpress.comm import Traffic
 from commpress.comm.pickling import BoundToProcess
-from commpress.comm.warm import load_kernels
-from commpress.compressors import AllReduce, Bucket, Reduction, lay_out
-from commpress.config import digest_of
 from commpress.errors import ConfigError
 from commpress.hooks.removable import CommHookSwitch, register_removable_hook
-from commpress.local_sgd.average import check_finite
+from commpress.optim.momentum import MomentumAverage
 
-__all__ = ["AdamStepTakeover", "OneBitAdam", "adam_parameters", "check_adam", "frozen_update"]
+__all__ = ["OneBitAdam", "adam_parameters", "check_adam", "frozen_update"]
 
 _WHERE = "[onebit_adam]"
 
@@ -134,48 +129,65 @@ def frozen_update(
     p.addcdiv_(m_hat, denom, value=-lr)
 
 
-def _mean(tensor: torch.Tensor, world_size: int) -> Reduction:
-    """Average ``tensor`` over ranks in place, exactly as DDP's own all-reduce does."""
-    tensor.div_(world_size)
-    summed = yield AllReduce(tensor)
-    if summed is not tensor:
-        tensor.copy_(summed)
+class OneBitAdam(BoundToProcess):
+    """1-bit Adam attached to ``optimizer`` (``torch.optim.AdamW``) for the parameters
+    ``named_parameters``: ``warmup_steps`` exact steps, then the momenta averaged where
+    ``average`` says (:mod:`commpress.optim.momentum`: :class:`AtTheStep` with any
+    commpress method on a fixed group, :class:`InTheBackward` under a torchft Manager).
+    :meth:`attach` registers the DDP comm hook and the optimizer's step hooks (what
+    :func:`commpress.register` does with an ``[onebit_adam]`` table); then the loop stays
+    ``loss.backward(); optimizer.step()``. A non-finite momentum average raises
+    ``FloatingPointError`` on every rank and changes nothing.
 
+    AdamW's step is taken over through its step hooks: after the freeze the pre-hook applies
+    the update and hides the gradients, so AdamW's own step skips every parameter; the
+    post-hook gives them back.
+    """
 
-def _spread_non_finite(tensor: torch.Tensor) -> Reduction:
-    """Every rank's ``tensor`` becomes NaN if any rank's holds inf or NaN, so a GradScaler
-    skips the step on every rank (gradients stay local after the freeze)."""
-    flag = torch.zeros(1, dtype=torch.float32, device=tensor.device)
-    if not bool(torch.isfinite(tensor).all()):
-        flag.fill_(math.nan)
-    summed = yield AllReduce(flag)
-    if not bool(torch.isfinite(summed).all()):
-        tensor.fill_(math.nan)
-
-
-def comm_hook(state: "OneBitAdam", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook of 1-bit Adam: the exact average during the warm-up, after it the
-    local gradient (with the finiteness flag)."""
-    buffer = bucket.buffer()
-    reduction = _spread_non_finite(buffer) if state.frozen else _mean(buffer, state.averager.world_size)
-    return state.averager.backend.run(reduction, buffer.device).then(lambda fut: (fut.value(), buffer)[1])
-
-
-class AdamStepTakeover(BoundToProcess):
-    """AdamW's step taken over through its step hooks, as both 1-bit Adams do: the DDP comm
-    hook and the optimizer's hooks go on at :meth:`_attach` and off at :meth:`detach`; the
-    pre-hook runs :meth:`_take_step` and, where that applied the update, hides the gradients
-    so AdamW's own step skips every parameter; the post-hook gives them back, then
-    :meth:`_stepped`. Subclasses set ``optimizer`` and ``params``."""
-
-    optimizer: torch.optim.Optimizer
-    params: list[torch.nn.Parameter]
+    name = "1-bit Adam"
     _hooks: tuple[RemovableHandle, ...] = ()
     _switch: CommHookSwitch | None = None
     _hidden: tuple[tuple[torch.nn.Parameter, torch.Tensor | None], ...] = ()  # during AdamW's step
 
-    def _attach(self, model: DistributedDataParallel, hook: Any) -> None:
-        self._switch = register_removable_hook(model, self, hook)
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+        average: MomentumAverage,
+        warmup_steps: int,
+    ) -> None:
+        check_adam(optimizer)
+        check_warmup(warmup_steps)
+        self.named = adam_parameters(optimizer, named_parameters)
+        self.params = [p for _, p in self.named]
+        self.optimizer = optimizer
+        self.warmup_steps = warmup_steps
+        self._group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        self.average = average
+        average.bind(self)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken since registration (under a manager: the committed ones)."""
+        return self.average.steps
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the variance is frozen: the next step averages the momentum."""
+        return self.steps >= self.warmup_steps
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes this rank sent: the warm-up's gradients, the flags and the momenta."""
+        return self.average.traffic
+
+    def attach(self, model: DistributedDataParallel, process_group: Any = None) -> None:
+        """Register the DDP comm hook on ``model`` (before its first backward) and the
+        optimizer's step hooks, after the average's set-up (:meth:`MomentumAverage.connect`)."""
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
+        self.average.connect(process_group)
+        self._switch = register_removable_hook(model, self, comm_hook)
         self._hooks = (
             self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
             self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
@@ -190,16 +202,17 @@ class AdamStepTakeover(BoundToProcess):
         if self._switch is not None:
             self._switch.remove()
 
-    def _take_step(self) -> bool:
-        """Apply this step's update, if it is this object's; whether it did."""
-        raise NotImplementedError
-
-    def _stepped(self) -> None:
-        """After the optimizer's step."""
+    def local_momentum(self, p: torch.nn.Parameter, grad: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's momentum of ``p`` with ``grad``, ``beta1 * m + (1 - beta1) * grad``,
+        into ``out`` (which may be ``grad`` itself)."""
+        beta1 = self._group_of[id(p)]["betas"][0]
+        torch.lerp(self._state(p)["exp_avg"], grad, 1 - beta1, out=out)
 
     def _pre_step(self) -> None:
-        if not self._take_step():
+        """After the freeze: the momenta averaged and AdamW's update with them."""
+        if self.average.pending() is None:
             return
+        self.finish_step(self.start_step())
         self._hidden = tuple((p, p.grad) for p in self.params)
         for p in self.params:
             p.grad = None  # AdamW's own step skips every parameter: this step is done
@@ -208,135 +221,37 @@ class AdamStepTakeover(BoundToProcess):
         for p, grad in self._hidden:
             p.grad = grad
         self._hidden = ()
-        self._stepped()
+        self.average.stepped()
 
-
-class OneBitAdam(AdamStepTakeover):
-    """1-bit Adam attached to ``optimizer`` (``torch.optim.AdamW``) for the parameters
-    ``named_parameters``; the momentum is averaged by ``averager`` (any commpress method)
-    after ``warmup_steps`` exact steps. :meth:`attach` registers the DDP comm hook and the
-    optimizer's step hooks (what :func:`commpress.register` does with an ``[onebit_adam]``
-    table); then the loop stays ``loss.backward(); optimizer.step()``.
-
-    ``steps`` counts the optimizer steps taken since registration (a step a GradScaler
-    skips is not taken). A non-finite momentum average raises ``FloatingPointError`` on
-    every rank and changes nothing.
-    """
-
-    name = "1-bit Adam"
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-        averager: ParameterAverager,
-        warmup_steps: int,
-    ) -> None:
-        check_adam(optimizer)
-        check_warmup(warmup_steps)
-        named = adam_parameters(optimizer, named_parameters)
-        self.optimizer = optimizer
-        self.averager = averager
-        self.warmup_steps = warmup_steps
-        self.steps = 0
-        self.params = [p for _, p in named]
-        self.slots, numel = lay_out((n, p.shape) for n, p in named)
-        self._flat = torch.empty(numel, dtype=torch.float32, device=self.params[0].device)
-        self._group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        #: what every rank must share, and a checkpoint must have been saved with
-        self.settings = {
-            "algorithm": "onebit_adam",
-            "warmup_steps": warmup_steps,
-            "averager": averager.method,
-            "model": [[n, list(p.shape)] for n, p in named],
-        }
-        self._check_resume = False
-        self.wait_seconds: list[float] = []
-
-    @property
-    def frozen(self) -> bool:
-        """Whether the variance is frozen: the next step averages the momentum."""
-        return self.steps >= self.warmup_steps
-
-    @property
-    def traffic(self) -> Traffic:
-        """Bytes this rank sent: the warm-up's gradients, the flags and the momentum."""
-        return self.averager.traffic
-
-    def attach(self, model: DistributedDataParallel, process_group: Any = None) -> None:
-        """Register the DDP comm hook on ``model`` (before its first backward) and the
-        optimizer's step hooks; the ranks first agree on the settings. The averaging
-        method's kernels are loaded here (:meth:`load_kernels`), not at the freeze."""
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
-        self.averager.connect(self.settings, self.name, process_group)  # the one set-up exchange
-        self.load_kernels()
-        self._attach(model, comm_hook)
-
-    def load_kernels(self) -> None:
-        """Run the momentum's averaging method once on values shaped like the momentum's
-        tensors, by fresh compressors in a simulated world (:mod:`commpress.comm.warm`):
-        its kernels are compiled or loaded now, not at the first step after the freeze;
-        nothing is sent and no state changes."""
-        load_kernels(self.averager.groups, [(s.name, s.shape) for s in self.slots], self._flat.dtype, self._flat.device)
-
-    def _take_step(self) -> bool:
-        """After the freeze: the momentum averaged and AdamW's update with it."""
-        if not self.frozen:
-            return False
-        if self._check_resume and self.averager.can_block:
-            checkpoint.check_resume(self.averager.backend, self.steps, digest_of(self.settings), self.name)
-        self._check_resume = False
-        self.finish_step(self.start_step())
-        return True
-
-    def _stepped(self) -> None:
-        self.steps += 1
-
-    def start_step(self) -> torch.futures.Future:
-        """Start averaging the local momenta ``beta1 * m + (1 - beta1) * grad`` (after the
-        freeze; every rank calls it in the same order). :meth:`finish_step` applies it."""
-        for slot, p in zip(self.slots, self.params):
-            if p.grad is None:
-                raise RuntimeError(
-                    f"{self.name}: parameter {slot.name} has no gradient at step {self.steps}; every rank averages "
-                    "every parameter's momentum (an unused parameter needs a zero gradient)"
-                )
-            beta1 = self._group_of[id(p)]["betas"][0]
-            local = self._flat[slot.offset : slot.offset + slot.numel].view(p.shape)
-            local.copy_(self._state(p)["exp_avg"]).lerp_(p.grad, 1 - beta1)
-        return self.averager.start(Bucket(0, self._flat, self.slots))
+    def start_step(self) -> torch.futures.Future | None:
+        """Start this step's momentum average (after the freeze; every rank calls it in the
+        same order). :meth:`finish_step` applies it."""
+        return self.average.start()
 
     @torch.no_grad()
-    def finish_step(self, started: torch.futures.Future) -> None:
+    def finish_step(self, started: torch.futures.Future | None) -> None:
         """Wait for the momentum average and apply AdamW's update with the frozen variance."""
-        t0 = time.perf_counter()
-        started.wait()
-        self.wait_seconds.append(time.perf_counter() - t0)
-        check_finite(self._flat, self.name, self.steps)
-        frozen_steps = self.steps - self.warmup_steps
-        for slot, p in zip(self.slots, self.params):
-            momentum = self._flat[slot.offset : slot.offset + slot.numel].view(p.shape)
+        step = self.average.pending()
+        if step is None:
+            raise RuntimeError(f"{self.name}: finish_step before the freeze (step {self.steps})")
+        frozen_steps = step - self.warmup_steps
+        for p, momentum in zip(self.params, self.average.finish(started)):
             frozen_update(self._group_of[id(p)], self._state(p), p, momentum, frozen_steps)
 
     def _state(self, p: torch.nn.Parameter) -> dict[str, Any]:
         return adam_state(self.optimizer, p, self.warmup_steps, self.name)
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """The step counter and the compressor's state (error feedback), tagged with this
-        rank, the world size and the settings; ``full=True``: every rank's (a collective).
-        The momentum and the frozen variance are the optimizer's state: save it as usual."""
-        backend = self.averager.backend
-        part = checkpoint.tag(
-            {"averager": self.averager.state_dict()}, backend.rank, backend.world_size, self.steps, self.settings
-        )
-        return checkpoint.gather_job(backend.allgather_object, part) if full else part
+        """The average's state: the step counter and the method's error feedback, this
+        rank's (``full=True``: every rank's, a collective). The momentum and the frozen
+        variance are the optimizer's state: save it as usual."""
+        return self.average.state_dict(full=full)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore this rank's part, or its part of a whole-job state."""
-        what = f"{self.name}: load_state_dict"
-        part = self.averager.own_part(state, what)
-        checkpoint.check_config(part["config"], self.settings, what)
-        self.steps = int(part["step"])
-        self.averager.load_state_dict(part["averager"])
-        self._check_resume = True
+        self.average.load_state_dict(state)
+
+
+def comm_hook(state: OneBitAdam, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook of 1-bit Adam: the bucket's reduction where its average says."""
+    return state.average.reduce(bucket)

@@ -1,0 +1,261 @@
+"""Where 1-bit Adam averages its ranks' momenta, the one thing its two settings do apart.
+
+On a fixed group (:class:`AtTheStep`) the DDP hook averages the warm-up's gradients
+exactly and afterwards sends only a finiteness flag; at ``optimizer.step()`` every rank
+forms its local momentum ``beta1 * m + (1 - beta1) * g`` from the gradient as it stands
+then (unscaled, clipped) and the ranks average it as one flat vector.
+
+Under a torchft ``Manager`` (:class:`InTheBackward`) the loop is torchft's: its
+``OptimizerWrapper`` asks ``should_commit()`` before ``optimizer.step()``, so every
+collective of the step must run in the backward, where a failure can still un-commit it.
+There the hook turns each bucket's gradient into this replica's momentum and averages it
+through a :class:`~commpress.hooks.state.CommState` under the manager whose ``start_iter``
+is the warm-up (exact before it); the state keeps the method's error feedback, committed
+with the step and dropped with it, and heals a (re)joining replica, which adds nothing to
+the averages (its optimizer state is stale until the manager hands it a peer's at
+``should_commit()``) and then applies the participants' average, ending equal to its peers.
+"""
+
+# No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
+
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from commpress.comm import Traffic, checkpoint
+from commpress.comm.averager import ParameterAverager
+from commpress.comm.pickling import BoundToProcess
+from commpress.comm.warm import load_kernels
+from commpress.compressors import AllReduce, Bucket, Reduction, lay_out
+from commpress.config import Config, digest_of
+from commpress.hooks.state import CommState
+from commpress.local_sgd.average import check_finite
+
+__all__ = ["AtTheStep", "InTheBackward", "MomentumAverage"]
+
+
+class Adam(Protocol):
+    """What an average reads of its :class:`~commpress.optim.OneBitAdam`."""
+
+    name: str
+    named: list[tuple[str, torch.nn.Parameter]]
+    params: list[torch.nn.Parameter]
+    warmup_steps: int
+
+    @property
+    def frozen(self) -> bool: ...
+
+    def local_momentum(self, p: torch.nn.Parameter, grad: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
+def _mean(tensor: torch.Tensor, world_size: int) -> Reduction:
+    """Average ``tensor`` over ranks in place, exactly as DDP's own all-reduce does."""
+    tensor.div_(world_size)
+    summed = yield AllReduce(tensor)
+    if summed is not tensor:
+        tensor.copy_(summed)
+
+
+def _spread_non_finite(tensor: torch.Tensor) -> Reduction:
+    """Every rank's ``tensor`` becomes NaN if any rank's holds inf or NaN, so a GradScaler
+    skips the step on every rank (gradients stay local after the freeze)."""
+    flag = torch.zeros(1, dtype=torch.float32, device=tensor.device)
+    if not bool(torch.isfinite(tensor).all()):
+        flag.fill_(math.nan)
+    summed = yield AllReduce(flag)
+    if not bool(torch.isfinite(summed).all()):
+        tensor.fill_(math.nan)
+
+
+class AtTheStep(BoundToProcess):
+    """The momenta averaged by ``averager`` (any commpress method) as one flat float32
+    vector at ``optimizer.step()``; ``steps`` counts the optimizer steps taken (a step a
+    GradScaler skips is not taken)."""
+
+    adam: Adam
+
+    def __init__(self, averager: ParameterAverager) -> None:
+        self.averager = averager
+        self._steps = 0
+        self._check_resume = False
+
+    def bind(self, adam: Adam) -> None:
+        """Called once by ``adam``'s constructor: the flat layout of its parameters."""
+        self.adam = adam
+        self.slots, numel = lay_out((n, p.shape) for n, p in adam.named)
+        self._flat = torch.empty(numel, dtype=torch.float32, device=adam.params[0].device)
+        #: what every rank must share, and a checkpoint must have been saved with
+        self.settings = {
+            "algorithm": "onebit_adam",
+            "warmup_steps": adam.warmup_steps,
+            "averager": self.averager.method,
+            "model": [[n, list(p.shape)] for n, p in adam.named],
+        }
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken since registration (the warm-up ends at ``warmup_steps``)."""
+        return self._steps
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.averager.traffic
+
+    def connect(self, process_group: Any) -> None:
+        """The ranks agree on the settings (the one set-up exchange); the averaging method's
+        kernels are loaded now, not at the freeze (:meth:`load_kernels`)."""
+        self.averager.connect(self.settings, self.adam.name, process_group)
+        self.load_kernels()
+
+    def load_kernels(self) -> None:
+        """Run the averaging method once on values shaped like the momentum's tensors, by
+        fresh compressors in a simulated world (:mod:`commpress.comm.warm`): nothing is sent
+        and no state changes."""
+        load_kernels(self.averager.groups, [(s.name, s.shape) for s in self.slots], self._flat.dtype, self._flat.device)
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The exact average during the warm-up; after it the local gradient, with the flag."""
+        buffer = bucket.buffer()
+        reduction = _spread_non_finite(buffer) if self.adam.frozen else _mean(buffer, self.averager.world_size)
+        return self.averager.backend.run(reduction, buffer.device).then(lambda fut: (fut.value(), buffer)[1])
+
+    def pending(self) -> int | None:
+        """The step whose 1-bit update this ``optimizer.step()`` applies; None: AdamW's own step."""
+        return self._steps if self.adam.frozen else None
+
+    def start(self) -> torch.futures.Future:
+        """Start averaging the local momenta of the gradients as they stand (every rank in
+        the same order); :meth:`finish` waits for it."""
+        if self._check_resume and self.averager.can_block:
+            checkpoint.check_resume(self.averager.backend, self._steps, digest_of(self.settings), self.adam.name)
+        self._check_resume = False
+        for slot, p in zip(self.slots, self.adam.params):
+            if p.grad is None:
+                raise RuntimeError(
+                    f"{self.adam.name}: parameter {slot.name} has no gradient at step {self._steps}; every rank "
+                    "averages every parameter's momentum (an unused parameter needs a zero gradient)"
+                )
+            self.adam.local_momentum(p, p.grad, out=self._flat[slot.offset : slot.offset + slot.numel].view(p.shape))
+        return self.averager.start(Bucket(0, self._flat, self.slots))
+
+    def finish(self, started: torch.futures.Future | None) -> list[torch.Tensor]:
+        """Each parameter's averaged momentum, checked finite on every rank."""
+        if started is not None:
+            started.wait()
+        check_finite(self._flat, self.adam.name, self._steps)
+        return [self._flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    def stepped(self) -> None:
+        self._steps += 1
+
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """The step counter and the compressor's state (error feedback), tagged with this
+        rank, the world size and the settings; ``full=True``: every rank's (a collective)."""
+        backend = self.averager.backend
+        part = checkpoint.tag(
+            {"averager": self.averager.state_dict()}, backend.rank, backend.world_size, self._steps, self.settings
+        )
+        return checkpoint.gather_job(backend.allgather_object, part) if full else part
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore this rank's part, or its part of a whole-job state."""
+        what = f"{self.adam.name}: load_state_dict"
+        part = self.averager.own_part(state, what)
+        checkpoint.check_config(part["config"], self.settings, what)
+        self._steps = int(part["step"])
+        self.averager.load_state_dict(part["averager"])
+        self._check_resume = True
+
+
+class InTheBackward(BoundToProcess):
+    """The momenta averaged per DDP bucket by ``comm`` (a :class:`CommState` under
+    ``manager`` whose ``start_iter`` is the warm-up); ``steps`` counts the committed steps."""
+
+    adam: Adam
+
+    def __init__(self, comm: CommState, manager: Any) -> None:
+        self.comm = comm
+        self.manager = manager
+        self._step: int | None = None  # the step whose backward ran, if it was past the warm-up
+
+    @classmethod
+    def of(
+        cls,
+        module: torch.nn.Module,
+        manager: Any,
+        method: str,
+        params: Mapping[str, Any],
+        warmup_steps: int,
+        key: str = "commpress_onebit_adam",
+    ) -> "InTheBackward":
+        """``method`` with ``params`` over ``manager`` for ``module``'s buckets, exact for
+        ``warmup_steps`` steps; its shared state is registered with the manager under ``key``."""
+        config = Config(method=method, params=dict(params), start_iter=warmup_steps)
+        return cls(CommState.of_part(config, module, manager=manager, key=key), manager)
+
+    def bind(self, adam: Adam) -> None:
+        self.adam = adam
+
+    @property
+    def steps(self) -> int:
+        return self.comm.steps
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.comm.traffic
+
+    def connect(self, process_group: Any) -> None:
+        """Nothing: the state connected through the manager when it was built."""
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Past the warm-up the bucket's gradient becomes this replica's momentum (a healing
+        replica's stays: it counts as nothing); then the step's average through the manager."""
+        buffer, params = bucket.buffer(), bucket.parameters()
+        self.manager.wait_quorum()
+        step = self.comm.steps
+        self._step = step if step >= self.adam.warmup_steps else None
+        if self._step is not None and self.manager.is_participating():
+            offset = 0
+            for p in params:
+                grad = buffer[offset : offset + p.numel()].view(p.shape)
+                self.adam.local_momentum(p, grad, out=grad)
+                offset += p.numel()
+        return self.comm.reduce(bucket.index(), buffer, params, advance=bucket.is_last())
+
+    def pending(self) -> int | None:
+        return self._step
+
+    def start(self) -> None:
+        """Nothing: the backward averaged the momenta."""
+
+    def finish(self, started: None) -> list[torch.Tensor]:
+        """The averaged momenta DDP wrote into the gradients."""
+        params = self.adam.params
+        if any(p.grad is None for p in params):
+            raise RuntimeError(
+                f"{self.adam.name}: a parameter has no gradient at step {self._step}; its averaged momentum is its "
+                "gradient here: do not clear or skip gradients between backward() and step()"
+            )
+        # one host sync for all: the largest magnitude of each momentum (a NaN or an inf carries through)
+        peaks = [torch.linalg.vector_norm(p.grad, ord=math.inf) for p in params if p.grad.numel()]
+        if peaks:
+            check_finite(torch.stack(peaks), self.adam.name, self._step)
+        return [p.grad for p in params]
+
+    def stepped(self) -> None:
+        self._step = None
+
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """The hook's state (the step and the method's error feedback); the momentum and the
+        frozen variance are the optimizer's state, which the manager recovers with the model."""
+        return self.comm.state_dict(full=full)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.comm.load_state_dict(state)
+
+
+#: where a :class:`~commpress.optim.OneBitAdam` averages its momenta
+MomentumAverage = AtTheStep | InTheBackward
