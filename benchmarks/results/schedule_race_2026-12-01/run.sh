@@ -6,11 +6,21 @@
 #   ROWS=slow SEED=1 VARIANT=slow-link-lr2 run.sh   (seed 1: the other variant)
 #   ROWS=all  SEED=0 run.sh   ddp, PyTorch's PowerSGD hook, the other ready DDP configs and slow-link-lr2
 #   ROWS=lr2  SEED=0 RANKS=2 run.sh   ddp, slow-link and slow-link-lr2 alone (the outer lr's second seed, more ranks)
+#   ROWS=each SEED=0 TARGET=1.4757 run.sh   each of ROWS=all's rows in its own run, to DDP's step-400 loss of an
+#     earlier run of that seed (each row's result is kept as it ends; loss at 400 is compared with that DDP run's)
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=.venv/bin/python
 R=benchmarks/results/schedule_race_2026-12-01
 C=docs/configs
+if [ "${ROWS:-slow}" = each ]; then
+  for row in "torch-powersgd:rank=4" powersgd topk quant onebit_adam diloco bf16 terngrad streaming-diloco; do
+    case $row in torch-*) ROW=(--methods "$row"); NAME=torch-powersgd ;; *) ROW=(--config $C/$row.toml); NAME=$row ;; esac
+    $PY -m commpress race --local "${RANKS:-2}" "${ROW[@]}" --target "$TARGET" --max-steps 600 --eval-every 10 \
+      --seed "${SEED:-0}" --quiet --json $R/each_${NAME}_seed${SEED:-0}.json 2>&1 | tee $R/each_${NAME}_seed${SEED:-0}.log
+  done
+  exit 0
+fi
 if [ "${ROWS:-slow}" = lr2 ]; then
   ARGS=(--methods ddp --config $C/slow-link.toml --config $R/slow-link-lr2.toml)
 elif [ "${ROWS:-slow}" = slow ]; then
