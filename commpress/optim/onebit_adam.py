@@ -183,7 +183,7 @@ class OneBitAdam(BoundToProcess):
 
     def attach(self, model: DistributedDataParallel, process_group: Any = None) -> None:
         """Register the DDP comm hook on ``model`` (before its first backward) and the
-        optimizer's step hooks, after the average's set-up (:meth:`MomentumAverage.connect`)."""
+        optimizer's step hooks, after the average's set-up (:meth:`AtTheStep.connect`: the ranks agree)."""
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
         self.average.connect(process_group)
