@@ -45,9 +45,6 @@ class Adam(Protocol):
     params: list[torch.nn.Parameter]
     warmup_steps: int
 
-    @property
-    def frozen(self) -> bool: ...
-
     def local_momentum(self, p: torch.nn.Parameter, grad: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
@@ -119,12 +116,13 @@ class AtTheStep(BoundToProcess):
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The exact average during the warm-up; after it the local gradient, with the flag."""
         buffer = bucket.buffer()
-        reduction = _spread_non_finite(buffer) if self.adam.frozen else _mean(buffer, self.averager.world_size)
+        frozen = self._steps >= self.adam.warmup_steps
+        reduction = _spread_non_finite(buffer) if frozen else _mean(buffer, self.averager.world_size)
         return self.averager.backend.run(reduction, buffer.device).then(lambda fut: (fut.value(), buffer)[1])
 
     def pending(self) -> int | None:
         """The step whose 1-bit update this ``optimizer.step()`` applies; None: AdamW's own step."""
-        return self._steps if self.adam.frozen else None
+        return self._steps if self._steps >= self.adam.warmup_steps else None
 
     def start(self) -> torch.futures.Future:
         """Start averaging the local momenta of the gradients as they stand (every rank in
