@@ -66,11 +66,11 @@ TOGETHER = 3
 
 
 def config(method: str, sync_delay: int) -> dict[str, Any]:
-    """TernGrad with the eager merge (the default) and an outer lr of ``"sqrt_replicas"``, as
-    the slow-link config; the others with the mix; Top-k (the failure runs) also with
-    ``"sqrt_replicas"``, which under the manager follows each sync's participants."""
+    """TernGrad with the eager merge (the default) and an outer lr of ``"sqrt_twice_replicas"``,
+    as the slow-link config; the others with the mix; Top-k (the failure runs) also with
+    ``"sqrt_twice_replicas"``, which under the manager follows each sync's participants."""
     table = {"algorithm": "diloco", "period": 4, "fragments": 2, "sync_delay": sync_delay, "outer_momentum": 0.2}
-    table["outer_lr"] = "sqrt_replicas" if method in KILLED else 0.8
+    table["outer_lr"] = "sqrt_twice_replicas" if method in KILLED else 0.8
     if method != "terngrad":
         table["merge_alpha"] = 0.5
     return {"method": method, "params": {**METHODS, **KILLED}[method], "local_sgd": table}

@@ -125,33 +125,42 @@ def test_torch_sgd_as_outer_optimizer_matches_the_old_built_in_step_bit_for_bit(
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_sqrt_replicas_outer_lr_is_the_square_root_of_the_ranks_averaging(world):
+@pytest.mark.parametrize("rule, times", [("sqrt_replicas", 1), ("sqrt_twice_replicas", 2)])
+def test_replica_outer_lrs_follow_the_ranks_averaging(world, rule, times):
     """``outer_lr = "sqrt_replicas"`` steps as the explicit sqrt(M) does, bit for bit, on M
-    ranks; the ranks agree on (and a checkpoint keeps) the setting as written."""
+    ranks, ``"sqrt_twice_replicas"`` as sqrt(2M); the ranks agree on (and a checkpoint
+    keeps) the setting as written."""
     table = {"algorithm": "diloco", "period": 2, "sync_delay": 1, "outer_momentum": 0.0, "nesterov": False}
-    scaled, _ = _ranks({**table, "outer_lr": "sqrt_replicas"}, "terngrad", world=world)
-    explicit, _ = _ranks({**table, "outer_lr": math.sqrt(world)}, "terngrad", world=world)
+    scaled, _ = _ranks({**table, "outer_lr": rule}, "terngrad", world=world)
+    explicit, _ = _ranks({**table, "outer_lr": math.sqrt(times * world)}, "terngrad", world=world)
     for step in range(8):
         _step(scaled, step)
         _step(explicit, step)
     trainer = scaled[0][2]
-    assert trainer.outer_lr == math.sqrt(world) == trainer.outer_optimizer.param_groups[0]["lr"]
-    assert trainer.settings["outer_lr"] == "sqrt_replicas"
+    assert trainer.outer_lr == math.sqrt(times * world) == trainer.outer_optimizer.param_groups[0]["lr"]
+    assert trainer.settings["outer_lr"] == rule
     assert all(torch.equal(_flat(a[0]), _flat(b[0])) for a, b in zip(scaled, explicit))
     assert not torch.equal(_flat(scaled[0][0]), _flat(_model()))  # the models moved
 
 
-def test_sqrt_replicas_is_diloco_only():
-    with pytest.raises(ConfigError, match="applies to algorithm = 'diloco'"):
+def test_a_replica_alone_keeps_its_own_steps():
+    from commpress.config.tables import REPLICA_OUTER_LRS
+
+    assert REPLICA_OUTER_LRS["sqrt_replicas"](1) == REPLICA_OUTER_LRS["sqrt_twice_replicas"](1) == 1.0
+
+
+def test_replica_outer_lrs_are_diloco_only():
+    with pytest.raises(ConfigError, match="apply to algorithm = 'diloco'"):
         Config.load({"local_sgd": {"algorithm": "co2", "outer_lr": "sqrt_replicas"}})
     with pytest.raises(ConfigError, match=r"outer_lr = 'sqrt' is not accepted; .* one of 'sqrt_replicas'"):
         Config.load({"local_sgd": {"algorithm": "diloco", "outer_lr": "sqrt"}})
-    with pytest.raises(ConfigError, match=r"outer_lr = -1\.0 is not accepted; expected a number > 0 or 'sqrt_replicas'"):
+    expected = r"outer_lr = -1\.0 is not accepted; expected a number > 0 or one of 'sqrt_replicas', 'sqrt_twice_replicas'"
+    with pytest.raises(ConfigError, match=expected):
         Config.load({"local_sgd": {"algorithm": "diloco", "outer_lr": -1.0}})
     from commpress.local_sgd import CO2
 
     model = _model()
-    with pytest.raises(ConfigError, match="applies to algorithm = 'diloco'"):
+    with pytest.raises(ConfigError, match="apply to algorithm = 'diloco'"):
         CO2(model, torch.optim.AdamW(model.parameters()), 2, outer_lr="sqrt_replicas")
 
 

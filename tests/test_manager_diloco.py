@@ -78,8 +78,8 @@ def test_a_replica_killed_in_a_sync_is_survived_and_its_restart_heals_bit_for_bi
     assert s["alone"] >= 1 and not s["healed"], s
     assert j["healed"] and j["step"] == s["step"], (s, j)
     assert j["clock"] == s["clock"], (s, j)  # the restarted replica took its peer's step count when it healed
-    for seen in (s, j):  # outer_lr = "sqrt_replicas": sqrt of each sync's participants, 1.0 alone
-        assert seen["lrs"] == [math.sqrt(m) for m in seen["participants"]], seen
+    for seen in (s, j):  # outer_lr = "sqrt_twice_replicas": sqrt(2M) of each sync's M participants, 1.0 alone
+        assert seen["lrs"] == [math.sqrt(2 * m) if m > 1 else 1.0 for m in seen["participants"]], seen
     assert {1, 2} <= set(s["participants"]), s
     if method != "powersgd":  # (PowerSGD runs torch's ops, no numba kernels)
         assert j["kernels"] == [False, True], j  # the restarted process loads its kernels before its first sync

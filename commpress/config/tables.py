@@ -20,7 +20,7 @@ __all__ = [
     "BITS",
     "FULL_PRECISION",
     "OUTER_DEFAULTS",
-    "SQRT_REPLICAS",
+    "REPLICA_OUTER_LRS",
     "STREAMING_DEFAULTS",
     "TABLES",
     "TABLE_TYPES",
@@ -52,7 +52,7 @@ class LocalSGDConfig:
     qsr_power: Annotated[float, Bounds(gt=0)] = 2.0
     warmup_steps: Annotated[int, Bounds(ge=0)] = 0
     average_buffers: bool = False
-    outer_lr: float | Literal["sqrt_replicas"] | None = None
+    outer_lr: float | Literal["sqrt_replicas", "sqrt_twice_replicas"] | None = None
     outer_momentum: float | None = None
     nesterov: bool | None = None
     staleness_penalty: float | Literal["adaptive"] | None = None
@@ -102,11 +102,16 @@ OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "co2": {"outer_lr": 1.0, "outer_momentum": 0.0, "staleness_penalty": 1.0},
     "diloco": {"outer_lr": 0.8, "outer_momentum": 0.2, "nesterov": True},
 }
-#: DiLoCo's ``outer_lr`` that follows the number M of replicas averaging: sqrt(M) (1.41 for 2,
-#: 2.0 for 4), measured best on the race's transformer on 2 and 4 ranks; the larger
-#: race model wants 1.0 (docs/local_sgd.md "The outer lr scales with the replicas as
-#: √M" and "What sets the best outer lr").
-SQRT_REPLICAS = "sqrt_replicas"
+#: DiLoCo's ``outer_lr`` values that follow the number M of replicas averaging (under a
+#: torchft Manager, each sync's participants), by name: ``sqrt_replicas``, sqrt(M), best on
+#: the race's transformer at a constant learning rate; ``sqrt_twice_replicas``, sqrt(2M)
+#: (2.0 for 2, 2.83 for 4) and 1.0 for a replica alone (nothing averaged: its own steps
+#: kept as they are), best there under warm-up + cosine decay. The larger race model
+#: wants 1.0 (docs/local_sgd.md "What sets the best outer lr").
+REPLICA_OUTER_LRS: dict[str, Callable[[int], float]] = {
+    "sqrt_replicas": math.sqrt,
+    "sqrt_twice_replicas": lambda m: math.sqrt(2 * m) if m > 1 else 1.0,
+}
 #: DiLoCo's streaming keys, defaults: the whole model at once, landing at once (``merge``:
 #: :func:`resolve_merge`).
 STREAMING_DEFAULTS: dict[str, Any] = {"fragments": 1, "sync_delay": 0, "merge": None, "merge_alpha": 0.0}
@@ -192,11 +197,12 @@ def check_streaming(period: int | None, fragments: int, sync_delay: int) -> None
 
 
 def _check_outer(outer_lr: float | str, outer_momentum: float, scaled: bool = False) -> None:
-    """``scaled``: ``outer_lr`` may also be :data:`SQRT_REPLICAS` (DiLoCo's)."""
-    if not (_real(outer_lr) and outer_lr > 0) and not (scaled and outer_lr == SQRT_REPLICAS):
-        accepted = f"a number > 0 or {SQRT_REPLICAS!r}" if scaled else "a number > 0"
-        if outer_lr == SQRT_REPLICAS:
-            accepted += f" ({SQRT_REPLICAS!r} applies to algorithm = 'diloco')"
+    """``scaled``: ``outer_lr`` may also name one of :data:`REPLICA_OUTER_LRS` (DiLoCo's)."""
+    if not (_real(outer_lr) and outer_lr > 0) and not (scaled and outer_lr in REPLICA_OUTER_LRS):
+        names = ", ".join(map(repr, REPLICA_OUTER_LRS))
+        accepted = f"a number > 0 or one of {names}" if scaled else "a number > 0"
+        if outer_lr in REPLICA_OUTER_LRS:
+            accepted += f" ({names} apply to algorithm = 'diloco')"
         raise ConfigError(f"outer_lr = {outer_lr!r} is not accepted; expected {accepted}")
     if not (_real(outer_momentum) and 0 <= outer_momentum < 1):
         raise ConfigError(f"outer_momentum = {outer_momentum!r} is not accepted; expected a number in [0, 1)")

@@ -17,14 +17,13 @@ alpha * local + (1 - alpha) * anchor`` (alpha 0: the anchor).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from commpress.comm.averager import ParameterAverager
-from commpress.config.tables import SQRT_REPLICAS, check_diloco_settings, check_streaming, resolve_merge
+from commpress.config.tables import REPLICA_OUTER_LRS, check_diloco_settings, check_streaming, resolve_merge
 from commpress.errors import ConfigError
 from commpress.local_sgd.average import InFlight
 from commpress.local_sgd.fragments import Fragment
@@ -40,7 +39,8 @@ class DiLoCo(LocalSGD):
     anchor: ``outer_optimizer`` builds it from the anchor's tensors (one flat tensor per
     fragment; e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
     nesterov=True)``, any ``torch.optim.Optimizer``), or, left None, SGD with ``outer_lr``
-    (``"sqrt_replicas"``: the square root of the ranks averaging), ``outer_momentum`` and
+    (or a rule of the ranks averaging: ``"sqrt_replicas"``, ``"sqrt_twice_replicas"``,
+    :data:`~commpress.config.tables.REPLICA_OUTER_LRS`), ``outer_momentum`` and
     ``nesterov``.
     ``fragments`` (F), ``sync_delay`` (tau) and ``merge`` make it Streaming DiLoCo, which
     needs a constant H divisible by F and tau < H / F: a landed average becomes the new
@@ -85,9 +85,9 @@ class DiLoCo(LocalSGD):
         values = {k: self.default(k) if v is None else v for k, v in {**outer, **streaming}.items()}
         check_diloco_settings(*values.values())
         given = values["outer_lr"]
-        #: as given: a number, or SQRT_REPLICAS (``outer_lr`` set once the averager knows its world)
-        self.outer_lr_setting: float | str = given if given == SQRT_REPLICAS else float(given)
-        self.outer_lr = 1.0 if given == SQRT_REPLICAS else float(given)
+        #: as given: a number, or a name of REPLICA_OUTER_LRS (``outer_lr`` set once the averager knows its world)
+        self.outer_lr_setting: float | str = given if given in REPLICA_OUTER_LRS else float(given)
+        self.outer_lr = 1.0 if given in REPLICA_OUTER_LRS else float(given)
         self.outer_momentum = float(values["outer_momentum"])
         self.nesterov = bool(values["nesterov"])
         self.fragment_count, self.sync_delay = values["fragments"], values["sync_delay"]
@@ -116,14 +116,14 @@ class DiLoCo(LocalSGD):
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
 
     def _follow_participants(self) -> None:
-        """``outer_lr = SQRT_REPLICAS``: the outer lr becomes sqrt(M), M the ranks (replica
-        groups) that average: known once the averager has connected, and under a torchft
+        """``outer_lr`` naming a rule of :data:`REPLICA_OUTER_LRS`: the outer lr becomes the
+        rule's value for M, the ranks (replica groups) that average: known once the averager has connected, and under a torchft
         Manager this sync's participants (a healing replica's input counts as zero and it is
         not among them; every replica of the quorum sees the same M, so their outer steps
         stay bit for bit equal)."""
-        if self.outer_lr_setting != SQRT_REPLICAS:
+        if self.outer_lr_setting not in REPLICA_OUTER_LRS:
             return
-        self.outer_lr = math.sqrt(self.averager.world_size)
+        self.outer_lr = REPLICA_OUTER_LRS[self.outer_lr_setting](self.averager.world_size)
         for group in self.outer_optimizer.param_groups:
             group["lr"] = self.outer_lr
 

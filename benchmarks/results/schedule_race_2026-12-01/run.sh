@@ -6,6 +6,8 @@
 #   ROWS=slow SEED=1 VARIANT=slow-link-lr2 run.sh   (seed 1: the other variant)
 #   ROWS=all  SEED=0 run.sh   ddp, PyTorch's PowerSGD hook, the other ready DDP configs and slow-link-lr2
 #   ROWS=lr2  SEED=0 RANKS=2 run.sh   ddp, slow-link and slow-link-lr2 alone (the outer lr's second seed, more ranks)
+#   ROWS=lr4  SEED=0 RANKS=4 run.sh   ddp, slow-link (sqrt(4) = 2.0) and slow-link-lr2.8 (outer lr 2.83) on 4 ranks
+#   ROWS=lr3  SEED=0 RANKS=3 run.sh   slow-link-lr2.45 alone on 3 ranks to that run's ddp loss (sqrt(2M) = sqrt(6); lr2_seed0_ranks3 has ddp, 1.73, 2.0)
 #   ROWS=each SEED=0 TARGET=1.4757 run.sh   each of ROWS=all's rows in its own run, to DDP's step-400 loss of an
 #     earlier run of that seed (each row's result is kept as it ends; loss at 400 is compared with that DDP run's)
 set -euo pipefail
@@ -21,7 +23,14 @@ if [ "${ROWS:-slow}" = each ]; then
   done
   exit 0
 fi
-if [ "${ROWS:-slow}" = lr2 ]; then
+if [ "${ROWS:-slow}" = lr3 ]; then  # to lr2_seed0_ranks3.json's ddp loss at 400 (the schedule still ends at 400)
+  $PY -m commpress race --local 3 --config $R/slow-link-lr2.45.toml --target 1.3907 --max-steps 600 --eval-every 10 \
+    --seed "${SEED:-0}" --quiet --json $R/lr3_seed${SEED:-0}_ranks3.json 2>&1 | tee $R/lr3_seed${SEED:-0}_ranks3.log
+  exit 0
+fi
+if [ "${ROWS:-slow}" = lr4 ]; then
+  ARGS=(--methods ddp --config $C/slow-link.toml --config $R/slow-link-lr2.8.toml)
+elif [ "${ROWS:-slow}" = lr2 ]; then
   ARGS=(--methods ddp --config $C/slow-link.toml --config $R/slow-link-lr2.toml)
 elif [ "${ROWS:-slow}" = slow ]; then
   ARGS=(--methods ddp --config $C/slow-link-h1.toml --config $C/slow-link.toml --config $R/${VARIANT:-slow-link-lr1}.toml)
