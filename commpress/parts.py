@@ -26,6 +26,7 @@ from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks.ddp import attach_ddp_hook
 from commpress.local_sgd.config import build_trainer
 from commpress.optim import AtTheStep, InTheBackward, OneBitAdam, check_adam
+from commpress.optim.hybrid import check_step_hooks
 from commpress.optim.momentum import MomentumAverage
 
 __all__ = ["PART_TYPES", "AppliedPart", "Request"]
@@ -148,13 +149,7 @@ class LocalSGDPart(AppliedPart):
     @classmethod
     def build(cls, model: torch.nn.Module, cfg: Config, request: Request) -> LocalSGDPart:
         optimizer = request.optimizer_for("local_sgd", "runs at the optimizer's step: pass register(..., optimizer=optimizer)")
-        # torch.optim.Optimizer.__init__ makes the hook tables; a wrapper that skips it lacks them
-        if not hasattr(optimizer, "_optimizer_step_post_hooks"):
-            raise TypeError(
-                f"the config's [local_sgd] table runs at the optimizer's step hooks, which this "
-                f"{type(optimizer).__name__} does not hold (a wrapper: Accelerate's AcceleratedOptimizer, for one): "
-                "pass the torch.optim optimizer it wraps (optimizer.optimizer)"
-            )
+        check_step_hooks(optimizer, "local_sgd")
         trainer = build_trainer(
             model,
             optimizer,
@@ -202,6 +197,4 @@ class OneBitAdamPart(AppliedPart):
 
 
 #: Every part by its name in :data:`commpress.config.matrix.PARTS`.
-PART_TYPES: dict[str, type[AppliedPart]] = {
-    p.name: p for p in (DDPHook, GroupsHook, FSDPPart, LocalSGDPart, OneBitAdamPart)
-}
+PART_TYPES: dict[str, type[AppliedPart]] = {p.name: p for p in (DDPHook, GroupsHook, FSDPPart, LocalSGDPart, OneBitAdamPart)}

@@ -58,6 +58,7 @@ from commpress.hooks import CommState
 from commpress.layerwise.plan import LayerPlan
 from commpress.local_sgd import LocalSGD
 from commpress.optim import OneBitAdam
+from commpress.optim.hybrid import as_optimizer
 from commpress.parts import PART_TYPES, AppliedPart, Request
 from commpress.replica_state import ReplicaState
 
@@ -167,14 +168,14 @@ class Registration:
         collective, see :meth:`commpress.CommState.state_dict`)."""
         return {part.name: part.state_dict(full=full) for part in self.parts}
 
-    def stateful(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ReplicaState:
+    def stateful(self, model: torch.nn.Module, optimizer: Any = None) -> ReplicaState:
         """This registration's state with ``model``'s and ``optimizer``'s, as
         torch.distributed.checkpoint must save them (a ``Stateful``,
         :class:`~commpress.replica_state.ReplicaState`): every rank's :meth:`state_dict`
         under its rank, the model and optimizer under their replica's key (``[local_sgd]``'s
         replicas differ between syncs): ``dcp.save({"train": reg.stateful(model, opt)})``,
         then ``dcp.load`` the same to resume."""
-        return ReplicaState(self, model, optimizer)
+        return ReplicaState(self, model, as_optimizer(optimizer))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank's parts or the whole job's), part by part."""
@@ -198,7 +199,7 @@ def register(
     model: torch.nn.Module,
     config: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     process_group: Any = None,
     total_steps: int | None = None,
     manager: Any = None,
@@ -208,7 +209,9 @@ def register(
     table), on every rank, after wrapping or sharding the model and before the first
     backward.
 
-    ``optimizer``: the model's optimizer. With ``[local_sgd]`` it is required: its
+    ``optimizer``: the model's optimizer, or a list of several over disjoint parameters
+    (Muon and AdamW: a :class:`~commpress.optim.HybridOptimizer`, whose iteration ends when
+    each has stepped). With ``[local_sgd]`` it is required: its
     ``step()`` then runs the rounds (the training loop stays ``loss.backward();
     optimizer.step()``; call :meth:`Registration.finish` at the end). For the DDP hook,
     methods that apply momentum themselves (Top-k with ``dgc = true``) take it over from
@@ -232,7 +235,7 @@ def register(
             else "the replica groups of mesh['replicate'] communicate through torch.distributed"
         )
         raise ConfigError(f"commpress.register(): {given} is not accepted with mesh=; expected neither: {instead}")
-    request = Request(optimizer, process_group, total_steps, manager, mesh)
+    request = Request(as_optimizer(optimizer), process_group, total_steps, manager, mesh)
     managed = manager is not None
     part = part_for(cfg, model_kind(model, cfg.backend, mesh, managed), managed=managed)
     if part is None:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from commpress.comm.checkpoint import DCPState
+from commpress.optim import HybridOptimizer
 
 __all__ = ["ReplicaState"]
 
@@ -35,11 +36,15 @@ class ReplicaState:
     ..., "optim": ...}}``, ``i`` this rank's replica (its rank in ``[local_sgd]``'s
     averaging group; one key, ``"replica"``, where every rank holds the same model)."""
 
-    def __init__(self, registration: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self, registration: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | HybridOptimizer | None = None
+    ) -> None:
         self.registration = registration
         self.commpress = DCPState(registration)
         self.model = model
-        self.optimizers = [] if optimizer is None else [optimizer]
+        self.optimizers = (
+            [] if optimizer is None else optimizer.optimizers if isinstance(optimizer, HybridOptimizer) else [optimizer]
+        )
 
     def _replica_key(self) -> str:
         trainer = self.registration.local_sgd

@@ -1,8 +1,9 @@
 """Replica groups (one process each) for tests/test_ft_loop.py: the DiLoCo loop of
 docs/fault_tolerance.md ("DiLoCo and Streaming DiLoCo under the manager"), as written there,
 with the shipped docs/configs/slow-link.toml (period 2, ``sync_delay = 1``, TernGrad
-entropy-coded, outer lr sqrt(M)), under a torchft Manager built as the page builds it; the
-lighthouse runs in the test process.
+entropy-coded, outer lr sqrt(2M)), under a torchft Manager built as the page builds it, with
+the page's AdamW or Muon + AdamW (the test sets ``optimizer`` in the store); the lighthouse
+runs in the test process.
 
 Run as ``python ft_loop_workers.py ROLE OUTDIR LIGHTHOUSE STORE_PORT REPLICA``:
 
@@ -84,6 +85,15 @@ def dies_in_sync(trainer: Any) -> None:
     trainer.averager.start = dying
 
 
+def inner_optimizers(module: nn.Module, name: str) -> list[torch.optim.Optimizer]:
+    """``adamw``: the page's one AdamW; ``muon``: Muon on the hidden matrix, AdamW on the rest."""
+    if name == "adamw":
+        return [torch.optim.AdamW(module.parameters(), lr=1e-2)]
+    hidden = module[0].weight
+    rest = [p for p in module.parameters() if p is not hidden]
+    return [torch.optim.Muon([hidden], lr=1e-2, adjust_lr_fn="match_rms_adamw"), torch.optim.AdamW(rest, lr=1e-2)]
+
+
 def main(role: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
@@ -94,10 +104,11 @@ def main(role: str, out: Path, lighthouse: str, port: int, replica: int) -> None
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     manager = make_manager(replica, lighthouse)  # this replica group's store and Manager
-    inner = torch.optim.AdamW(module.parameters(), lr=1e-2)
     manager.register_state_dict_fn("model", module.load_state_dict, module.state_dict)
-    manager.register_state_dict_fn("optimizer", inner.load_state_dict, inner.state_dict)
-    reg = commpress.register(module, CONFIG, optimizer=inner, manager=manager, total_steps=TOTAL_STEPS)
+    optimizers = inner_optimizers(module, meet.get("optimizer").decode())
+    for i, opt in enumerate(optimizers):
+        manager.register_state_dict_fn(f"optimizer{i}", opt.load_state_dict, opt.state_dict)
+    reg = commpress.register(module, CONFIG, optimizer=optimizers, manager=manager, total_steps=TOTAL_STEPS)
     if role == "restarted":
         meet.set("ready", "1")  # before its first quorum: the survivors may go on
     if role == "start" and replica == 2:
@@ -114,8 +125,9 @@ def main(role: str, out: Path, lighthouse: str, port: int, replica: int) -> None
     while reg.local_sgd.job_step < TOTAL_STEPS:  # the job's step: a restarted replica takes its peers' when it heals
         batch = next(data)  # an endless stream: how many batches a replica draws is not fixed
         loss_fn(module(batch)).backward()
-        inner.step()  # the syncs run from its step hooks
-        inner.zero_grad()
+        for opt in optimizers:
+            opt.step()  # the syncs run from their step hooks, once each has stepped
+            opt.zero_grad()
     reg.finish()  # every replica at the same step: their last syncs pair up
 
     trainer = reg.local_sgd

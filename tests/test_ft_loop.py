@@ -9,7 +9,8 @@ ends at the job's step with the same model, bit for bit: the loop runs to the jo
 (``reg.local_sgd.job_step``, which the restarted replica takes from its peers when it
 heals), not over a fixed number of batches per process. With ``for batch in
 itertools.islice(data, TOTAL_STEPS)`` in its place the restarted replica trains on alone
-after its peers have finished and ends with another model (this test then fails).
+after its peers have finished and ends with another model (this test then fails). With
+Muon + AdamW (two optimizers, one iteration) the same holds.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ WORKERS = "ft_loop_workers.py"
 WAIT = 600  # seconds, for processes expected to end within a minute
 
 
-def test_the_documented_diloco_loop_ends_every_replica_at_the_jobs_step_with_one_model(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_the_documented_diloco_loop_ends_every_replica_at_the_jobs_step_with_one_model(tmp_path, optimizer):
     # join timeout: the lighthouse waits this long for a heartbeating replica that has not
     # joined yet (a restarted one loading its kernels); heartbeat timeout: a killed one is
     # declared lost after 2 s, as on the page
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60000, heartbeat_timeout_ms=2000)
     meet = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    meet.set("optimizer", optimizer)  # the page's AdamW, or Muon + AdamW (register(optimizer=[muon, adamw]))
     try:
         addr = lighthouse.address()
         procs = [_start("start", tmp_path, addr, meet.port, r, WORKERS) for r in (0, 1, 2)]

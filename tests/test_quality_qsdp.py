@@ -15,6 +15,7 @@ import torch
 
 from commpress.bench import quality, simulated_training
 from commpress.bench.launch import run_local
+from commpress.bench.optimizers import make_optimizer
 from commpress.comm import SimulatedWorld
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.config import load_fsdp_config
@@ -90,7 +91,7 @@ def _fsdp_run(case: Case, rank: int, world: int) -> tuple[torch.Tensor, int, tor
     model = _sharded(case, world)
     state = commpress.fsdp.apply(model, case.config)
     lr = spec.lr[case.optimizer]
-    opt = quality.make_optimizer(case.optimizer, model.parameters(), lr)
+    opt = make_optimizer(case.optimizer, model, lr)
     schedule = cosine_lr(lr, STEPS)
     for step in range(STEPS):
         for group in opt.param_groups:
@@ -120,7 +121,7 @@ def _simulated(case: Case) -> tuple[list[torch.Tensor], int, list[torch.Tensor]]
     spec, task = quality.TASKS[case.task], case.make()
     models = [task.model() for _ in range(simulated_training.WORLD)]
     lr = spec.lr[case.optimizer]
-    opts = [quality.make_optimizer(case.optimizer, m.parameters(), lr) for m in models]
+    opts = [make_optimizer(case.optimizer, m, lr) for m in models]
     sim = SimulatedWorld(simulated_training.WORLD)
     step_fn = simulated_training.QSDPRanks(load_fsdp_config(case.config), models, opts, sim, spec.units)
     simulated_training.run_ranks(task, spec.loss, models, opts, step_fn, lr, STEPS, broadcast_buffers=False)

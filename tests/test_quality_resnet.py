@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from commpress.bench import quality, simulated_training
+from commpress.bench.optimizers import make_optimizer
 from commpress.bench.quality import METHODS, train
 from commpress.cli import main
 from commpress.comm import SimulatedWorld
@@ -102,7 +103,7 @@ def test_the_task_learns_and_its_held_out_loss_is_rank_0s_model_in_eval_mode():
     run = train("resnet", "sgd", "none", 0, steps)
     task = SPEC.make(0)
     models = [task.model() for _ in range(WORLD)]
-    opts = [quality.make_optimizer("sgd", m.parameters(), lr) for m in models]
+    opts = [make_optimizer("sgd", m, lr) for m in models]
     cfg = Config.load(quality.method_config("none", lr, steps))
     step_fn = simulated_training.data_parallel(cfg, models, opts, SimulatedWorld(WORLD))
     simulated_training.run_ranks(task, SPEC.loss, models, opts, step_fn, lr, steps)
@@ -121,7 +122,7 @@ def test_local_sgd_averages_the_batchnorm_statistics_with_average_buffers(averag
     steps, lr = 4, SPEC.lr["sgd"]
     task = SPEC.make(0)
     models = [task.model() for _ in range(WORLD)]
-    opts = [quality.make_optimizer("sgd", m.parameters(), lr) for m in models]
+    opts = [make_optimizer("sgd", m, lr) for m in models]
     cfg = Config.load({"method": "none", "local_sgd": {"period": 2, "average_buffers": average}})
     sim = SimulatedWorld(WORLD)
     step_fn = simulated_training.OuterRanks(cfg, models, opts, sim, steps)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from commpress.bench import quality, simulated_training
+from commpress.bench.optimizers import make_optimizer
 from commpress.bench.quality import METHODS, QualityRun, run_suite, train
 from commpress.bench.quality_report import render, summarize
 from commpress.cli import main
@@ -106,7 +107,7 @@ def test_co2_row_runs_the_real_co2_on_every_rank():
     task = spec.make(0)
     cfg = Config.load(quality.method_config("co2", spec.lr["sgd"], steps))
     models = [task.model() for _ in range(simulated_training.WORLD)]
-    opts = [quality.make_optimizer("sgd", m.parameters(), spec.lr["sgd"]) for m in models]
+    opts = [make_optimizer("sgd", m, spec.lr["sgd"]) for m in models]
     start = [p.detach().clone() for p in models[0].parameters()]
     sim = SimulatedWorld(simulated_training.WORLD)
     step_fn = simulated_training.OuterRanks(cfg, models, opts, sim, steps)
@@ -131,7 +132,7 @@ def test_co2_adaptive_penalty_in_one_process_is_refused():
     spec = quality.TASKS["shapes"]
     cfg = Config.load({"method": "none", "local_sgd": {"algorithm": "co2", "period": 5, "staleness_penalty": "adaptive"}})
     models = [spec.make(0).model() for _ in range(simulated_training.WORLD)]
-    opts = [quality.make_optimizer("sgd", m.parameters(), 0.1) for m in models]
+    opts = [make_optimizer("sgd", m, 0.1) for m in models]
     with pytest.raises(ConfigError, match="staleness_penalty = 'adaptive' is not accepted with ranks simulated in one process"):
         simulated_training.OuterRanks(cfg, models, opts, SimulatedWorld(simulated_training.WORLD), 10)
 
@@ -166,3 +167,29 @@ def test_the_catalog_names_every_task_in_order():
     from commpress.bench import catalog
 
     assert tuple(quality.TASKS) == catalog.TASKS
+
+
+def test_muon_steps_the_hidden_matrices_and_adamw_the_rest():
+    from commpress.bench.optimizers import muon_split
+    from commpress.workloads.synthetic import CharTransformerTask
+
+    model = CharTransformerTask(seed=0).model()
+    matrices, rest = muon_split(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(p)] for p in matrices} == {n for n, p in model.named_parameters() if p.ndim == 2} - {
+        "embed.weight",
+        "position.weight",
+        "head.weight",
+    }
+    assert len(matrices) + len(rest) == len(list(model.parameters()))
+    opt = make_optimizer("muon", model, 2e-3, rest_lr=1e-3)
+    simulated_training.set_lr(opt, 1e-4)
+    assert [g["lr"] for g in opt.param_groups] == [1e-4, 1e-4 * 0.5]
+
+
+def test_muon_rows_run_and_one_adamw_rows_say_why_not():
+    none, diloco = train("charlm", "muon", "none", 0, 3), train("charlm", "muon", "diloco", 0, 3)
+    assert math.isfinite(none.eval_loss) and math.isfinite(diloco.eval_loss) and diloco.bytes_per_step > 0
+    assert none.eval_loss != train("charlm", "adamw", "none", 0, 3).eval_loss
+    onebit = train("charlm", "muon", "onebit-adam", 0, 3)
+    assert math.isnan(onebit.eval_loss) and "HybridOptimizer of Float32Muon over" in onebit.error

@@ -17,9 +17,10 @@ WORKLOADS = (*SHAPE_SETS, "charlm")
 #: ``commpress quality --tasks``: the demo's character MLP, a conv net on generated images,
 #: a tiny transformer, a small ResNet (BatchNorm, residual blocks) on larger generated images.
 TASKS = ("charlm", "shapes", "transformer", "resnet")
-#: Optimizers by name: SGD with momentum 0.9 and AdamW (weight decay 0.01), each under a
+#: Optimizers by name: SGD with momentum 0.9, AdamW (weight decay 0.01), and Muon on the
+#: hidden matrices with AdamW on the rest (:mod:`commpress.bench.optimizers`), each under a
 #: cosine schedule from the task's base learning rate.
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "muon")
 #: Quality rows by label, in table order.
 METHODS = (
     "none",

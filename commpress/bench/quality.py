@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from commpress.bench.catalog import LAYERWISE_OF, METHODS, OPTIMIZERS
+from commpress.bench.optimizers import make_optimizer
 from commpress.bench.simulated_adam import OneBitAdamRanks
 from commpress.bench.simulated_training import WORLD, OuterRanks, QSDPRanks, data_parallel, run_ranks
 from commpress.cmdline import parse_method_spec
@@ -37,7 +38,15 @@ from commpress.workloads.charlm import CharTask
 from commpress.workloads.resnet import ResNetTask
 from commpress.workloads.synthetic import CharTransformerTask, ShapesTask
 
-__all__ = ["METHODS", "OPTIMIZERS", "TASKS", "QualityRun", "make_optimizer", "method_config", "run_suite", "train"]
+__all__ = [
+    "METHODS",
+    "OPTIMIZERS",
+    "TASKS",
+    "QualityRun",
+    "method_config",
+    "run_suite",
+    "train",
+]
 
 
 @dataclass(frozen=True)
@@ -160,13 +169,6 @@ class QualityRun:
     error: str | None = None
 
 
-def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
-    """SGD with momentum 0.9 or AdamW with weight decay 0.01, at ``lr``."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-
-
 def train(
     task_name: str, optimizer: str, method: str, seed: int, steps: int, config: Mapping[str, Any] | None = None
 ) -> QualityRun:
@@ -177,10 +179,10 @@ def train(
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer = {optimizer!r} is not accepted; accepted: {', '.join(OPTIMIZERS)}")
     spec = TASKS[task_name]
-    task, base_lr = spec.make(seed), spec.lr[optimizer]
+    task, base_lr = spec.make(seed), spec.lr["adamw" if optimizer == "muon" else optimizer]
     cfg = Config.load(config if config is not None else method_config(method, base_lr, steps))
     models = [task.model() for _ in range(WORLD)]
-    opts = [make_optimizer(optimizer, m.parameters(), base_lr) for m in models]
+    opts = [make_optimizer(optimizer, m, base_lr) for m in models]
     sim = SimulatedWorld(WORLD)
     local = cfg.section("local_sgd")
     try:

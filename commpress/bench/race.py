@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.bench.attach import attach, bucket_cap, count_plain
 from commpress.bench.methods import BenchMethod
-from commpress.bench.quality import make_optimizer
+from commpress.bench.optimizers import make_optimizer, set_lr
 from commpress.bench.race_report import crossing, reference_target
 from commpress.bench.sharding import replica_mesh, shard_model
 from commpress.comm import Traffic
@@ -56,6 +56,9 @@ LEARNING_RATES = {
     ("transformer", "sgd"): 0.05,
     ("charlm", "adamw"): 6e-3,
     ("charlm", "sgd"): 0.2,
+    # Muon's (scaled to AdamW's RMS) on the hidden matrices; AdamW's rate on the rest
+    ("transformer", "muon"): 1e-3,
+    ("charlm", "muon"): 6e-3,
 }
 
 
@@ -126,6 +129,12 @@ class RacePlan:
         return self.target_steps // 20 if self.lr_warmup is None else self.lr_warmup
 
     @property
+    def rest_lr(self) -> float | None:
+        """Under ``muon``, the peak learning rate of AdamW on what Muon does not step: the
+        task's AdamW rate (None for the other optimizers)."""
+        return LEARNING_RATES[(self.task.name, "adamw")] if self.optimizer == "muon" else None
+
+    @property
     def lr_at(self) -> Schedule:
         """The learning rate of every step, the same for every row."""
         return Schedule(self.schedule, self.lr, self.target_steps, self.warmup_steps)
@@ -187,6 +196,7 @@ def race_rank(rank: int, world_size: int, plan: RacePlan) -> dict[str, Any]:
         "shards": plan.shards,
         "task": {**asdict(plan.task), "numel": numel, "grad_bytes": grad_bytes},
         "optimizer": plan.optimizer,
+        "rest_lr": plan.rest_lr,
         "lr": plan.lr,
         "schedule": plan.lr_at.describe(),
         "target_steps": plan.target_steps,
@@ -212,7 +222,7 @@ def _compute_only(data: Any, plan: RacePlan, rank: int, world: int) -> dict[str,
     cores as the race's rows do); ``warmup`` untimed steps, then ``compute_steps`` timed.
     The clock is the slowest rank's, as in the race."""
     model = data.model()
-    opt = make_optimizer(plan.optimizer, model.parameters(), plan.lr)
+    opt = make_optimizer(plan.optimizer, model, plan.lr, plan.rest_lr)
     bar = Progress(plan.compute_steps, f"{'[0] computation alone':<40.40}").update if plan.progress and rank == 0 else None
     clock = 0.0
     for step in range(plan.warmup + plan.compute_steps):
@@ -261,7 +271,7 @@ class _Racer:
             self.cap, self.ddp = None, shard_model(self.model, mesh, hsdp=method.kind == "ddp")
         else:
             self.ddp = DistributedDataParallel(self.model, **({"bucket_cap_mb": self.cap} if self.cap is not None else {}))
-        self.opt = make_optimizer(plan.optimizer, self.ddp.parameters(), plan.lr)
+        self.opt = make_optimizer(plan.optimizer, self.ddp, plan.lr, plan.rest_lr)
         self.update = self.opt.step
         self.finish: Callable[[], Any] = lambda: None
         self.note = method.note
@@ -327,8 +337,7 @@ class _Racer:
     def train(self, batch: tuple[torch.Tensor, torch.Tensor], step: int) -> None:
         """Training step ``step`` (0-based) on ``batch``, at the schedule's learning rate."""
         x, y = batch
-        for group in self.opt.param_groups:
-            group["lr"] = self.plan.lr_at(step)
+        set_lr(self.opt, self.plan.lr_at(step))
         with self.counting():
             loss = self.plan.task.loss(self.ddp(x), y)
             self.opt.zero_grad(set_to_none=False)

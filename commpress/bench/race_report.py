@@ -143,6 +143,12 @@ def _schedule(summary: dict[str, Any]) -> str:
     return summary.get("schedule") or f"constant lr {summary['lr']:g}"
 
 
+def _rest(summary: dict[str, Any]) -> str:
+    """Under muon, AdamW's peak learning rate on what Muon does not step."""
+    rest = summary.get("rest_lr")
+    return f" (AdamW at {rest:g} on the embeddings, head, norms and biases)" if rest is not None else ""
+
+
 def _loss(value: float | None) -> str:
     return f"{value:.4f}" if value is not None else "-"
 
@@ -164,7 +170,7 @@ def format_report(summary: dict[str, Any]) -> str:
     ceiling = summary["ceiling"]
     head = (
         f"task {task['name']} ({task['numel']:,} parameters, {task['grad_bytes'] / 2**20:.1f} MiB of gradient), "
-        f"{_ranks(summary)}, link {summary['link']}, {summary['optimizer']} {_schedule(summary)}; "
+        f"{_ranks(summary)}, link {summary['link']}, {summary['optimizer']} {_schedule(summary)}{_rest(summary)}; "
         f"target held-out loss {summary['target']:.4f} ({summary['target_source']}), evaluated every "
         f"{summary['eval_every']} steps{_smoothing(summary.get('smooth', 1))}; time counts training steps only"
     )

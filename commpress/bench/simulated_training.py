@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from commpress.bench.optimizers import set_lr
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
 from commpress.compressors import EXACT, Bucket, Context, build
@@ -56,8 +57,7 @@ def run_ranks(
             copy_buffers_from_rank0(models)
         grads = []
         for r, (model, opt) in enumerate(zip(models, opts)):
-            for group in opt.param_groups:
-                group["lr"] = schedule(step)
+            set_lr(opt, schedule(step))
             x, y = task.batch(step, r, WORLD)
             grads.append(torch.autograd.grad(loss(model(x), y), list(model.parameters())))
         step_fn(step, grads)

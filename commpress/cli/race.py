@@ -40,7 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=integer(1), default=4, help="transformer attention heads (default 4)")
     parser.add_argument("--context", type=integer(1), default=64, help="characters per window (default 64)")
     parser.add_argument("--batch", type=integer(1), default=16, help="windows per rank and step (default 16)")
-    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="AdamW or SGD with momentum")
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "sgd", "muon"),
+        help="AdamW, SGD with momentum, or muon: torch.optim.Muon on the hidden matrices and AdamW on the rest",
+    )
     parser.add_argument("--lr", type=number(0), help="peak learning rate (default: by task and optimizer)")
     parser.add_argument(
         "--schedule",

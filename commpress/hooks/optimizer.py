@@ -18,6 +18,7 @@ import torch
 
 from commpress.compressors import Compressor
 from commpress.errors import ConfigError
+from commpress.optim.hybrid import HybridOptimizer, describe
 
 __all__ = ["HANDED_OVER", "hand_over_momentum"]
 
@@ -56,7 +57,10 @@ def hand_over_momentum(
             owners[id(p)] = (name, c)
     if not owners:
         return lambda: None
-    _check_optimizer(optimizer, start_iter, _where(next(iter(owners.values()))[1]))
+    where = _where(next(iter(owners.values()))[1])
+    if isinstance(optimizer, HybridOptimizer):
+        optimizer = _holder(optimizer, owners, where)
+    _check_optimizer(optimizer, start_iter, where)
     taken, handed = _momenta(optimizer, owners)
     for c, m in taken.values():
         if m and c.momentum is not None and c.momentum != m:
@@ -82,6 +86,18 @@ def hand_over_momentum(
             optimizer.param_groups[i]["momentum"] = optimizer.param_groups[i].pop(HANDED_OVER, m)
 
     return give_back
+
+
+def _holder(hybrid: HybridOptimizer, owners: dict[int, tuple[str, Compressor]], where: str) -> torch.optim.Optimizer:
+    """The one optimizer of ``hybrid`` that steps the parameters whose momentum DGC takes over."""
+    holders = [o for o in hybrid.optimizers if any(id(p) in owners for g in o.param_groups for p in g["params"])]
+    if len(holders) != 1:
+        named = "; ".join(describe(o) for o in holders) or "none of its optimizers"
+        raise ConfigError(
+            f"{where} takes over the momentum of the one torch.optim.SGD that steps its parameters; in the "
+            f"HybridOptimizer they are stepped by {named}: give them one SGD, or a method without DGC"
+        )
+    return holders[0]
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer | None, start_iter: int, where: str) -> None:

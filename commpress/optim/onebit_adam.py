@@ -45,6 +45,7 @@ from commpress.comm import Traffic
 from commpress.comm.pickling import BoundToProcess
 from commpress.errors import ConfigError
 from commpress.hooks.removable import CommHookSwitch, register_removable_hook
+from commpress.optim.hybrid import HybridOptimizer, describe
 from commpress.optim.momentum import MomentumAverage
 
 __all__ = ["OneBitAdam", "adam_parameters", "check_adam", "frozen_update"]
@@ -57,6 +58,12 @@ def check_adam(optimizer: Any) -> None:
     it takes ``torch.optim.AdamW``, or ``torch.optim.Adam`` with ``weight_decay = 0`` or
     ``decoupled_weight_decay = True``, without amsgrad, maximize, capturable or
     differentiable, on real floating-point parameters."""
+    if isinstance(optimizer, HybridOptimizer):
+        raise ConfigError(
+            f"{_WHERE} takes over the step of one torch.optim.AdamW over every parameter; got a HybridOptimizer of "
+            + "; ".join(describe(o) for o in optimizer.optimizers)
+            + ": pass one AdamW, or with Muon use a method that leaves the step to the optimizers"
+        )
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         raise ConfigError(
             f"{_WHERE} takes over the step of torch.optim.AdamW (or Adam); got {type(optimizer).__name__}: "
