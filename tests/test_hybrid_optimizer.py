@@ -155,6 +155,9 @@ def _ranks(rank: int, world: int) -> dict:
     _train(ddp, opts, STEPS, rank)
     dist.all_gather(every, _flat(ddp))
     out["hook_same"] = all(torch.equal(t, every[0]) for t in every)
+    # a DCP checkpoint of the model and both optimizers: every parameter's optimizer state
+    saved = reg.stateful(ddp, opts).state_dict()
+    out["stateful"] = (sorted(saved["replica"]["optim"]["state"]), sorted(n for n, _ in ddp.module.named_parameters()))
 
     # DGC takes over SGD's momentum: refused where Muon steps the parameters
     ddp = DistributedDataParallel(_model())
@@ -175,4 +178,5 @@ def test_register_takes_the_hybrid_on_two_ranks():
         assert r["syncs"] == STEPS // 2
         assert r["diloco_same"] and r["hook_same"]
         assert r["split_equals_one"]
+        assert r["stateful"][0] == r["stateful"][1]  # Muon's matrix and AdamW's rest, one checkpoint
         assert r["dgc"] is not None and "Muon over 1 parameters (256 numbers); SGD over 5" in r["dgc"]
