@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Muon in the race (2 ranks on loopback: steps and losses do not depend on the link), the
 # race's transformer under its default warm-up + cosine schedule, seed 0:
-#   STEP=screen run.sh   DDP + Muon at Muon lr 1e-3 and 2e-3 (AdamW at its 1e-3 on the rest)
-#   STEP=rows LR=<best> run.sh   DDP + Muon, slow-link-h1 and slow-link under Muon
+#   STEP=screen LR=2e-3 run.sh   DDP + Muon at Muon lr LR alone (AdamW at its 1e-3 on the rest):
+#     screen_lr2e-3_seed0, screen_lr4e-3_seed0 (rows_seed0's ddp is the 1e-3 point)
+#   STEP=rows LR=1e-3 run.sh   DDP + Muon and slow-link under Muon: rows_seed0
+#   STEP=slow LR=2e-3 TARGET=1.2153 run.sh   slow-link under Muon alone, to DDP + Muon's step-400
+#     loss at that lr (screen_lr2e-3_seed0): slow_lr2e-3_seed0
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=.venv/bin/python
 R=benchmarks/results/muon_2026-12-02
 C=docs/configs
-if [ "${STEP:-screen}" = screen ]; then
-  for lr in 1e-3 2e-3; do
-    $PY -m commpress race --local 2 --optimizer muon --lr $lr --methods ddp --target-steps 400 --max-steps 400 \
-      --eval-every 10 --seed "${SEED:-0}" --quiet --json $R/screen_lr${lr}_seed${SEED:-0}.json 2>&1 | tee $R/screen_lr${lr}_seed${SEED:-0}.log
-  done
-  exit 0
-fi
-$PY -m commpress race --local 2 --optimizer muon --lr "$LR" --methods ddp --config $C/slow-link-h1.toml --config $C/slow-link.toml \
-  --target-steps 400 --max-steps 600 --eval-every 10 --seed "${SEED:-0}" --quiet --json $R/rows_seed${SEED:-0}.json 2>&1 | tee $R/rows_seed${SEED:-0}.log
+S=${SEED:-0}
+case "${STEP:-screen}" in
+  screen) ARGS=(--methods ddp --target-steps 400 --max-steps 400); NAME=screen_lr${LR}_seed$S ;;
+  rows) ARGS=(--methods ddp --config $C/slow-link.toml --target-steps 400 --max-steps 600); NAME=rows_seed$S ;;
+  slow) ARGS=(--config $C/slow-link.toml --target "$TARGET" --max-steps 600); NAME=slow_lr${LR}_seed$S ;;
+esac
+$PY -m commpress race --local 2 --optimizer muon --lr "$LR" "${ARGS[@]}" --eval-every 10 --seed "$S" --quiet \
+  --json $R/$NAME.json > $R/$NAME.log 2>&1
