@@ -149,7 +149,7 @@ class LocalSGDPart(AppliedPart):
     @classmethod
     def build(cls, model: torch.nn.Module, cfg: Config, request: Request) -> LocalSGDPart:
         optimizer = request.optimizer_for("local_sgd", "runs at the optimizer's step: pass register(..., optimizer=optimizer)")
-        check_step_hooks(optimizer, "local_sgd")
+        check_step_hooks(optimizer, "the config's [local_sgd] table")
         trainer = build_trainer(
             model,
             optimizer,

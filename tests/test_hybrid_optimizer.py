@@ -180,3 +180,14 @@ def test_register_takes_the_hybrid_on_two_ranks():
         assert r["split_equals_one"]
         assert r["stateful"][0] == r["stateful"][1]  # Muon's matrix and AdamW's rest, one checkpoint
         assert r["dgc"] is not None and "Muon over 1 parameters (256 numbers); SGD over 5" in r["dgc"]
+
+
+def test_a_wrapper_without_step_hooks_is_named():
+    class Wrapper(torch.optim.SGD):
+        def __init__(self, params):  # skips torch.optim.Optimizer.__init__, as Accelerate's wrapper does
+            self.param_groups = [{"params": list(params)}]
+
+    model = _model()
+    hidden, rest = _split(model)
+    with pytest.raises(TypeError, match=r"a HybridOptimizer \(its optimizer\[1\]\) runs at the optimizer's step hooks.*Wrapper"):
+        HybridOptimizer([torch.optim.Muon(hidden), Wrapper(rest)])

@@ -38,15 +38,7 @@ from commpress.workloads.charlm import CharTask
 from commpress.workloads.resnet import ResNetTask
 from commpress.workloads.synthetic import CharTransformerTask, ShapesTask
 
-__all__ = [
-    "METHODS",
-    "OPTIMIZERS",
-    "TASKS",
-    "QualityRun",
-    "method_config",
-    "run_suite",
-    "train",
-]
+__all__ = ["METHODS", "OPTIMIZERS", "TASKS", "QualityRun", "method_config", "run_suite", "train"]
 
 
 @dataclass(frozen=True)

@@ -117,10 +117,10 @@ class DiLoCo(LocalSGD):
 
     def _follow_participants(self) -> None:
         """``outer_lr`` naming a rule of :data:`REPLICA_OUTER_LRS`: the outer lr becomes the
-        rule's value for M, the ranks (replica groups) that average: known once the averager has connected, and under a torchft
-        Manager this sync's participants (a healing replica's input counts as zero and it is
-        not among them; every replica of the quorum sees the same M, so their outer steps
-        stay bit for bit equal)."""
+        rule's value for M, the ranks (replica groups) that average: known once the averager
+        has connected, and under a torchft Manager this sync's participants (a healing
+        replica's input counts as zero and it is not among them; every replica of the quorum
+        sees the same M, so their outer steps stay bit for bit equal)."""
         if self.outer_lr_setting not in REPLICA_OUTER_LRS:
             return
         self.outer_lr = REPLICA_OUTER_LRS[self.outer_lr_setting](self.averager.world_size)

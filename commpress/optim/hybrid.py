@@ -31,17 +31,17 @@ def describe(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__name__} over {len(params)} parameters ({sum(p.numel() for p in params):,} numbers)"
 
 
-def check_step_hooks(optimizer: Any, table: str) -> None:
-    """Refuse an optimizer without torch's step hook tables, which ``[table]`` runs from
-    (a wrapper that skips ``torch.optim.Optimizer.__init__``, Accelerate's
-    AcceleratedOptimizer for one)."""
-    for member in optimizer.optimizers if isinstance(optimizer, HybridOptimizer) else [optimizer]:
-        if not hasattr(member, "_optimizer_step_post_hooks"):
-            raise TypeError(
-                f"the config's [{table}] table runs at the optimizer's step hooks, which this "
-                f"{type(member).__name__} does not hold (a wrapper: Accelerate's AcceleratedOptimizer, for one): "
-                "pass the torch.optim optimizer it wraps (optimizer.optimizer)"
-            )
+def check_step_hooks(optimizer: Any, needs: str) -> None:
+    """Refuse an optimizer without torch's step hook tables, which ``needs`` (the sentence's
+    subject) runs from: a wrapper that skips ``torch.optim.Optimizer.__init__``
+    (Accelerate's AcceleratedOptimizer, for one). A :class:`HybridOptimizer` has its own
+    and checked its optimizers when it was made."""
+    if not isinstance(optimizer, HybridOptimizer) and not hasattr(optimizer, "_optimizer_step_post_hooks"):
+        raise TypeError(
+            f"{needs} runs at the optimizer's step hooks, which this {type(optimizer).__name__} does not hold "
+            "(a wrapper: Accelerate's AcceleratedOptimizer, for one): pass the torch.optim optimizer it wraps "
+            "(optimizer.optimizer)"
+        )
 
 
 def as_optimizer(optimizer: Any) -> Any:
@@ -71,6 +71,7 @@ class HybridOptimizer:
         for i, opt in enumerate(self.optimizers):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizer[{i}] is a {type(opt).__name__}; expected a torch.optim.Optimizer")
+            check_step_hooks(opt, f"a HybridOptimizer (its optimizer[{i}])")
             for group in opt.param_groups:
                 for p in group["params"]:
                     if seen.setdefault(id(p), i) != i:

@@ -116,13 +116,17 @@ class AtTheStep(BoundToProcess):
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The exact average during the warm-up; after it the local gradient, with the flag."""
         buffer = bucket.buffer()
-        frozen = self._steps >= self.adam.warmup_steps
-        reduction = _spread_non_finite(buffer) if frozen else _mean(buffer, self.averager.world_size)
+        reduction = _spread_non_finite(buffer) if self._frozen else _mean(buffer, self.averager.world_size)
         return self.averager.backend.run(reduction, buffer.device).then(lambda fut: (fut.value(), buffer)[1])
 
     def pending(self) -> int | None:
         """The step whose 1-bit update this ``optimizer.step()`` applies; None: AdamW's own step."""
-        return self._steps if self._steps >= self.adam.warmup_steps else None
+        return self._steps if self._frozen else None
+
+    @property
+    def _frozen(self) -> bool:
+        """Whether the warm-up is over: from then on the hook sends only the finiteness flag."""
+        return self._steps >= self.adam.warmup_steps
 
     def start(self) -> torch.futures.Future:
         """Start averaging the local momenta of the gradients as they stand (every rank in
