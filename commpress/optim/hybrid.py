@@ -59,8 +59,9 @@ class HybridOptimizer:
     :meth:`register_step_pre_hook` runs its hook before the iteration's first step and
     :meth:`register_step_post_hook` after its last: once every optimizer has stepped once,
     whichever order the loop calls them in. An optimizer that steps twice before another
-    has stepped raises (the iteration would have no end). ``param_groups`` lists every
-    optimizer's groups, the first optimizer's first.
+    has stepped raises (the iteration would have no end) while a hook is registered; with
+    none (``reg.remove()`` took commpress's off) each optimizer steps freely.
+    ``param_groups`` lists every optimizer's groups, the first optimizer's first.
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -135,6 +136,9 @@ class HybridOptimizer:
         return handle
 
     def _member_begins(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self._pre and not self._post:
+            self._stepped = []  # nobody waits for the iteration's end
+            return
         if i in self._stepped:
             waiting = ", ".join(
                 f"optimizer[{j}] ({describe(o)})" for j, o in enumerate(self.optimizers) if j not in self._stepped
@@ -148,6 +152,8 @@ class HybridOptimizer:
                 hook(self, args, kwargs)
 
     def _member_ends(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self._pre and not self._post:
+            return
         self._stepped.append(i)
         if len(self._stepped) == len(self.optimizers):
             self._stepped = []

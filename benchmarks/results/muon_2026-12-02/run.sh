@@ -6,6 +6,8 @@
 #   STEP=rows LR=1e-3 run.sh   DDP + Muon and slow-link under Muon: rows_seed0
 #   STEP=slow LR=2e-3 TARGET=1.2153 run.sh   slow-link under Muon alone, to DDP + Muon's step-400
 #     loss at that lr (screen_lr2e-3_seed0): slow_lr2e-3_seed0
+#   STEP=configs LR=4e-3 TARGET=1.0717 CONFIGS="slow-link-h1 powersgd" run.sh   the ready
+#     configs named (docs/configs/NAME.toml) to DDP + Muon's step-400 loss: configs_lr4e-3_seed0
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=.venv/bin/python
@@ -16,6 +18,8 @@ case "${STEP:-screen}" in
   screen) ARGS=(--methods ddp --target-steps 400 --max-steps 400); NAME=screen_lr${LR}_seed$S ;;
   rows) ARGS=(--methods ddp --config $C/slow-link.toml --target-steps 400 --max-steps 600); NAME=rows_seed$S ;;
   slow) ARGS=(--config $C/slow-link.toml --target "$TARGET" --max-steps 600); NAME=slow_lr${LR}_seed$S ;;
+  configs) ARGS=(--target "$TARGET" --max-steps 600)
+    for c in $CONFIGS; do ARGS+=(--config $C/$c.toml); done; NAME=configs_lr${LR}_seed$S ;;
 esac
 $PY -m commpress race --local 2 --optimizer muon --lr "$LR" "${ARGS[@]}" --eval-every 10 --seed "$S" --quiet \
   --json $R/$NAME.json > $R/$NAME.log 2>&1
