@@ -38,6 +38,18 @@ __all__ = [
 ]
 
 
+#: DiLoCo's ``outer_lr`` values that follow the number M of replicas averaging (under a
+#: torchft Manager, each sync's participants), by name: ``sqrt_replicas``, sqrt(M), best on
+#: the race's transformer at a constant learning rate; ``sqrt_twice_replicas``, sqrt(2M)
+#: (2.0 for 2, 2.83 for 4) and 1.0 for a replica alone (nothing averaged: its own steps
+#: kept as they are), best there under warm-up + cosine decay. The larger race model
+#: wants 1.0 (docs/local_sgd.md "What sets the best outer lr").
+REPLICA_OUTER_LRS: dict[str, Callable[[int], float]] = {
+    "sqrt_replicas": math.sqrt,
+    "sqrt_twice_replicas": lambda m: math.sqrt(2 * m) if m > 1 else 1.0,
+}
+
+
 @dataclass(frozen=True)
 class LocalSGDConfig:
     """Settings of the ``[local_sgd]`` table. The outer-step keys apply to ``"co2"`` and
@@ -52,7 +64,7 @@ class LocalSGDConfig:
     qsr_power: Annotated[float, Bounds(gt=0)] = 2.0
     warmup_steps: Annotated[int, Bounds(ge=0)] = 0
     average_buffers: bool = False
-    outer_lr: float | Literal["sqrt_replicas", "sqrt_twice_replicas"] | None = None
+    outer_lr: float | Literal[tuple(REPLICA_OUTER_LRS)] | None = None  # type: ignore[valid-type]
     outer_momentum: float | None = None
     nesterov: bool | None = None
     staleness_penalty: float | Literal["adaptive"] | None = None
@@ -101,16 +113,6 @@ class LocalSGDConfig:
 OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "co2": {"outer_lr": 1.0, "outer_momentum": 0.0, "staleness_penalty": 1.0},
     "diloco": {"outer_lr": 0.8, "outer_momentum": 0.2, "nesterov": True},
-}
-#: DiLoCo's ``outer_lr`` values that follow the number M of replicas averaging (under a
-#: torchft Manager, each sync's participants), by name: ``sqrt_replicas``, sqrt(M), best on
-#: the race's transformer at a constant learning rate; ``sqrt_twice_replicas``, sqrt(2M)
-#: (2.0 for 2, 2.83 for 4) and 1.0 for a replica alone (nothing averaged: its own steps
-#: kept as they are), best there under warm-up + cosine decay. The larger race model
-#: wants 1.0 (docs/local_sgd.md "What sets the best outer lr").
-REPLICA_OUTER_LRS: dict[str, Callable[[int], float]] = {
-    "sqrt_replicas": math.sqrt,
-    "sqrt_twice_replicas": lambda m: math.sqrt(2 * m) if m > 1 else 1.0,
 }
 #: DiLoCo's streaming keys, defaults: the whole model at once, landing at once (``merge``:
 #: :func:`resolve_merge`).
