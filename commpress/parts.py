@@ -25,7 +25,7 @@ from commpress.fsdp import FSDP2State, apply
 from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks.ddp import attach_ddp_hook
 from commpress.local_sgd.config import build_trainer
-from commpress.optim import AtTheStep, InTheBackward, OneBitAdam, check_adam
+from commpress.optim import AtTheStep, Dion, InTheBackward, OneBitAdam, check_adam
 from commpress.optim.hybrid import check_step_hooks
 from commpress.optim.momentum import MomentumAverage
 
@@ -196,5 +196,23 @@ class OneBitAdamPart(AppliedPart):
         self.target.detach()
 
 
+class DionPart(AppliedPart):
+    """``[dion]``: Dion in place of Muon's step on the DDP model, the rest through the method."""
+
+    name = "dion"
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, cfg: Config, request: Request) -> DionPart:
+        optimizer = request.optimizer_for("dion", "takes over Muon's step: pass register(..., optimizer=[muon, adamw])")
+        dion = Dion(optimizer, model, cfg, cfg.group_for(model, request.process_group))
+        dion.attach(model)
+        return cls(dion)
+
+    def remove(self) -> None:
+        self.target.detach()
+
+
 #: Every part by its name in :data:`commpress.config.matrix.PARTS`.
-PART_TYPES: dict[str, type[AppliedPart]] = {p.name: p for p in (DDPHook, GroupsHook, FSDPPart, LocalSGDPart, OneBitAdamPart)}
+PART_TYPES: dict[str, type[AppliedPart]] = {
+    p.name: p for p in (DDPHook, GroupsHook, FSDPPart, LocalSGDPart, OneBitAdamPart, DionPart)
+}

@@ -10,8 +10,9 @@ DistributedDataParallel model                 the DDP hook, with method, overrid
                                               [layerwise]; [local_sgd] instead, with
                                               method, backend = 'mpi'; [onebit_adam]
                                               instead, with method, backend = 'mpi';
-                                              [layerwise] needs method; backend = 'mpi'
-                                              and [bandwidth] do not combine
+                                              [dion] instead, with method, backend =
+                                              'mpi'; [layerwise] needs method; backend =
+                                              'mpi' and [bandwidth] do not combine
 model sharded with fully_shard (FSDP2)        [fsdp] (required) alone
 model sharded with fully_shard inside         the cross-group hook, with method;
 replica groups (register(..., mesh=) with a   [local_sgd] instead, with method
@@ -57,7 +58,7 @@ from commpress.fsdp.groups import CrossGroupHook
 from commpress.hooks import CommState
 from commpress.layerwise.plan import LayerPlan
 from commpress.local_sgd import LocalSGD
-from commpress.optim import OneBitAdam
+from commpress.optim import Dion, OneBitAdam
 from commpress.optim.hybrid import as_optimizer
 from commpress.parts import PART_TYPES, AppliedPart, Request
 from commpress.replica_state import ReplicaState
@@ -72,7 +73,8 @@ class Registration:
     ``local_sgd``, the :class:`~commpress.local_sgd.LocalSGD`,
     :class:`~commpress.local_sgd.CO2` or :class:`~commpress.local_sgd.DiLoCo` trainer run
     by the optimizer's step hooks; ``onebit_adam``, the :class:`~commpress.optim.OneBitAdam`
-    on the user's AdamW; ``fsdp``, the FSDP state (:class:`~commpress.fsdp.FSDP2State` or
+    on the user's AdamW; ``dion``, the :class:`~commpress.optim.Dion` in place of Muon's
+    step; ``fsdp``, the FSDP state (:class:`~commpress.fsdp.FSDP2State` or
     :class:`~commpress.fsdp.QuantizedState`); ``groups_hook``, the cross-group hook. No
     part applies in a single process.
 
@@ -80,7 +82,8 @@ class Registration:
     every hook it added off the model and the optimizer.
 
     Checkpoints: :meth:`state_dict` holds each applied part's state under its name
-    (``"ddp_hook"``, ``"local_sgd"``, ``"onebit_adam"``, ``"fsdp"``, ``"groups_hook"``); ``full=True`` gathers every rank's parts
+    (``"ddp_hook"``, ``"local_sgd"``, ``"onebit_adam"``, ``"dion"``, ``"fsdp"``,
+    ``"groups_hook"``); ``full=True`` gathers every rank's parts
     (a collective: call it on every rank) for a checkpoint saved on rank 0 only, and
     :meth:`load_state_dict` hands each part its own, as the parts do
     (:mod:`commpress.comm.checkpoint`). With torch.distributed.checkpoint, save
@@ -106,6 +109,10 @@ class Registration:
     @property
     def onebit_adam(self) -> OneBitAdam | None:
         return self._target("onebit_adam")
+
+    @property
+    def dion(self) -> Dion | None:
+        return self._target("dion")
 
     @property
     def fsdp(self) -> FSDP2State | QuantizedState | None:

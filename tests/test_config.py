@@ -26,7 +26,7 @@ def test_defaults_and_round_trip():
         ({"backend": "nccl"}, "backend = 'nccl' is not accepted; expected one of 'torch', 'mpi'"),
         (
             {"method": "none", "params": {"rank": 4}},
-            "unknown key 'rank': it belongs in [params] of method acpsgd or powersgd; accepted keys: none",
+            "unknown key 'rank': it belongs in [params] of method acpsgd or powersgd or in [dion]; accepted keys: none",
         ),
         ({"params": 3}, "params = 3"),
         ({"overrides": {"params": ["*.bias"]}}, "expected a list of tables"),
@@ -44,7 +44,7 @@ def test_bad_config_names_key_value_and_accepted(data, needle):
 @pytest.mark.parametrize(
     ("data", "needle"),
     [
-        ({"rank": 4}, "unknown config key 'rank': it belongs in [params] of method acpsgd or powersgd; accepted keys: method"),
+        ({"rank": 4}, "unknown config key 'rank': it belongs in [params] of method acpsgd or powersgd or in [dion]; accepted keys: method"),
         (
             {"method": "powersgd", "params": {"start_iter": 3}},
             "unknown key 'start_iter': it belongs at the top level (before any [table])",

@@ -30,6 +30,7 @@ import commpress.registration
 from commpress import Config, ConfigError
 from commpress.config import matrix
 from commpress.config.matrix import ITEMS, KINDS, label, refused_items
+from commpress.optim import HybridOptimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Each item as a config sets it. ``backend = 'mpi'`` is not among them: applying it needs
@@ -43,6 +44,7 @@ FRAGMENTS = {
     "bandwidth": {"bandwidth": {"adaptive": True}},
     "layerwise": {"layerwise": {"enabled": True, "every": 1}},
     "onebit_adam": {"onebit_adam": {"warmup": 1}},
+    "dion": {"dion": {"rank": 2}},
 }
 COMBOS = [c for n in range(4) for c in itertools.combinations(FRAGMENTS, n)]
 DISTRIBUTED = ("DDP", "FSDP2", "FSDP1", "plain", "groups")
@@ -154,6 +156,8 @@ def _parts_present(reg: commpress.Registration, combo: tuple[str, ...]) -> dict[
     if hook is None and hasattr(averaging, "comm"):  # 1-bit Adam under a manager averages through its DDP hook
         hook = averaging.comm
     method = hook.compressors["main"].name if hook is not None else averaging.averager.method if averaging else None
+    if reg.dion is not None:  # the other parameters' gradients go through the method
+        method = reg.dion.rest.method
     checks = {
         "method": lambda: method == "topk",
         "overrides": lambda: "override0" in hook.compressors,
@@ -163,6 +167,7 @@ def _parts_present(reg: commpress.Registration, combo: tuple[str, ...]) -> dict[
         "layerwise": lambda: hook.plan is not None if hook.adaptive is None else hook.layerwise.per_link,
         "local_sgd": lambda: reg.local_sgd.traffic.bytes_sent > 0,  # period 1: a round at each step
         "onebit_adam": lambda: reg.onebit_adam.frozen,  # warm-up of 1: the second step is 1-bit Adam's
+        "dion": lambda: reg.dion.steps == 3,
         "fsdp": lambda: reg.fsdp is not None,
     }
     out = {}
@@ -174,12 +179,21 @@ def _parts_present(reg: commpress.Registration, combo: tuple[str, ...]) -> dict[
     return out
 
 
+def _optimizer(model: torch.nn.Module, combo: tuple[str, ...]):
+    """AdamW over every parameter; with [dion], Muon over the first layer's matrix and AdamW
+    over the rest (Dion takes over Muon's step) where the layer holds one (FSDP1 flattens it)."""
+    params = list(model.parameters())
+    if "dion" not in combo or params[0].ndim != 2:
+        return torch.optim.AdamW(params, lr=1e-2)
+    return HybridOptimizer([torch.optim.Muon(params[:1], lr=1e-2), torch.optim.AdamW(params[1:], lr=1e-2)])
+
+
 def _case(kind: str, combo: tuple[str, ...], managed: bool = False) -> dict:
     """register() with ``combo`` on a fresh model of ``kind`` (under a manager of one replica:
     ``managed``), then three training steps; under a manager each is a manager step, as
     torchft's ``OptimizerWrapper`` makes it, but for [local_sgd], whose syncs are."""
     model = _model(kind, managed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = _optimizer(model, combo)
     manager = OneReplicaManager() if managed else None
     try:
         reg = commpress.register(model, _config(combo), optimizer=opt, total_steps=3, mesh=_mesh(kind), manager=manager)
@@ -314,7 +328,7 @@ def test_the_issue_cases_are_refused(runs):
 def test_the_lower_level_entry_points_follow_the_matrix(runs):
     for (kind, combo), said in runs["entries"].items():
         config = Config.load(_config(combo))
-        on_ddp = refused_items(config, "DDP") is None and not {"local_sgd", "onebit_adam", "fsdp"} & set(combo)
+        on_ddp = refused_items(config, "DDP") is None and not {"local_sgd", "onebit_adam", "dion", "fsdp"} & set(combo)
         if kind == "DDP":
             assert (said["CommState"] is None) == on_ddp, (combo, said["CommState"])
             assert said["register_ddp_hook"] == said["CommState"], combo

@@ -16,6 +16,7 @@ from commpress import Config, ConfigError
 from commpress.bench.launch import run_local
 from commpress.compressors import available
 from commpress.config.tables import TABLES
+from commpress.optim import HybridOptimizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "docs" / "configs"
 FILES = sorted(p.name for p in CONFIGS.iterdir())
@@ -32,9 +33,12 @@ PARTS = {
     "slow-link-h1.toml": ["local_sgd"],
     "float64 local_sgd": ["local_sgd"],
     "onebit_adam.toml": ["onebit_adam"],
+    "dion.toml": ["dion"],
 }
 #: files whose table takes over AdamW's step (the others train with SGD)
 ADAMW = {"onebit_adam.toml"}
+#: files whose table takes over Muon's step: Muon on the first layer's matrix, AdamW on the rest
+MUON = {"dion.toml"}
 #: the configs also run through the explicit trainer API
 EXPLICIT = ("local_sgd_h4.toml", "co2_h4.toml", "diloco.toml", "streaming-diloco.toml")
 
@@ -118,6 +122,9 @@ def _train(path: Path, rank: int, dtype: torch.dtype = torch.float32) -> dict:
     model = _wrap(path.name, _model(dtype))
     if path.name in ADAMW:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    elif path.name in MUON:
+        matrix, *rest = model.parameters()
+        opt = HybridOptimizer([torch.optim.Muon([matrix], lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)])
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     reg = commpress.register(model, path, optimizer=opt, total_steps=8 if path.name in ADAMW else None)

@@ -4,12 +4,12 @@ schedule's learning rate set on each."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from commpress.optim import HybridOptimizer
+from commpress.optim.dion import muon_lr_scale
 
 __all__ = ["Float32Muon", "make_optimizer", "muon_split", "set_lr"]
 
@@ -70,10 +70,8 @@ class Float32Muon(torch.optim.Muon):
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
                 update = orthogonalized(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                rows, cols = p.shape
-                scale = {"original": math.sqrt(max(1, rows / cols)), "match_rms_adamw": 0.2 * math.sqrt(max(rows, cols))}
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"] * scale.get(group["adjust_lr_fn"] or "original", 1.0))
+                p.add_(update, alpha=-group["lr"] * muon_lr_scale(group["adjust_lr_fn"], p.shape))
         return loss
 
 

@@ -45,6 +45,10 @@ class ParameterAverager(OnBackend, BoundToProcess):
     Built with a torchft ``manager``, it reduces through the manager
     (:class:`~commpress.comm.manager_backend.ManagerBackend`), whose replicas heal rather
     than agree.
+
+    ``compressor``: one its caller built, in place of ``method`` and ``params``: Dion's
+    power iteration (:class:`~commpress.compressors.dion.DionCompressor`), whose result is
+    an update rather than an average and so is no method a config names.
     """
 
     def __init__(
@@ -54,8 +58,12 @@ class ParameterAverager(OnBackend, BoundToProcess):
         process_group: Any = None,
         backend: Backend | str = "torch",
         manager: Any = None,
+        compressor: Compressor | None = None,
     ) -> None:
         self.groups = MethodGroups(Config(method=method, params=dict(params or {})))
+        if compressor is not None:
+            self.groups.replace(MAIN, compressor, (compressor.name, {}))
+            method = compressor.name
         self.method = method
         self.process_group = process_group
         if manager is not None:  # a torchft Manager: its backend, the step transaction over the manager

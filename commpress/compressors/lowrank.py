@@ -197,13 +197,21 @@ class LowRankCompressor(Compressor):
             b.view(bucket.buffer).fill_(float("nan"))
         return False
 
+    #: the share of ``P Qt`` error feedback takes off M (Dion keeps some as momentum)
+    _captured: float = 1.0
+
+    def _result_factor(self, qt: torch.Tensor) -> torch.Tensor:
+        """The right factor the bucket gets: ``Qt`` itself (Dion: rows at unit length)."""
+        return qt
+
     def _decompress(self, bucket: Bucket, step: _Step, ps: list[torch.Tensor], qts: list[torch.Tensor]) -> None:
         """Write ``P Qt`` (already averaged) into the bucket; with error feedback the new
         error ``M - P Qt`` is formed in place in M's buffer and staged."""
         grad, lay = bucket.buffer, step.layout
         for b, m, p, qt in zip(lay.plan.batches, step.ms, ps, qts):
             if self.error_feedback:
-                m.baddbmm_(p, qt, alpha=-1)
+                m.baddbmm_(p, qt, alpha=-self._captured)
+            qt = self._result_factor(qt)
             out = b.view(grad)
             if grad.dtype == torch.float32:
                 torch.bmm(p, qt, out=out)

@@ -37,6 +37,7 @@ from commpress.config.keys import OVERRIDE_KEYS, TOP_LEVEL, TOP_LEVEL_HOME, belo
 from commpress.config.tables import (
     TABLE_TYPES,
     BandwidthConfig,
+    DionConfig,
     FSDPConfig,
     LayerwiseConfig,
     LocalSGDConfig,
@@ -137,6 +138,8 @@ class Config:
     def section(self, name: Literal["layerwise"]) -> LayerwiseConfig | None: ...
     @overload
     def section(self, name: Literal["onebit_adam"]) -> OneBitAdamConfig | None: ...
+    @overload
+    def section(self, name: Literal["dion"]) -> DionConfig | None: ...
     @overload
     def section(self, name: str) -> Table | None: ...
     def section(self, name: str) -> Table | None:

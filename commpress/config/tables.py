@@ -1,8 +1,6 @@
-"""The config tables beside the top-level keys, all listed here: ``[local_sgd]``,
-``[fsdp]``, ``[bandwidth]``, ``[layerwise]`` and ``[onebit_adam]``. Each is a frozen dataclass validated on construction
-(:class:`~commpress.errors.ConfigError` names the key, the value and what is accepted);
-the subsystem that applies a table imports its class from here.
-"""
+"""The config tables beside the top-level keys, all listed here (:data:`TABLE_TYPES`), each a
+frozen dataclass validated on construction (:class:`~commpress.errors.ConfigError` names the
+key, the value and what is accepted); the subsystem that applies a table imports it from here."""
 
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ __all__ = [
     "TABLES",
     "TABLE_TYPES",
     "BandwidthConfig",
+    "DionConfig",
     "FSDPConfig",
     "LayerwiseConfig",
     "LocalSGDConfig",
@@ -353,8 +352,21 @@ class OneBitAdamConfig:
 WARMUP_ACCEPTED = "an integer >= 1 (exact AdamW steps) or a number in (0, 1) (a fraction of total_steps)"
 
 
+@dataclass(frozen=True)
+class DionConfig:
+    """The ``[dion]`` table: Dion's low-rank orthonormal updates in place of Muon's step, at
+    ``rank`` (of every matrix, at most its smaller side), the ranks exchanging only the
+    factors; Muon's lr, weight decay, lr adjustment and momentum (Dion's mu) carry over."""
+
+    rank: Annotated[int, Bounds(ge=1)] = 16
+    seed: Annotated[int, Bounds(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        check_fields("[dion]", self)
+
+
 #: Any one table's settings, as :meth:`commpress.Config.section` returns it.
-Table = LocalSGDConfig | FSDPConfig | BandwidthConfig | LayerwiseConfig | OneBitAdamConfig
+Table = LocalSGDConfig | FSDPConfig | BandwidthConfig | LayerwiseConfig | OneBitAdamConfig | DionConfig
 
 #: Every table a config may hold: its name -> its dataclass.
 TABLE_TYPES: dict[str, type[Table]] = {
@@ -363,6 +375,7 @@ TABLE_TYPES: dict[str, type[Table]] = {
     "bandwidth": BandwidthConfig,
     "layerwise": LayerwiseConfig,
     "onebit_adam": OneBitAdamConfig,
+    "dion": DionConfig,
 }
 
 #: How errors name each table's keys (``local_sgd: period = 0 ...``).
@@ -372,6 +385,7 @@ _LABELS = {
     "bandwidth": "[bandwidth]",
     "layerwise": "[layerwise]",
     "onebit_adam": "[onebit_adam]",
+    "dion": "[dion]",
 }
 
 

@@ -1,9 +1,11 @@
 """What takes part in the optimizer's step: 1-bit Adam (the momentum averaged compressed
-once AdamW's variance is frozen), also under a torchft Manager; the hybrid optimizer
-(Muon + AdamW stepping one iteration)."""
+once AdamW's variance is frozen), also under a torchft Manager; Dion in place of Muon's
+step (low-rank orthonormal updates from averaged factors); the hybrid optimizer (Muon +
+AdamW stepping one iteration)."""
 
+from commpress.optim.dion import Dion
 from commpress.optim.hybrid import HybridOptimizer
 from commpress.optim.momentum import AtTheStep, InTheBackward
 from commpress.optim.onebit_adam import OneBitAdam, check_adam
 
-__all__ = ["AtTheStep", "HybridOptimizer", "InTheBackward", "OneBitAdam", "check_adam"]
+__all__ = ["AtTheStep", "Dion", "HybridOptimizer", "InTheBackward", "OneBitAdam", "check_adam"]

@@ -1,0 +1,54 @@
+"""Dion's power iteration over data-parallel ranks (Ahn et al., 2025): Muon's orthonormal
+update of a matrix's momentum, approximated at rank r from factors the ranks average.
+
+Per m x n matrix, each rank adds its gradient to its own momentum, ``B = M + G``; then
+``P = B Q`` (Q shared, warm-started), P averaged and orthonormalized; ``R = B^T P``
+averaged; error feedback ``M = B - (1 - mu) P R^T``; ``Q = R`` with unit columns; the
+result is the update direction ``P Q^T``, which :class:`commpress.optim.Dion` applies at
+the optimizer's step. The ranks exchange ``(m + n) r`` numbers per matrix, PowerSGD's
+factors: the collectives, batching and warm start are PowerSGD's, the momentum is its
+error memory (per rank), and only the error's decay and the result differ.
+
+Not a registered method: its result is an update, not an average gradient, so it runs
+only at the step of ``[dion]``, never in a DDP hook.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from commpress.compressors.base import Bucket
+from commpress.compressors.lowrank import _Step
+from commpress.compressors.powersgd import PowerSGDCompressor
+from commpress.compressors.wire.seeding import Seed
+
+__all__ = ["DionCompressor"]
+
+#: Added to each column norm of R before dividing (the Dion reference's epsilon).
+COLUMN_EPS = 1e-8
+
+
+class DionCompressor(PowerSGDCompressor):
+    """Dion's update directions of the bucket's matrices, every one at rank
+    ``min(rank, m, n)``, with momentum ``mu`` (what the next step keeps of the part the
+    factors captured: ``M = B - (1 - mu) P R^T``). A 1-D tensor is refused: Dion, like
+    Muon, steps matrices."""
+
+    name: ClassVar[str] = "dion"
+
+    def __init__(self, rank: int = 16, mu: float = 0.95, seed: Seed = 0) -> None:
+        super().__init__(rank=rank, min_compression_rate=0.0, error_feedback=True, warm_start=True, seed=seed)
+        self.mu = mu
+        self._captured = 1 - mu  # M = B - (1 - mu) P R^T
+
+    def _begin(self, bucket: Bucket) -> _Step | None:
+        flat = [s.name for s in bucket.slots if len(s.shape) != 2]
+        if flat:
+            raise ValueError(f"[dion] steps 2-D matrices; {', '.join(flat)} is not one")
+        return super()._begin(bucket)
+
+    def _result_factor(self, rt: torch.Tensor) -> torch.Tensor:
+        """Q from R (the rows of ``rt``) with unit columns."""
+        return rt / (torch.linalg.vector_norm(rt, dim=2, keepdim=True) + COLUMN_EPS)
