@@ -117,13 +117,14 @@ def _ranks(rank: int, world: int) -> dict:
     opts = _optimizers(ddp.module)
     start = _flat(ddp).clone()
     reg = commpress.register(ddp, cfg, optimizer=opts)
+    traffic = reg.traffic  # counts on, as the race reads it
     _train(ddp, opts, 0, STEPS, rank)
     every = [torch.empty_like(_flat(ddp)) for _ in range(world)]
     dist.all_gather(every, _flat(ddp))
     out["same"] = all(torch.equal(t, every[0]) for t in every)
     out["moved"] = not torch.equal(_flat(ddp), start)
     out["muon_state"] = len(opts[0].state)  # Muon's own step never ran: no momentum buffer
-    out["bytes"] = reg.traffic.bytes_sent
+    out["bytes"] = traffic.bytes_sent
     out["steps"] = reg.dion.steps
     # a resumed run continues bit for bit: 3 steps, a checkpoint, 3 more in a new job
     ddp = DistributedDataParallel(_model())

@@ -22,7 +22,7 @@ from commpress.config import Config
 from commpress.config.matrix import check_part, model_kind
 from commpress.config.tables import LocalSGDConfig
 from commpress.errors import ConfigError
-from commpress.local_sgd.co2 import CO2
+from commpress.local_sgd.co2 import CO2, check_penalty
 from commpress.local_sgd.diloco import DiLoCo
 from commpress.local_sgd.local_sgd import LocalSGD
 from commpress.local_sgd.periods import QSR, Constant, Period
@@ -80,6 +80,8 @@ def build_trainer(
     section = cfg.section("local_sgd")
     assert section is not None
     managed = manager is not None
+    if section.algorithm == "co2":
+        check_penalty(section.value("staleness_penalty"), True, not managed)
     if mesh is not None:
         if process_group is not None:
             raise ConfigError(f"{ENTRY}: process_group is not accepted with mesh=; expected None (mesh['replicate'] is used)")

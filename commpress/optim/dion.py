@@ -25,13 +25,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from commpress.comm import Traffic, checkpoint
+from commpress.comm import Traffic, checkpoint, make_backend
 from commpress.comm.averager import ParameterAverager
 from commpress.comm.pickling import BoundToProcess
 from commpress.comm.warm import load_kernels
 from commpress.compressors import AllReduce, Bucket, ParamSlot, Reduction, lay_out
 from commpress.compressors.dion import DionCompressor
 from commpress.config import Config, digest_of
+from commpress.config.groups import MethodGroups
 from commpress.errors import ConfigError
 from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 from commpress.local_sgd.average import check_finite
@@ -122,12 +123,13 @@ class Dion(BoundToProcess):
             raise ConfigError(f"{_WHERE}: Muon steps parameters the model does not hold: give it the model's matrices")
         self.slots, numel = lay_out((n, p.shape) for n, p in self.named)
         self._flat = torch.empty(numel, dtype=torch.float32, device=self.named[0][1].device)
-        self.update = ParameterAverager(
-            process_group=process_group,
-            backend=cfg.backend,
-            compressor=DionCompressor(table.rank, float(self.muon.param_groups[0]["momentum"]), table.seed),
-        )
-        self.rest = ParameterAverager(cfg.method, cfg.params, process_group=process_group, backend=cfg.backend)
+        dion = DionCompressor(table.rank, float(self.muon.param_groups[0]["momentum"]), table.seed)
+        rest = MethodGroups(Config(method=cfg.method, params=dict(cfg.params)))
+        #: one backend for the backward's reductions and the step's: they never overlap
+        self.backend = make_backend(cfg.backend, process_group, max(dion.rounds, rest.rounds))
+        self._process_group = process_group
+        self.update = ParameterAverager(backend=self.backend, compressor=dion)
+        self.rest = ParameterAverager(cfg.method, cfg.params, backend=self.backend)
         self._steps = 0
         self._check_resume = False
         self._splits: dict[int, _BucketSplit] = {}
@@ -149,14 +151,13 @@ class Dion(BoundToProcess):
     @property
     def traffic(self) -> Traffic:
         """Bytes this rank sent: the factors, the flags and the other parameters' gradients."""
-        a, b = self.update.traffic, self.rest.traffic
-        return Traffic(a.bytes_sent + b.bytes_sent, a.collectives + b.collectives, a.compute_seconds + b.compute_seconds)
+        return self.backend.traffic
 
     def attach(self, model: DistributedDataParallel) -> None:
         """The ranks agree on the settings, then the DDP comm hook on ``model`` (before its
         first backward) and Muon's step hooks."""
-        self.update.connect(self.settings, self.name)
-        self.rest.connect(self.settings, self.name)
+        self.update.connect(self.settings, self.name, self._process_group)
+        self.rest.connect(self.settings, self.name, self._process_group)
         rest = [(n, p.shape) for n, p in model.module.named_parameters() if p.requires_grad and id(p) not in self._group_of]
         if rest:
             load_kernels(self.rest.groups, rest, torch.float32, self._flat.device)
@@ -187,7 +188,7 @@ class Dion(BoundToProcess):
             rest = buffer if split.whole_rest else buffer.index_select(0, split.rest)
             futures.append(self.rest.start(Bucket(bucket.index(), rest, split.rest_slots)))
         if split.muon is not None:
-            futures.append(self.rest.backend.run(_spread_non_finite(buffer, split.muon), buffer.device))
+            futures.append(self.backend.run(_spread_non_finite(buffer, split.muon), buffer.device))
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             for f in fut.value():
@@ -200,8 +201,8 @@ class Dion(BoundToProcess):
 
     def _pre_step(self) -> None:
         """Dion's update of every Muon matrix; Muon's own step then skips them."""
-        if self._check_resume and self.update.can_block:
-            checkpoint.check_resume(self.update.backend, self._steps, digest_of(self.settings), self.name)
+        if self._check_resume and self.backend.can_block:
+            checkpoint.check_resume(self.backend, self._steps, digest_of(self.settings), self.name)
         self._check_resume = False
         for slot, (name, p) in zip(self.slots, self.named):
             if p.grad is None:
@@ -235,7 +236,7 @@ class Dion(BoundToProcess):
         """The step counter, each rank's momenta (Dion's error memory), the shared Q and the
         other parameters' method state, tagged with this rank, the world size and the
         settings; ``full=True``: every rank's (a collective)."""
-        backend = self.update.backend
+        backend = self.backend
         part = {"averager": self.update.state_dict(), "rest": self.rest.state_dict()}
         part = checkpoint.tag(part, backend.rank, backend.world_size, self._steps, self.settings)
         return checkpoint.gather_job(backend.allgather_object, part) if full else part
@@ -243,7 +244,7 @@ class Dion(BoundToProcess):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore this rank's part, or its part of a whole-job state of as many ranks."""
         what = f"{self.name}: load_state_dict"
-        part = checkpoint.own_part(state, self.update.rank, self.update.world_size, what, lambda _: True, _resized)
+        part = checkpoint.own_part(state, self.backend.rank, self.backend.world_size, what, lambda _: True, _resized)
         checkpoint.check_config(part["config"], self.settings, what)
         self._steps = int(part["step"])
         self.update.load_state_dict(part["averager"])
