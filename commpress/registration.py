@@ -10,9 +10,9 @@ DistributedDataParallel model                 the DDP hook, with method, overrid
                                               [layerwise]; [local_sgd] instead, with
                                               method, backend = 'mpi'; [onebit_adam]
                                               instead, with method, backend = 'mpi';
-                                              [dion] instead, with method, backend =
-                                              'mpi'; [layerwise] needs method; backend =
-                                              'mpi' and [bandwidth] do not combine
+                                              [dion] instead, with method; [layerwise]
+                                              needs method; backend = 'mpi' and
+                                              [bandwidth] do not combine
 model sharded with fully_shard (FSDP2)        [fsdp] (required) alone
 model sharded with fully_shard inside         the cross-group hook, with method;
 replica groups (register(..., mesh=) with a   [local_sgd] instead, with method
