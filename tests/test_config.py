@@ -44,7 +44,10 @@ def test_bad_config_names_key_value_and_accepted(data, needle):
 @pytest.mark.parametrize(
     ("data", "needle"),
     [
-        ({"rank": 4}, "unknown config key 'rank': it belongs in [params] of method acpsgd or powersgd or in [dion]; accepted keys: method"),
+        (
+            {"rank": 4},
+            "unknown config key 'rank': it belongs in [params] of method acpsgd or powersgd or in [dion]; accepted keys: method",
+        ),
         (
             {"method": "powersgd", "params": {"start_iter": 3}},
             "unknown key 'start_iter': it belongs at the top level (before any [table])",
