@@ -31,6 +31,7 @@ PARTS = {
     "streaming-diloco.toml": ["local_sgd"],
     "slow-link.toml": ["local_sgd"],
     "slow-link-h1.toml": ["local_sgd"],
+    "slow-link-muon.toml": ["local_sgd"],
     "float64 local_sgd": ["local_sgd"],
     "onebit_adam.toml": ["onebit_adam"],
     "dion.toml": ["dion"],
