@@ -147,11 +147,16 @@ def _ranks(rank: int, world: int) -> dict:
     _train(ddp, opts, STEPS, 1, rank)
     out["muon_state_after_remove"] = len(opts[0].state)
     # refusals
-    for name, given in (("adamw", [torch.optim.AdamW(ddp.parameters())]), ("start_iter", None)):
+    two_momenta = [{"params": [ddp.module[2].weight], "momentum": 0.9}, {"params": [ddp.module[4].weight], "momentum": 0.95}]
+    for name, given in (
+        ("adamw", [torch.optim.AdamW(ddp.parameters())]),
+        ("start_iter", None),
+        ("momenta", [torch.optim.Muon(two_momenta), torch.optim.AdamW(ddp.module[0].parameters())]),
+    ):
         try:
             fresh = DistributedDataParallel(_model())
             spec = cfg if given is not None else {**cfg, "start_iter": 2}
-            commpress.register(fresh, spec, optimizer=given or _optimizers(fresh.module))
+            commpress.register(fresh if name != "momenta" else ddp, spec, optimizer=given or _optimizers(fresh.module))
             out[name] = None
         except (ConfigError, TypeError) as exc:
             out[name] = str(exc)
@@ -171,3 +176,4 @@ def test_register_steps_muons_matrices_with_dion_on_two_ranks():
         assert r["bytes"] == (factors + 4 + 4 * 195) * STEPS, r["bytes"]
         assert "[dion] takes over the step of one torch.optim.Muon; got 0 among: AdamW over 8 parameters" in r["adamw"]
         assert "start_iter" in r["start_iter"] and "[dion]" in r["start_iter"]
+        assert "[dion]: Muon's param groups have momentum 0.9, 0.95; Dion takes one mu" in r["momenta"]

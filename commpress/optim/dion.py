@@ -123,7 +123,13 @@ class Dion(BoundToProcess):
             raise ConfigError(f"{_WHERE}: Muon steps parameters the model does not hold: give it the model's matrices")
         self.slots, numel = lay_out((n, p.shape) for n, p in self.named)
         self._flat = torch.empty(numel, dtype=torch.float32, device=self.named[0][1].device)
-        dion = DionCompressor(table.rank, float(self.muon.param_groups[0]["momentum"]), table.seed)
+        momenta = sorted({float(g["momentum"]) for g in self.muon.param_groups})
+        if len(momenta) != 1:
+            raise ConfigError(
+                f"{_WHERE}: Muon's param groups have momentum {', '.join(map(str, momenta))}; Dion takes one mu for "
+                "every matrix: give the groups one momentum"
+            )
+        dion = DionCompressor(table.rank, momenta[0], table.seed)
         rest = MethodGroups(Config(method=cfg.method, params=dict(cfg.params)))
         #: one backend for the backward's reductions and the step's: they never overlap
         self.backend = make_backend(cfg.backend, process_group, max(dion.rounds, rest.rounds))
