@@ -29,7 +29,7 @@ from commpress.comm import Traffic, checkpoint, make_backend
 from commpress.comm.averager import ParameterAverager
 from commpress.comm.pickling import BoundToProcess
 from commpress.comm.warm import load_kernels
-from commpress.compressors import AllReduce, Bucket, ParamSlot, Reduction, lay_out
+from commpress.compressors import Bucket, lay_out
 from commpress.compressors.dion import DionCompressor
 from commpress.config import Config, digest_of
 from commpress.config.groups import MethodGroups
@@ -37,6 +37,7 @@ from commpress.errors import ConfigError
 from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 from commpress.local_sgd.average import check_finite
 from commpress.optim.hybrid import HybridOptimizer, describe
+from commpress.optim.momentum import spread_non_finite
 
 __all__ = ["Dion", "muon_lr_scale"]
 
@@ -62,16 +63,6 @@ def find_muon(optimizer: Any) -> torch.optim.Optimizer:
             "register(..., optimizer=[muon, adamw]) with Muon over the hidden matrices"
         )
     return muons[0]
-
-
-def _spread_non_finite(buffer: torch.Tensor, index: torch.Tensor) -> Reduction:
-    """Every rank's ``buffer[index]`` becomes NaN if any rank's holds inf or NaN."""
-    flag = torch.zeros(1, dtype=torch.float32, device=buffer.device)
-    if not bool(torch.isfinite(buffer.index_select(0, index)).all()):
-        flag.fill_(math.nan)
-    summed = yield AllReduce(flag)
-    if not bool(torch.isfinite(summed).all()):
-        buffer.index_fill_(0, index, math.nan)
 
 
 class _BucketSplit:
@@ -143,7 +134,7 @@ class Dion(BoundToProcess):
             "algorithm": "dion",
             "rank": table.rank,
             "seed": table.seed,
-            "momentum": [g["momentum"] for g in self.muon.param_groups],
+            "mu": momenta[0],
             "method": cfg.method,
             "params": dict(cfg.params),
             "matrices": [[n, list(p.shape)] for n, p in self.named],
@@ -194,7 +185,7 @@ class Dion(BoundToProcess):
             rest = buffer if split.whole_rest else buffer.index_select(0, split.rest)
             futures.append(self.rest.start(Bucket(bucket.index(), rest, split.rest_slots)))
         if split.muon is not None:
-            futures.append(self.backend.run(_spread_non_finite(buffer, split.muon), buffer.device))
+            futures.append(self.backend.run(spread_non_finite(buffer, split.muon), buffer.device))
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             for f in fut.value():
@@ -221,16 +212,16 @@ class Dion(BoundToProcess):
         check_finite(self._flat, self.name, self._steps)
         with torch.no_grad():
             for slot, (_, p) in zip(self.slots, self.named):
-                self._apply(p, self._flat.narrow(0, slot.offset, slot.numel).view(p.shape), slot)
+                self._apply(p, self._flat.narrow(0, slot.offset, slot.numel).view(p.shape))
         self._hidden = tuple((p, p.grad) for _, p in self.named)
         for _, p in self.named:
             p.grad = None
 
-    def _apply(self, p: torch.nn.Parameter, direction: torch.Tensor, slot: ParamSlot) -> None:
+    def _apply(self, p: torch.nn.Parameter, direction: torch.Tensor) -> None:
         group = self._group_of[id(p)]
         lr = float(group["lr"])
         p.mul_(1 - lr * group["weight_decay"])
-        p.add_(direction.to(p.dtype), alpha=-lr * muon_lr_scale(group["adjust_lr_fn"], slot.shape))
+        p.add_(direction.to(p.dtype), alpha=-lr * muon_lr_scale(group["adjust_lr_fn"], p.shape))
 
     def _post_step(self) -> None:
         for p, grad in self._hidden:

@@ -135,9 +135,14 @@ class HybridOptimizer:
         hooks[handle.id] = hook
         return handle
 
+    @property
+    def _watched(self) -> bool:
+        """Whether a hook waits for the iteration: only then is it tracked."""
+        return bool(self._pre or self._post)
+
     def _member_begins(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self._pre and not self._post:
-            self._stepped = []  # nobody waits for the iteration's end
+        if not self._watched:
+            self._stepped = []
             return
         if i in self._stepped:
             waiting = ", ".join(
@@ -152,7 +157,7 @@ class HybridOptimizer:
                 hook(self, args, kwargs)
 
     def _member_ends(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self._pre and not self._post:
+        if not self._watched:
             return
         self._stepped.append(i)
         if len(self._stepped) == len(self.optimizers):

@@ -56,15 +56,20 @@ def _mean(tensor: torch.Tensor, world_size: int) -> Reduction:
         tensor.copy_(summed)
 
 
-def _spread_non_finite(tensor: torch.Tensor) -> Reduction:
-    """Every rank's ``tensor`` becomes NaN if any rank's holds inf or NaN, so a GradScaler
-    skips the step on every rank (gradients stay local after the freeze)."""
+def spread_non_finite(tensor: torch.Tensor, index: torch.Tensor | None = None) -> Reduction:
+    """Every rank's ``tensor`` (its elements at ``index``, if given) becomes NaN if any rank's
+    holds inf or NaN, so a GradScaler skips the step on every rank while the gradients stay
+    local (1-bit Adam after the freeze, Dion's matrices)."""
+    local = tensor if index is None else tensor.index_select(0, index)
     flag = torch.zeros(1, dtype=torch.float32, device=tensor.device)
-    if not bool(torch.isfinite(tensor).all()):
+    if not bool(torch.isfinite(local).all()):
         flag.fill_(math.nan)
     summed = yield AllReduce(flag)
     if not bool(torch.isfinite(summed).all()):
-        tensor.fill_(math.nan)
+        if index is None:
+            tensor.fill_(math.nan)
+        else:
+            tensor.index_fill_(0, index, math.nan)
 
 
 class AtTheStep(BoundToProcess):
@@ -116,7 +121,7 @@ class AtTheStep(BoundToProcess):
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The exact average during the warm-up; after it the local gradient, with the flag."""
         buffer = bucket.buffer()
-        reduction = _spread_non_finite(buffer) if self._frozen else _mean(buffer, self.averager.world_size)
+        reduction = spread_non_finite(buffer) if self._frozen else _mean(buffer, self.averager.world_size)
         return self.averager.backend.run(reduction, buffer.device).then(lambda fut: (fut.value(), buffer)[1])
 
     def pending(self) -> int | None:
