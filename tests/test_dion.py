@@ -17,6 +17,8 @@ from commpress.bench.launch import run_local
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket
 from commpress.compressors.dion import COLUMN_EPS, DionCompressor
+from commpress.config import Config
+from commpress.errors import ConfigError
 from commpress.optim.dion import muon_lr_scale
 
 SHAPES = [(12, 8), (12, 8), (6, 10)]  # a batch of two same-shape matrices and one other
@@ -57,6 +59,20 @@ def test_the_power_iteration_follows_dions_formulas():
                 got = buckets[r].views()[i].double()
                 torch.testing.assert_close(got, direction, atol=2e-5, rtol=1e-4, msg=f"{n} step {step} rank {r}")
                 torch.testing.assert_close(comps[r].state_dict()["error"][n].double(), ref_m[n][r], atol=2e-4, rtol=1e-4)
+
+
+def test_a_fractional_rank_is_that_share_of_each_matrixs_smaller_side():
+    world = SimulatedWorld(WORLD)
+    comps = world.compressors(lambda: DionCompressor(rank=0.5, mu=MU))
+    g = torch.Generator().manual_seed(1)
+    buckets = [Bucket.from_tensors(0, [torch.randn(s, generator=g) for s in SHAPES], NAMES) for _ in range(WORLD)]
+    assert all(world.reduce(comps, buckets, step=0))
+    comps[0].end_step(True)
+    ranks = {n: q.shape[0] for n, q in comps[0].state_dict()["q"].items()}
+    assert ranks == {"a": 4, "b": 4, "c": 3}  # half of min(12, 8) and of min(6, 10)
+    assert [comps[0].factor_numels(s) for s in buckets[0].slots] == [(48, 32), (48, 32), (18, 30)]
+    with pytest.raises(ConfigError, match=r"\[dion\]: rank = 1.0 .*a number in \(0, 1\)"):
+        Config.load({"dion": {"rank": 1.0}})
 
 
 def test_a_vector_is_refused():

@@ -31,15 +31,16 @@ COLUMN_EPS = 1e-8
 
 
 class DionCompressor(PowerSGDCompressor):
-    """Dion's update directions of the bucket's matrices, every one at rank
-    ``min(rank, m, n)``, with momentum ``mu`` (what the next step keeps of the part the
-    factors captured: ``M = B - (1 - mu) P R^T``). A 1-D tensor is refused: Dion, like
-    Muon, steps matrices."""
+    """Dion's update directions of the bucket's matrices, each m x n one at rank
+    ``min(rank, m, n)``, or for a fraction ``rank`` in (0, 1) at that share of ``min(m, n)``,
+    with momentum ``mu`` (what the next step keeps of the part the factors captured:
+    ``M = B - (1 - mu) P R^T``). A 1-D tensor is refused: Dion, like Muon, steps matrices."""
 
     name: ClassVar[str] = "dion"
 
-    def __init__(self, rank: int = 16, mu: float = 0.95, seed: Seed = 0) -> None:
-        super().__init__(rank=rank, min_compression_rate=0.0, error_feedback=True, warm_start=True, seed=seed)
+    def __init__(self, rank: float = 16, mu: float = 0.95, seed: Seed = 0) -> None:
+        super().__init__(min_compression_rate=0.0, error_feedback=True, warm_start=True, seed=seed)
+        self.rank = rank  # PowerSGD's checks take whole numbers; [dion]'s table checks a fraction too
         self.mu = mu
         self._captured = 1 - mu  # M = B - (1 - mu) P R^T
 

@@ -20,7 +20,7 @@ import torch
 from commpress.compressors import host
 from commpress.compressors.base import Bucket, Compressor, Context, ParamSlot, Reduction, Setting
 from commpress.compressors.ladder import pool
-from commpress.compressors.lowrank_plan import LowRankPlan, matrix_shape, orthonormalize
+from commpress.compressors.lowrank_plan import LowRankPlan, matrix_rank, matrix_shape, orthonormalize
 from commpress.compressors.tensor_stats import TensorStats
 from commpress.compressors.wire.memory import ErrorMemory, Piece
 from commpress.compressors.wire.seeding import Seed, shared_normal, stream_starts, tensor_key
@@ -224,11 +224,11 @@ class LowRankCompressor(Compressor):
 
     def factor_numels(self, slot: ParamSlot) -> tuple[int, int] | None:
         """(P, Q) elements of ``slot`` as :meth:`LowRankPlan.build` compresses it (an n x m
-        matrix at rank min(rank, n, m): n r and m r), or None: it is sent uncompressed."""
+        matrix at rank matrix_rank(rank, n, m): n r and m r), or None: it is sent uncompressed."""
         shape = matrix_shape(slot, self.rank, self.min_compression_rate)
         if shape is None:
             return None
-        r = min(self.rank, *shape)
+        r = matrix_rank(self.rank, *shape)
         return shape[0] * r, shape[1] * r
 
     def _rank_for_ratio(self, ratio: float, slots: Sequence[ParamSlot], sent: Callable[[int, int], float]) -> dict[str, Any]:

@@ -90,7 +90,7 @@ class LowRankPlan:
 
     @classmethod
     def build(
-        cls, slots: Sequence[ParamSlot], rank: int, min_compression_rate: float, device: torch.device | None = None
+        cls, slots: Sequence[ParamSlot], rank: float, min_compression_rate: float, device: torch.device | None = None
     ) -> LowRankPlan:
         """Group compressible matrices by shape, then into runs of equal spacing."""
         by_shape: dict[tuple[int, int], list[int]] = {}
@@ -109,7 +109,7 @@ class LowRankPlan:
         batches = []
         for (n, m), offsets in by_shape.items():
             for first, stride, count in _equal_runs(sorted(offsets)):
-                batches.append(MatrixBatch(first, stride if count > 1 else n * m, count, n, m, min(rank, n, m)))
+                batches.append(MatrixBatch(first, stride if count > 1 else n * m, count, n, m, matrix_rank(rank, n, m)))
         index = torch.cat(dense) if dense else torch.zeros(0, dtype=torch.int64, device=device)
         factors, q_at, p_at = [], 0, 0
         for b in batches:
@@ -140,15 +140,23 @@ class LowRankPlan:
         return _split(flat, [(b.count, b.rank, b.m) for b in self.batches])
 
 
-def matrix_shape(slot: ParamSlot, rank: int, min_compression_rate: float) -> tuple[int, int] | None:
+def matrix_rank(rank: float, n: int, m: int) -> int:
+    """The rank an n x m matrix is approximated at: ``min(rank, n, m)`` for a whole number,
+    and for a fraction in (0, 1) (Dion's) that share of ``min(n, m)``, at least 1."""
+    if isinstance(rank, int):
+        return min(rank, n, m)
+    return max(1, int(rank * min(n, m)))
+
+
+def matrix_shape(slot: ParamSlot, rank: float, min_compression_rate: float) -> tuple[int, int] | None:
     """``(n, m)`` of a tensor that is compressed as an n x m matrix (the first dimension by
     the rest), or None when it is sent uncompressed: 1-D, or not smaller at rank
-    r = min(rank, n, m) by PyTorch's hook's rule ``r (n + m) * min_compression_rate < n m``."""
+    r = matrix_rank(rank, n, m) by PyTorch's hook's rule ``r (n + m) * min_compression_rate < n m``."""
     if len(slot.shape) < 2 or slot.numel == 0:
         return None
     n = slot.shape[0]
     m = slot.numel // n
-    return (n, m) if min(rank, n, m) * (n + m) * min_compression_rate < n * m else None
+    return (n, m) if matrix_rank(rank, n, m) * (n + m) * min_compression_rate < n * m else None
 
 
 def _equal_runs(offsets: list[int]) -> list[tuple[int, int, int]]:

@@ -355,10 +355,10 @@ WARMUP_ACCEPTED = "an integer >= 1 (exact AdamW steps) or a number in (0, 1) (a 
 @dataclass(frozen=True)
 class DionConfig:
     """The ``[dion]`` table: Dion's low-rank orthonormal updates in place of Muon's step, at
-    ``rank`` (of every matrix, at most its smaller side), the ranks exchanging only the
-    factors; Muon's lr, weight decay, lr adjustment and momentum (Dion's mu) carry over."""
+    ``rank`` (a number, at most each matrix's smaller side, or a fraction of it), the ranks
+    exchanging only the factors; Muon's lr, weight decay, lr adjustment and momentum carry over."""
 
-    rank: Annotated[int, Bounds(ge=1)] = 16
+    rank: Annotated[int, Bounds(ge=1)] | Annotated[float, Bounds(gt=0, lt=1, note="of each matrix's smaller side")] = 16
     seed: Annotated[int, Bounds(ge=0)] = 0
 
     def __post_init__(self) -> None:
