@@ -204,7 +204,8 @@ class DionPart(AppliedPart):
     @classmethod
     def build(cls, model: torch.nn.Module, cfg: Config, request: Request) -> DionPart:
         optimizer = request.optimizer_for("dion", "takes over Muon's step: pass register(..., optimizer=[muon, adamw])")
-        dion = Dion(optimizer, model, cfg, cfg.group_for(model, request.process_group))
+        group = None if request.manager is not None else cfg.group_for(model, request.process_group)
+        dion = Dion(optimizer, model, cfg, group, manager=request.manager)
         dion.attach(model)
         return cls(dion)
 

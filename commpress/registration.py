@@ -24,7 +24,7 @@ job of several processes
 DistributedDataParallel model, under a        the DDP hook, with method, overrides,
 torchft Manager                               start_iter, [layerwise]; [local_sgd]
                                               instead, with method; [onebit_adam] instead,
-                                              with method
+                                              with method; [dion] instead, with method
 model sharded with fully_shard (FSDP2),       [local_sgd] (required), with method
 under a torchft Manager
 plain module (neither                         [local_sgd] (required), with method
@@ -226,7 +226,7 @@ def register(
     communicates in (default: the model's, or the world; FSDP uses its own mesh).
     ``total_steps``: lets QSR cap the last round. ``manager``: a ``torchft.Manager`` every
     collective goes through (docs/fault_tolerance.md): the DDP hook's (the model wrapped by
-    :func:`commpress.hooks.managed_ddp`), 1-bit Adam's, or the syncs of ``[local_sgd]``. ``mesh``:
+    :func:`commpress.hooks.managed_ddp`), 1-bit Adam's, Dion's, or the syncs of ``[local_sgd]``. ``mesh``:
     the 2-D ``DeviceMesh`` (``"replicate"``, ``"shard"``) of a model sharded with FSDP2 over
     ``mesh["shard"]`` inside each replica group (:mod:`commpress.comm.mesh`): ``[local_sgd]``
     then averages each rank's shard over the groups, and a config without it averages

@@ -11,8 +11,8 @@ Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA
 - ``survivor-W`` / ``killed-W`` / ``joiner-W`` (W: ``hook``, the DDP hook of :data:`FAILING`;
   ``layerwise``, a plan every step (:data:`PLAN_EVERY_STEP`), so the killed step and the
   step the joiner heals in both plan; ``planned``, one plan at step 1 (:data:`PLAN_ONCE`),
-  handed to the joiner; or ``adam``, 1-bit Adam of :data:`ONEBIT_ADAM`,
-  killed past its warm-up): replica 0
+  handed to the joiner; ``adam``, 1-bit Adam of :data:`ONEBIT_ADAM`,
+  killed past its warm-up; or ``dion``, Dion of :data:`DION`): replica 0
   trains; replica 1 dies inside its
   backward pass at :data:`KILL_STEP` (after some buckets were reduced); replica 0 checks
   that step left its model and commpress state as they were, trains alone, and when the
@@ -22,6 +22,8 @@ Run as ``python manager_workers.py SCENARIO OUTDIR LIGHTHOUSE STORE_PORT REPLICA
 - ``adam``: 1-bit Adam (a warm-up step, then momenta in signs) through the manager and
   through a plain gloo group, as ``same``; then through a manager of its own with the
   first-step sync, each replica from another model init.
+- ``dion``: Dion of :data:`DION` (Muon + AdamW) through the manager and through a plain gloo
+  group, as ``adam``.
 - ``first``: every method (and a layer-wise plan every step) through a manager of its own with torchft's first-step sync
   (``init_sync=True``: in step 0 every replica but one heals, though it counts among the
   participants), each replica from another model init; writes which steps committed and
@@ -217,6 +219,47 @@ def onebit_adam_runs(out: Path, lighthouse: str, port: int, replica: int) -> Non
     (out / f"adam{replica}.json").write_text(json.dumps(seen))
 
 
+#: Dion at rank 2 on the two weight matrices (Muon's), the biases (AdamW's) through Top-k
+DION = {"method": "topk", "params": {"ratio": 0.3, "min_numel": 0}, "dion": {"rank": 2}}
+
+
+def dion_optimizer(net: nn.Module) -> Any:
+    from commpress.optim import HybridOptimizer
+
+    weights = [p for p in net.parameters() if p.ndim == 2]
+    biases = [p for p in net.parameters() if p.ndim != 2]
+    return HybridOptimizer([torch.optim.Muon(weights, lr=0.02), torch.optim.AdamW(biases, lr=0.01)])
+
+
+def dion_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
+    import commpress
+
+    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
+    plain = DistributedDataParallel(model(0), bucket_cap_mb=BUCKET_MB)
+    opt = dion_optimizer(plain)
+    commpress.register(plain, DION, optimizer=opt)
+    for step in range(STEPS):
+        step_plain(plain, opt, replica, step)
+    seen: dict[str, Any] = {}
+    for run, init_sync in (("same", False), ("first", True)):
+        manager = make_manager(replica, lighthouse, min_size=2, init_sync=init_sync, name=f"dion_{run}")
+        net = managed_ddp(model(0 if run == "same" else replica), bucket_cap_mb=BUCKET_MB)
+        inner = dion_optimizer(net)
+        manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
+        manager.register_state_dict_fn("optimizer", inner.load_state_dict, inner.state_dict)
+        reg = commpress.register(net, DION, optimizer=inner, manager=manager)
+        seen[run] = {
+            "committed": [step_managed(net, inner, manager, replica, step) for step in range(STEPS)],
+            "plain": all(torch.equal(a, b) for a, b in zip(plain.module.parameters(), net.module.parameters())),
+            "sent": reg.traffic.bytes_sent,
+            "steps": reg.dion.steps,
+        }
+        torch.save({"model": net.module.state_dict(), "shared": reg.dion.iteration.comm.shared_state_dict()},
+                   out / f"dion-{run}{replica}.pt")
+        manager.shutdown(wait=False)
+    (out / f"dion{replica}.json").write_text(json.dumps(seen))
+
+
 def first_steps(out: Path, lighthouse: str, replica: int) -> None:
     seen: dict[str, Any] = {}
     configs: dict[str, Any] = {m: {"method": m, "params": PARAMS.get(m, {})} for m in available()}
@@ -249,7 +292,7 @@ def meet_up(role: str, meet: dist.TCPStore, processes: int = 2) -> None:
 def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) -> None:
     import commpress
 
-    scenario, _, what = scenario.partition("-")  # what: "hook", "layerwise", "planned" or "adam" (ONEBIT_ADAM)
+    scenario, _, what = scenario.partition("-")  # what: "hook", "layerwise", "planned", "adam" (ONEBIT_ADAM), "dion"
     meet = dist.TCPStore("localhost", port, is_master=False, wait_for_workers=False)
     manager = make_manager(replica, lighthouse)
     net = managed_ddp(model(7 if scenario == "joiner" else 0), bucket_cap_mb=BUCKET_MB)
@@ -258,6 +301,10 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
         opt: torch.optim.Optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
         manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
         state = commpress.register(net, ONEBIT_ADAM, optimizer=opt, manager=manager).onebit_adam.average.comm
+    elif what == "dion":
+        opt = dion_optimizer(net)
+        manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
+        state = commpress.register(net, DION, optimizer=opt, manager=manager).dion.iteration.comm
     else:
         cfg = {"layerwise": PLAN_EVERY_STEP, "planned": PLAN_ONCE}.get(what, FAILING)
         state = register_ddp_hook(net, cfg, manager=manager)
@@ -306,6 +353,8 @@ def run(same_runs: Callable[..., None], failing: Callable[..., None], argv: list
         first_steps(Path(outdir), lighthouse, int(replica))
     elif scenario == "adam":
         onebit_adam_runs(Path(outdir), lighthouse, int(port), int(replica))
+    elif scenario == "dion":
+        dion_runs(Path(outdir), lighthouse, int(port), int(replica))
     elif scenario == "same":
         same_runs(Path(outdir), lighthouse, int(port), int(replica))
     elif scenario == "layerwise":

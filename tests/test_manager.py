@@ -138,12 +138,29 @@ def test_one_bit_adam_through_the_manager_is_the_plain_run_and_heals(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("what", ["hook", "layerwise", "planned", "adam"])
+def test_dion_through_the_manager_is_the_plain_run_and_heals(tmp_path):
+    """Dion's iteration in the backward through the manager gives the plain gloo run's
+    (at Muon's step) bit for bit; from torchft's first-step sync (replica 1 heals in step 0,
+    from another model init) both replicas end with one model and one shared Q."""
+    _both("dion", tmp_path)
+    seen = [json.loads((tmp_path / f"dion{r}.json").read_text()) for r in (0, 1)]
+    for s in seen:
+        assert s["same"]["committed"] == s["first"]["committed"] == [True] * len(s["same"]["committed"]), s
+        assert s["same"]["plain"] and s["same"]["sent"] > 0 and s["same"]["steps"] == len(s["same"]["committed"]), s
+    a, b = (torch.load(tmp_path / f"dion-first{r}.pt", weights_only=True) for r in (0, 1))
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    q = a["shared"]["compressors"]["override0"]["q"]  # Dion's group: the shared Q, no momenta
+    assert q and not a["shared"]["compressors"]["override0"]["error"], a["shared"]["compressors"]
+    assert _same(a["shared"]["compressors"], b["shared"]["compressors"]) and a["shared"]["step"] == b["shared"]["step"]
+
+
+@pytest.mark.parametrize("what", ["hook", "layerwise", "planned", "adam", "dion"])
 def test_a_killed_replica_skips_the_step_and_its_restart_heals_bit_for_bit(tmp_path, what):
     """The DDP hook (PowerSGD with a Top-k layer; Top-k with a layer-wise plan every step,
     so the killed step and the joiner's healing step plan; Top-k with one plan, at step 1,
-    which the joiner, healing later, is handed before its buckets), and 1-bit Adam killed
-    past its warm-up (the momentum averaged in the backward pass)."""
+    which the joiner, healing later, is handed before its buckets), 1-bit Adam killed
+    past its warm-up (the momentum averaged in the backward pass), and Dion (its power
+    iteration in the backward pass)."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=30000, heartbeat_timeout_ms=2000)
     meet = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
     try:

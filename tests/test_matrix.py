@@ -157,7 +157,8 @@ def _parts_present(reg: commpress.Registration, combo: tuple[str, ...]) -> dict[
         hook = averaging.comm
     method = hook.compressors["main"].name if hook is not None else averaging.averager.method if averaging else None
     if reg.dion is not None:  # the other parameters' gradients go through the method
-        method = reg.dion.rest.method
+        dion = reg.dion.iteration  # at Muon's step, or in the backward under a manager
+        method = dion.rest.method if hasattr(dion, "rest") else dion.comm.compressors["main"].name
     checks = {
         "method": lambda: method == "topk",
         "overrides": lambda: "override0" in hook.compressors,

@@ -182,6 +182,7 @@ PARTS: dict[str, Part] = {
             "Dion takes over Muon's step: Muon's gradients stay local and its matrices step by low-rank orthonormal "
             "updates from factors the ranks average; the other gradients are averaged with the top-level method",
             "commpress.register(ddp_model, config, optimizer=[muon, adamw]) (Dion at Muon's step)",
+            managed=("DDP",),
         ),
         Part(
             "fsdp",

@@ -73,8 +73,9 @@ class CommState(OnBackend):
     @classmethod
     def of_part(cls, config: Config, model: torch.nn.Module | None = None, **kwargs: Any) -> CommState:
         """The state of a config :mod:`commpress.config.matrix` has accepted already (the DDP
-        part of :func:`commpress.register`, 1-bit Adam under a manager); ``kwargs``: the
-        constructor's ``process_group``, ``manager``, ``key``."""
+        part of :func:`commpress.register`, 1-bit Adam and Dion under a manager); ``kwargs``:
+        the constructor's ``process_group``, ``manager``, ``key``, and ``groups``, method
+        groups built by the caller (Dion's, whose matrices' group runs no registered method)."""
         state = cls.__new__(cls)
         state._build(config, model, **kwargs)
         return state
@@ -87,11 +88,12 @@ class CommState(OnBackend):
         backend: Backend | None = None,
         manager: Any = None,
         key: str = "commpress",
+        groups: MethodGroups | None = None,
     ) -> None:
         self.config = config
         if self.config.overrides and model is None:
             raise ConfigError("config has overrides by parameter name: pass model= so names can be resolved")
-        groups = method_groups(self.config, model)
+        groups = groups if groups is not None else method_groups(self.config, model)
         if model is not None:
             check_model(model, self.config, groups)
         if manager is not None:
