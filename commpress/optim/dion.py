@@ -22,16 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic
-from commpress.comm.pickling import BoundToProcess
 from commpress.compressors.dion import DionCompressor
 from commpress.config import Config
 from commpress.errors import ConfigError
-from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 from commpress.optim.dion_iteration import AtTheStep, DionIteration, InTheBackward
 from commpress.optim.hybrid import HybridOptimizer, describe
+from commpress.optim.takeover import StepTakeover
 
 __all__ = ["Dion", "muon_lr_scale"]
 
@@ -59,7 +57,7 @@ def find_muon(optimizer: Any) -> torch.optim.Optimizer:
     return muons[0]
 
 
-class Dion(BoundToProcess):
+class Dion(StepTakeover):
     """Dion attached to the ``torch.optim.Muon`` among ``optimizer`` on a DDP ``model``, with
     ``cfg``'s ``[dion]`` table and its top-level method for the other parameters, its power
     iteration at Muon's step on ``process_group``, or in the backward under a torchft
@@ -68,9 +66,6 @@ class Dion(BoundToProcess):
     table). A non-finite update raises ``FloatingPointError`` on every rank and changes nothing."""
 
     name = "Dion"
-    _hooks: tuple[RemovableHandle, ...] = ()
-    _switch: CommHookSwitch | None = None
-    _hidden: tuple[tuple[torch.nn.Parameter, torch.Tensor | None], ...] = ()
 
     def __init__(
         self, optimizer: Any, model: DistributedDataParallel, cfg: Config, process_group: Any = None, manager: Any = None
@@ -120,20 +115,7 @@ class Dion(BoundToProcess):
         """The ranks agree on the settings, then the DDP comm hook on ``model`` (before its
         first backward) and Muon's step hooks."""
         self.iteration.connect(self.settings)
-        self._switch = register_removable_hook(model, self, comm_hook)
-        self._hooks = (
-            self.muon.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
-            self.muon.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
-        )
-
-    def detach(self) -> None:
-        """Take off what :meth:`attach` registered: DDP all-reduces gradients again and
-        ``muon.step()`` is Muon's own step."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = ()
-        if self._switch is not None:
-            self._switch.remove()
+        self._take_over(model, self.muon, comm_hook)
 
     def _pre_step(self) -> None:
         """Dion's update of every Muon matrix; Muon's own step then skips them."""
@@ -144,14 +126,9 @@ class Dion(BoundToProcess):
                 lr = float(group["lr"])
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(direction.to(p.dtype), alpha=-lr * muon_lr_scale(group["adjust_lr_fn"], p.shape))
-        self._hidden = tuple((p, p.grad) for _, p in self.named)
-        for _, p in self.named:
-            p.grad = None
+        self._hide_grads(p for _, p in self.named)
 
-    def _post_step(self) -> None:
-        for p, grad in self._hidden:
-            p.grad = grad
-        self._hidden = ()
+    def _stepped(self) -> None:
         self.iteration.stepped()
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:

@@ -39,14 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.hooks import RemovableHandle
 
 from commpress.comm import Traffic
-from commpress.comm.pickling import BoundToProcess
 from commpress.errors import ConfigError
-from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 from commpress.optim.hybrid import HybridOptimizer, describe
 from commpress.optim.momentum import MomentumAverage
+from commpress.optim.takeover import StepTakeover
 
 __all__ = ["OneBitAdam", "adam_parameters", "check_adam", "frozen_update"]
 
@@ -136,7 +134,7 @@ def frozen_update(
     p.addcdiv_(m_hat, denom, value=-lr)
 
 
-class OneBitAdam(BoundToProcess):
+class OneBitAdam(StepTakeover):
     """1-bit Adam attached to ``optimizer`` (``torch.optim.AdamW``) for the parameters
     ``named_parameters``: ``warmup_steps`` exact steps, then the momenta averaged where
     ``average`` says (:mod:`commpress.optim.momentum`: :class:`AtTheStep` with any
@@ -146,15 +144,11 @@ class OneBitAdam(BoundToProcess):
     ``loss.backward(); optimizer.step()``. A non-finite momentum average raises
     ``FloatingPointError`` on every rank and changes nothing.
 
-    AdamW's step is taken over through its step hooks: after the freeze the pre-hook applies
-    the update and hides the gradients, so AdamW's own step skips every parameter; the
-    post-hook gives them back.
+    AdamW's step is taken over through its step hooks (:mod:`commpress.optim.takeover`):
+    after the freeze the pre-hook applies the update, and AdamW's own step skips every parameter.
     """
 
     name = "1-bit Adam"
-    _hooks: tuple[RemovableHandle, ...] = ()
-    _switch: CommHookSwitch | None = None
-    _hidden: tuple[tuple[torch.nn.Parameter, torch.Tensor | None], ...] = ()  # during AdamW's step
 
     def __init__(
         self,
@@ -194,20 +188,7 @@ class OneBitAdam(BoundToProcess):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
         self.average.connect(process_group)
-        self._switch = register_removable_hook(model, self, comm_hook)
-        self._hooks = (
-            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
-            self.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
-        )
-
-    def detach(self) -> None:
-        """Take off what :meth:`attach` registered: DDP all-reduces gradients again and
-        ``optimizer.step()`` is AdamW's own step."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = ()
-        if self._switch is not None:
-            self._switch.remove()
+        self._take_over(model, self.optimizer, comm_hook)
 
     def local_momentum(self, p: torch.nn.Parameter, grad: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's momentum of ``p`` with ``grad``, ``beta1 * m + (1 - beta1) * grad``,
@@ -220,14 +201,9 @@ class OneBitAdam(BoundToProcess):
         if self.average.pending() is None:
             return
         self.finish_step(self.start_step())
-        self._hidden = tuple((p, p.grad) for p in self.params)
-        for p in self.params:
-            p.grad = None  # AdamW's own step skips every parameter: this step is done
+        self._hide_grads(self.params)
 
-    def _post_step(self) -> None:
-        for p, grad in self._hidden:
-            p.grad = grad
-        self._hidden = ()
+    def _stepped(self) -> None:
         self.average.stepped()
 
     def start_step(self) -> torch.futures.Future | None:

@@ -1,0 +1,65 @@
+"""Taking over an optimizer's step through its step hooks, what 1-bit Adam and Dion share.
+
+The method's DDP comm hook runs its reduction; the optimizer's step pre-hook applies the
+method's update and hides the gradients of the parameters it stepped, so the optimizer's
+own step skips them; the post-hook gives them back. The user keeps the optimizer they
+built, its param groups, scheduler and checkpoint.
+"""
+
+# No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+from commpress.comm.pickling import BoundToProcess
+from commpress.hooks.removable import CommHookSwitch, register_removable_hook
+
+__all__ = ["StepTakeover"]
+
+
+class StepTakeover(BoundToProcess):
+    """A method that takes over ``optimizer.step()``: subclasses apply their update in
+    :meth:`_pre_step` (then :meth:`_hide_grads`) and count the step in :meth:`_stepped`."""
+
+    _hooks: tuple[RemovableHandle, ...] = ()
+    _switch: CommHookSwitch | None = None
+    _hidden: tuple[tuple[torch.nn.Parameter, torch.Tensor | None], ...] = ()  # during the optimizer's step
+
+    def _take_over(self, model: DistributedDataParallel, optimizer: Any, comm_hook: Callable[..., Any]) -> None:
+        """Register ``comm_hook`` on ``model`` (before its first backward) and ``optimizer``'s step hooks."""
+        self._switch = register_removable_hook(model, self, comm_hook)
+        self._hooks = (
+            optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
+            optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
+        )
+
+    def detach(self) -> None:
+        """Take off what :meth:`attach` registered: DDP all-reduces gradients again and the
+        optimizer's step is its own."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = ()
+        if self._switch is not None:
+            self._switch.remove()
+
+    def _pre_step(self) -> None:
+        raise NotImplementedError
+
+    def _stepped(self) -> None:
+        raise NotImplementedError
+
+    def _hide_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """The optimizer's own step skips ``params``: this step has moved them."""
+        self._hidden = tuple((p, p.grad) for p in params)
+        for p, _ in self._hidden:
+            p.grad = None
+
+    def _post_step(self) -> None:
+        for p, grad in self._hidden:
+            p.grad = grad
+        self._hidden = ()
+        self._stepped()
