@@ -22,6 +22,7 @@ CPU_SIDES = {
     "tests": ["pytest"],
     "kernels": ["cpu table"],
     "ddp": ["cpu-gloo-2", "cpu-gloo-1"],
+    "configs": ["cpu-gloo-2", "cpu-gloo-1"],
     "lowrank": ["cpu rows"],
     "fsdp": ["cpu-gloo-1"],
     "sharded": ["streaming-diloco cpu-gloo-1", "cross-group-hook cpu-gloo-1"],
@@ -47,12 +48,15 @@ def test_the_dry_run_reports_every_part(tmp_path):
         assert set(CPU_SIDES[name]) <= set(part["ran"]), (name, part["ran"])
         assert all(c["ok"] for c in part["checks"]), (name, part["checks"])
         assert json.loads((tmp_path / f"{name}.json").read_text())["status"] == "ok"
-    for name in ("kernels", "ddp", "lowrank", "fsdp", "sharded"):
+    for name in ("kernels", "ddp", "configs", "lowrank", "fsdp", "sharded"):
         reasons = report["parts"][name]["skipped"].values()
         assert reasons and all("--dry" in r for r in reasons), (name, reasons)
     assert not any("cuda" in side for p in report["parts"].values() for side in p["ran"])
     ddp = report["parts"]["ddp"]["figures"]
     assert set(ddp["losses"]["cpu-gloo-2"]) == set(ddp["methods"]) and len(ddp["losses"]["cpu-gloo-2"]["topk"]) == 2
+    outcome = report["parts"]["configs"]["figures"]["outcome"]["cpu-gloo-2"]
+    assert outcome["slow-link.toml"] == outcome["dion.toml"] == "trained", outcome  # AdamW's; Muon + AdamW's
+    assert outcome["fsdp_qsdp.toml"].startswith("refused: ") and "[fsdp]" in outcome["fsdp_qsdp.toml"], outcome
     tests = report["parts"]["tests"]["figures"]
     assert tests["counts"] == {"skipped": len(tests["chosen"])} and "tests/test_cuda_kernels.py" in tests["files"]
     log = (tmp_path / "gpu-check.log").read_text()
