@@ -18,16 +18,9 @@ from typing import Any
 
 import torch
 
-from commpress.bench.gpucheck.part import Report, main, no_cuda, one_rank
+from commpress.bench.gpucheck.part import RUNS, Report, main, no_cuda, on_ranks
 
 ROOT = Path(__file__).resolve().parents[3]
-#: run -> (device, backend, ranks)
-RUNS = {
-    "cpu-gloo-2": ("cpu", "gloo", 2),
-    "cpu-gloo-1": ("cpu", "gloo", 1),
-    "cuda-gloo-2": ("cuda", "gloo", 2),
-    "cuda-nccl-1": ("cuda", "nccl", 1),
-}
 #: (GPT-2 scale, steps) on the GPU (False) and in a dry run (True)
 SIZES = {False: (0.02, 6), True: (0.002, 3)}
 
@@ -92,16 +85,6 @@ def train_all(rank: int, world: int, device_type: str, scale: float, steps: int)
     return out
 
 
-def _run(name: str, scale: float, steps: int) -> list[dict[str, Any]]:
-    from commpress.bench.launch import run_local
-
-    device, backend, ranks = RUNS[name]
-    if ranks == 1:
-        with one_rank(backend):
-            return [train_all(0, 1, device, scale, steps)]
-    return run_local(train_all, ranks, device, scale, steps, backend=backend, timeout=240)
-
-
 def _judge(report: Report, name: str, ranks: list[dict[str, Any]], reference: dict[str, Any] | None) -> None:
     for config in ranks[0]:
         errors = [r[config]["error"] for r in ranks if "error" in r[config]]
@@ -137,7 +120,7 @@ def run(report: Report, dry: bool) -> None:
         if device == "cuda" and reason is not None:
             report.skip(name, reason)
             continue
-        results[name] = _run(name, scale, steps)
+        results[name] = on_ranks(train_all, name, scale, steps)
         report.ran.append(name)
         reference = results.get(f"cpu-gloo-{world}", [None])[0] if device == "cuda" else None
         _judge(report, name, results[name], reference)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from commpress.bench.gpucheck.part import Report, main, no_cuda, one_rank
+from commpress.bench.gpucheck.part import RUNS, Report, main, no_cuda, on_ranks
 
 #: every method, with the parameters it trains with here (low-rank methods at rank 1)
 METHODS = {
@@ -50,13 +50,7 @@ EARLY = 2  # steps over which low-rank runs are compared: a P and a Q step of AC
 RTOL = 1e-3  # of the largest magnitude in the run: losses and weights
 #: (GPT-2 scale, steps) on the GPU (False) and in a dry run (True)
 SIZES = {False: (0.02, 8), True: (0.002, 3)}
-#: run -> (device, backend, ranks); and which run each GPU run is compared with
-RUNS = {
-    "cpu-gloo-2": ("cpu", "gloo", 2),
-    "cpu-gloo-1": ("cpu", "gloo", 1),
-    "cuda-gloo-2": ("cuda", "gloo", 2),
-    "cuda-nccl-1": ("cuda", "nccl", 1),
-}
+#: which run (part.RUNS) each GPU run is compared with
 REFERENCE = {"cuda-gloo-2": "cpu-gloo-2", "cuda-nccl-1": "cpu-gloo-1"}
 
 
@@ -148,17 +142,6 @@ def train_all(rank: int, world: int, device_type: str, scale: float, steps: int)
     return out
 
 
-def _run(name: str, scale: float, steps: int) -> list[dict[str, Any]]:
-    """Every rank's results of the run ``name``."""
-    from commpress.bench.launch import run_local
-
-    device, backend, ranks = RUNS[name]
-    if ranks == 1:
-        with one_rank(backend):
-            return [train_all(0, 1, device, scale, steps)]
-    return run_local(train_all, ranks, device, scale, steps, backend=backend, timeout=240)
-
-
 def _close(a: list[float], b: list[float]) -> tuple[bool, float]:
     """Whether ``b`` equals ``a`` within :data:`RTOL` of ``a``'s largest magnitude; the
     largest difference."""
@@ -205,7 +188,7 @@ def run(report: Report, dry: bool) -> None:
         if device == "cuda" and reason is not None:
             report.skip(name, reason)
             continue
-        results[name] = _run(name, scale, steps)
+        results[name] = on_ranks(train_all, name, scale, steps)
         report.ran.append(name)
         _judge_run(report, name, results[name])
         report.figures.setdefault("losses", {})[name] = {m: [r[m].get("losses") for r in results[name]] for m in METHODS}

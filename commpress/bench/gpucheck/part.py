@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Report", "cuda_against_cpu", "main", "no_cuda", "one_rank"]
+__all__ = ["RUNS", "Report", "cuda_against_cpu", "main", "no_cuda", "on_ranks", "one_rank"]
 
 
 class Report:
@@ -109,6 +109,27 @@ def cuda_against_cpu(report: Report, prefix: str, train: Training, dry: bool, rt
         )
     else:
         report.skip(f"{prefix}cuda-nccl-1 against {prefix}cpu-gloo-1", reason or "not run")
+
+
+#: the runs of the parts that compare devices: run -> (device, backend, ranks)
+RUNS = {
+    "cpu-gloo-2": ("cpu", "gloo", 2),
+    "cpu-gloo-1": ("cpu", "gloo", 1),
+    "cuda-gloo-2": ("cuda", "gloo", 2),
+    "cuda-nccl-1": ("cuda", "nccl", 1),
+}
+
+
+def on_ranks(train: Callable[..., dict[str, Any]], name: str, *args: Any) -> list[dict[str, Any]]:
+    """Every rank's ``train(rank, world, device, *args)`` of the run ``name`` (:data:`RUNS`): in
+    this process on one rank, else in local rank processes."""
+    from commpress.bench.launch import run_local
+
+    device, backend, ranks = RUNS[name]
+    if ranks == 1:
+        with one_rank(backend):
+            return [train(0, 1, device, *args)]
+    return run_local(train, ranks, device, *args, backend=backend, timeout=240)
 
 
 @contextlib.contextmanager
