@@ -192,31 +192,8 @@ def layerwise_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
 ONEBIT_ADAM = {"method": "onebit", "params": {"min_numel": 0}, "onebit_adam": {"warmup": 1}}
 
 
-def onebit_adam_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
-    import commpress
-
-    dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
-    plain = DistributedDataParallel(model(0), bucket_cap_mb=BUCKET_MB)
-    opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
-    commpress.register(plain, ONEBIT_ADAM, optimizer=opt)
-    for step in range(STEPS):
-        step_plain(plain, opt, replica, step)
-    seen: dict[str, Any] = {}
-    for run, init_sync in (("same", False), ("first", True)):
-        manager = make_manager(replica, lighthouse, min_size=2, init_sync=init_sync, name=f"adam_{run}")
-        net = managed_ddp(model(0 if run == "same" else replica), bucket_cap_mb=BUCKET_MB)
-        inner = torch.optim.AdamW(net.parameters(), lr=0.01)
-        manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
-        manager.register_state_dict_fn("optimizer", inner.load_state_dict, inner.state_dict)
-        reg = commpress.register(net, ONEBIT_ADAM, optimizer=inner, manager=manager)
-        seen[run] = {
-            "committed": [step_managed(net, inner, manager, replica, step) for step in range(STEPS)],
-            "plain": all(torch.equal(a, b) for a, b in zip(plain.module.parameters(), net.module.parameters())),
-            "sent": reg.traffic.bytes_sent,
-        }
-        torch.save(net.module.state_dict(), out / f"adam-{run}{replica}.pt")
-        manager.shutdown(wait=False)
-    (out / f"adam{replica}.json").write_text(json.dumps(seen))
+def adamw_optimizer(net: nn.Module) -> Any:
+    return torch.optim.AdamW(net.parameters(), lr=0.01)
 
 
 #: Dion at rank 2 on the two weight matrices (Muon's), the biases (AdamW's) through Top-k
@@ -231,33 +208,39 @@ def dion_optimizer(net: nn.Module) -> Any:
     return HybridOptimizer([torch.optim.Muon(weights, lr=0.02), torch.optim.AdamW(biases, lr=0.01)])
 
 
-def dion_runs(out: Path, lighthouse: str, port: int, replica: int) -> None:
+def takeover_runs(out: Path, lighthouse: str, port: int, replica: int, name: str) -> None:
+    """A method that takes over the optimizer's step (``adam``: [onebit_adam] on AdamW;
+    ``dion``: [dion] on Muon + AdamW) on a plain gloo group, then under a Manager from the same
+    init and from another init (torchft's first-step sync heals replica 1)."""
     import commpress
 
+    config, make_optimizer = {"adam": (ONEBIT_ADAM, adamw_optimizer), "dion": (DION, dion_optimizer)}[name]
     dist.init_process_group("gloo", init_method=f"tcp://localhost:{port}", rank=replica, world_size=2)
     plain = DistributedDataParallel(model(0), bucket_cap_mb=BUCKET_MB)
-    opt = dion_optimizer(plain)
-    commpress.register(plain, DION, optimizer=opt)
+    opt = make_optimizer(plain)
+    commpress.register(plain, config, optimizer=opt)
     for step in range(STEPS):
         step_plain(plain, opt, replica, step)
     seen: dict[str, Any] = {}
     for run, init_sync in (("same", False), ("first", True)):
-        manager = make_manager(replica, lighthouse, min_size=2, init_sync=init_sync, name=f"dion_{run}")
+        manager = make_manager(replica, lighthouse, min_size=2, init_sync=init_sync, name=f"{name}_{run}")
         net = managed_ddp(model(0 if run == "same" else replica), bucket_cap_mb=BUCKET_MB)
-        inner = dion_optimizer(net)
+        inner = make_optimizer(net)
         manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
         manager.register_state_dict_fn("optimizer", inner.load_state_dict, inner.state_dict)
-        reg = commpress.register(net, DION, optimizer=inner, manager=manager)
+        reg = commpress.register(net, config, optimizer=inner, manager=manager)
         seen[run] = {
             "committed": [step_managed(net, inner, manager, replica, step) for step in range(STEPS)],
             "plain": all(torch.equal(a, b) for a, b in zip(plain.module.parameters(), net.module.parameters())),
             "sent": reg.traffic.bytes_sent,
-            "steps": reg.dion.steps,
         }
-        torch.save({"model": net.module.state_dict(), "shared": reg.dion.iteration.comm.shared_state_dict()},
-                   out / f"dion-{run}{replica}.pt")
+        saved: dict[str, Any] = {"model": net.module.state_dict()}
+        if name == "dion":
+            seen[run]["steps"] = reg.dion.steps
+            saved["shared"] = reg.dion.iteration.comm.shared_state_dict()
+        torch.save(saved, out / f"{name}-{run}{replica}.pt")
         manager.shutdown(wait=False)
-    (out / f"dion{replica}.json").write_text(json.dumps(seen))
+    (out / f"{name}{replica}.json").write_text(json.dumps(seen))
 
 
 def first_steps(out: Path, lighthouse: str, replica: int) -> None:
@@ -297,14 +280,11 @@ def failing(scenario: str, out: Path, lighthouse: str, port: int, replica: int) 
     manager = make_manager(replica, lighthouse)
     net = managed_ddp(model(7 if scenario == "joiner" else 0), bucket_cap_mb=BUCKET_MB)
     manager.register_state_dict_fn("model", net.module.load_state_dict, net.module.state_dict)
-    if what == "adam":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
+    if what in ("adam", "dion"):
+        opt = adamw_optimizer(net) if what == "adam" else dion_optimizer(net)
         manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
-        state = commpress.register(net, ONEBIT_ADAM, optimizer=opt, manager=manager).onebit_adam.average.comm
-    elif what == "dion":
-        opt = dion_optimizer(net)
-        manager.register_state_dict_fn("optimizer", opt.load_state_dict, opt.state_dict)
-        state = commpress.register(net, DION, optimizer=opt, manager=manager).dion.iteration.comm
+        reg = commpress.register(net, ONEBIT_ADAM if what == "adam" else DION, optimizer=opt, manager=manager)
+        state = reg.onebit_adam.average.comm if what == "adam" else reg.dion.iteration.comm
     else:
         cfg = {"layerwise": PLAN_EVERY_STEP, "planned": PLAN_ONCE}.get(what, FAILING)
         state = register_ddp_hook(net, cfg, manager=manager)
@@ -351,10 +331,8 @@ def run(same_runs: Callable[..., None], failing: Callable[..., None], argv: list
     scenario, outdir, lighthouse, port, replica = argv[:5]
     if scenario == "first":
         first_steps(Path(outdir), lighthouse, int(replica))
-    elif scenario == "adam":
-        onebit_adam_runs(Path(outdir), lighthouse, int(port), int(replica))
-    elif scenario == "dion":
-        dion_runs(Path(outdir), lighthouse, int(port), int(replica))
+    elif scenario in ("adam", "dion"):
+        takeover_runs(Path(outdir), lighthouse, int(port), int(replica), scenario)
     elif scenario == "same":
         same_runs(Path(outdir), lighthouse, int(port), int(replica))
     elif scenario == "layerwise":
