@@ -4,8 +4,7 @@ Quick start::
 
     state = commpress.register(ddp_model, "docs/configs/powersgd.toml", optimizer=optimizer)
 
-The names below and the subpackages (``commpress.fsdp``, ``commpress.local_sgd``, ...) load
-at their first use, so ``import commpress`` and the ``commpress`` command's ``--help`` do
+Names and subpackages load at first use, so ``import commpress`` and ``commpress --help`` do
 not load torch.
 """
 

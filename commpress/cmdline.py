@@ -1,21 +1,15 @@
-"""What every command line is made of: method lists and method specs, plain lists, and
-argparse types that check a value's range.
+"""What every command line is made of: method lists and specs, plain lists, and argparse types
+that check a value's range. Pure Python, no torch, so ``--help`` and a mistyped option answer at once.
 
-The method-list grammar, the same in every command (``--methods``, ``--adaptive``,
-``--rows``)::
+The method-list grammar, the same in every command (``--methods``, ``--adaptive``, ``--rows``)::
 
     list    = method { (";" | ",") method }
     method  = name [ ":" setting { "," setting } ]
     setting = key "=" value
 
-A comma followed by ``key=value`` adds a setting to the method before it; a comma followed
-by anything else starts a new method. So ``none,powersgd:rank=4,start_iter=20,topk`` and
-``none;powersgd:rank=4,start_iter=20;topk`` are the same three methods. Values are read as
-TOML values (numbers, booleans, quoted strings) or else as bare strings; they cannot hold
-``,`` or ``;``.
-
-Pure Python, no torch: a command checks its command line with it before loading anything
-heavy, so ``--help`` and a mistyped option answer at once.
+A comma followed by ``key=value`` adds a setting to the method before it, any other comma starts
+a new method: ``none,powersgd:rank=4,start_iter=20,topk`` is three methods. Values are TOML
+values (numbers, booleans, quoted strings) or else bare strings, and hold no ``,`` or ``;``.
 """
 
 from __future__ import annotations
@@ -47,9 +41,8 @@ LIST_HELP = "methods separated by ';' or ',', each NAME or NAME:key=value,key=va
 
 
 def parse_settings(text: str, where: str) -> list[tuple[str, Any]]:
-    """``"rank=4,warm_start=false"`` -> ``[("rank", 4), ("warm_start", False)]``: values read
-    as TOML values (numbers, booleans, quoted strings) or else as bare strings. ``where``
-    names the setting in the error for an item that is not key=value."""
+    """``"rank=4,warm_start=false"`` -> ``[("rank", 4), ("warm_start", False)]`` (values as in the
+    module's grammar); ``where`` names the setting in errors."""
     pairs = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, eq, raw = (part.strip() for part in item.partition("="))
@@ -64,11 +57,8 @@ def parse_settings(text: str, where: str) -> list[tuple[str, Any]]:
 
 
 def parse_method_spec(spec: str) -> dict[str, Any]:
-    """``"powersgd:rank=4,start_iter=2"`` -> ``{"method": "powersgd", "params": {"rank": 4}, ...}``.
-
-    Values are read as TOML values (numbers, booleans, quoted strings) or bare strings.
-    ``start_iter`` and ``backend`` go to the top level, everything else to ``params``.
-    """
+    """``"powersgd:rank=4,start_iter=2"`` -> ``{"method": "powersgd", "params": {"rank": 4}, ...}``:
+    ``start_iter`` and ``backend`` go to the top level, everything else to ``params``."""
     method, _, rest = spec.partition(":")
     out: dict[str, Any] = {"method": method.strip(), "params": {}}
     for key, value in parse_settings(rest, f"method spec {spec!r}"):
@@ -85,10 +75,9 @@ def _is_setting(piece: str) -> bool:
 
 
 def split_method_list(text: str) -> list[str]:
-    """``"none,powersgd:rank=4,start_iter=20;topk"`` -> ``["none", "powersgd:rank=4,start_iter=20",
-    "topk"]``: the specs of a method list (the module's grammar), in order, each stripped.
-    An empty list is ``[]``; ConfigError for a setting before any method, a setting after a
-    bare name, a spec without a name, or a spec named twice."""
+    """``"none,powersgd:rank=4;topk"`` -> ``["none", "powersgd:rank=4", "topk"]`` (the module's
+    grammar); ConfigError for a setting before any method or after a bare name, a spec without a
+    name, or one named twice."""
     specs: list[str] = []
     for chunk in text.split(";"):
         in_chunk = 0
@@ -114,8 +103,7 @@ def split_method_list(text: str) -> list[str]:
 
 
 def _argument_type(parse: Callable[[str], T], name: str) -> Callable[[str], T]:
-    """``parse`` as an argparse type: its ConfigError becomes argparse's error (one line,
-    naming the option); ``name`` is what argparse calls the type."""
+    """``parse`` as an argparse type called ``name``: its ConfigError becomes argparse's error."""
 
     def checked(text: str) -> T:
         try:

@@ -1,11 +1,6 @@
-"""The parts :func:`commpress.register` applies, one class each, registered in one place.
-
-:mod:`commpress.config.matrix` decides which part a config reaches on a model (its
-:data:`~commpress.config.matrix.PARTS`, by the same names); this module builds it. Each
-part wraps the object users reach through :class:`~commpress.Registration` (the hook
-state, the trainer, the optimizer, the FSDP state) and answers what a registration asks of
-every part alike: its state, its traffic, how it comes off, what it does at the end of
-training. Adding a part is one class here and one entry in the matrix.
+"""The parts :func:`commpress.register` applies, one class each, by the names the matrix
+(:mod:`commpress.config.matrix`) picks them by: each wraps the object a registration names after
+it and answers its questions alike. A new part is one class here and one entry in the matrix.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""One call for a whole config: :func:`register` applies every table of one config (a
-dict, a ``.toml`` or ``.json`` file, a :class:`~commpress.config.Config`) that applies to
+"""One call for a whole config: :func:`register` applies every table of a config that applies to
 the model it is handed, and refuses, saying why, each one that cannot:
 
 ============================================  ============================================
@@ -35,9 +34,7 @@ single process (torch.distributed not         nothing; a config that applies to 
 initialized)                                  is refused
 ============================================  ============================================
 
-The table is :mod:`commpress.config.matrix`'s, which decides it (a test keeps the two
-equal). Tables stay the contract of one subsystem each (:mod:`commpress.config.tables`); this
-module only applies the part the matrix picks for the model.
+:mod:`commpress.config.matrix` decides it; this module applies the part it picks.
 """
 
 from __future__ import annotations
@@ -67,28 +64,10 @@ __all__ = ["Registration", "register"]
 
 
 class Registration:
-    """What :func:`register` applied to a model: its :attr:`parts`
-    (:class:`~commpress.parts.AppliedPart`), each reachable by its name, None where that
-    part does not apply: ``hook``, the DDP hook's :class:`~commpress.hooks.CommState`;
-    ``local_sgd``, the :class:`~commpress.local_sgd.LocalSGD`,
-    :class:`~commpress.local_sgd.CO2` or :class:`~commpress.local_sgd.DiLoCo` trainer run
-    by the optimizer's step hooks; ``onebit_adam``, the :class:`~commpress.optim.OneBitAdam`
-    on the user's AdamW; ``dion``, the :class:`~commpress.optim.Dion` in place of Muon's
-    step; ``fsdp``, the FSDP state (:class:`~commpress.fsdp.FSDP2State` or
-    :class:`~commpress.fsdp.QuantizedState`); ``groups_hook``, the cross-group hook. No
-    part applies in a single process.
-
-    :meth:`remove` (or leaving a ``with commpress.register(...) as reg:`` block) takes
-    every hook it added off the model and the optimizer.
-
-    Checkpoints: :meth:`state_dict` holds each applied part's state under its name
-    (``"ddp_hook"``, ``"local_sgd"``, ``"onebit_adam"``, ``"dion"``, ``"fsdp"``,
-    ``"groups_hook"``); ``full=True`` gathers every rank's parts
-    (a collective: call it on every rank) for a checkpoint saved on rank 0 only, and
-    :meth:`load_state_dict` hands each part its own, as the parts do
-    (:mod:`commpress.comm.checkpoint`). With torch.distributed.checkpoint, save
-    :meth:`stateful` (this state and the model's, each under the rank or replica it belongs to).
-    """
+    """What :func:`register` applied to a model: its :attr:`parts`, each reachable by its name
+    (``hook``, the DDP hook's :class:`~commpress.hooks.CommState`; ``local_sgd``, ``onebit_adam``,
+    ``dion``, ``fsdp``, ``groups_hook``), None where it does not apply. Leaving a ``with
+    commpress.register(...) as reg:`` block calls :meth:`remove`."""
 
     def __init__(self, config: Config, parts: Sequence[AppliedPart] = ()) -> None:
         self.config = config
@@ -124,41 +103,28 @@ class Registration:
 
     @property
     def traffic(self) -> Traffic:
-        """What this rank sent through commpress (:class:`~commpress.comm.Traffic`): the
-        DDP hook's, the averaging's (every outer sync), or FSDP's; for FSDP2 both sides summed when read;
-        zero where nothing applies."""
+        """What this rank sent through commpress (zero where nothing applies)."""
         return self.parts[0].traffic if self.parts else Traffic()
 
     @property
     def plan(self) -> LayerPlan | None:
-        """The DDP hook's ``[layerwise]`` plan in force (each tensor's setting and bytes; under
-        the bandwidth layer, this rank's cross group's), or None (no plan yet, no
-        ``[layerwise]`` table, no hook)."""
+        """The DDP hook's ``[layerwise]`` plan in force (this rank's cross group's), or None."""
         return self.hook.plan if self.hook is not None else None
 
     def finish(self) -> None:
-        """End of training: Local SGD averages the steps since its last round, CO2 waits
-        for its last average and applies it, DiLoCo lands its fragments in flight and syncs
-        every fragment changed since (every rank ends with the same model). The other parts
-        have nothing left to do."""
+        """End of training: the Local SGD family averages what is still pending, so every rank ends
+        with the same model; the other parts have nothing left to do."""
         for part in self.parts:
             part.finish()
 
     def averaged(self) -> contextlib.AbstractContextManager[None]:
-        """A block in which the model holds the job's model, the same on every rank, to
-        evaluate or save mid-run (on rank 0 alone if you like: no collective): under
-        ``[local_sgd]`` the model at its last sync (:meth:`LocalSGD.averaged`), this rank's
-        own parameters put back after the block; with every other part each rank already
-        holds it."""
+        """A block in which the model holds the job's model, the same on every rank, to evaluate or
+        save mid-run (under ``[local_sgd]``: the model at its last sync, this rank's own restored after)."""
         return _averaged(self.parts)
 
     def remove(self) -> None:
-        """Take every hook :func:`register` added off the model and the optimizer: DDP
-        all-reduces gradients (and, after Local SGD, syncs buffers if it was built to) as
-        it does without a comm hook, ``optimizer.step()`` is the optimizer's own step
-        (DGC's momentum given back to it), and nothing more goes through commpress. Local
-        SGD leaves each rank's model where it is: call :meth:`finish` first for one model
-        on every rank. The FSDP part is not removable."""
+        """Take every hook :func:`register` added off the model and the optimizer (RuntimeError for a
+        sharded model's); Local SGD leaves each rank's model as it is (call :meth:`finish` first)."""
         if not all(p.removable for p in self.parts):
             raise RuntimeError("Registration.remove(): the hooks of a sharded model's collectives cannot be taken off")
         for part in self.parts:
@@ -171,17 +137,12 @@ class Registration:
         self.remove()
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """Each applied part's state under its name; ``full=True``: every rank's (a
-        collective, see :meth:`commpress.CommState.state_dict`)."""
+        """Each applied part's state under its name; ``full=True``: every rank's (a collective)."""
         return {part.name: part.state_dict(full=full) for part in self.parts}
 
     def stateful(self, model: torch.nn.Module, optimizer: Any = None) -> ReplicaState:
-        """This registration's state with ``model``'s and ``optimizer``'s, as
-        torch.distributed.checkpoint must save them (a ``Stateful``,
-        :class:`~commpress.replica_state.ReplicaState`): every rank's :meth:`state_dict`
-        under its rank, the model and optimizer under their replica's key (``[local_sgd]``'s
-        replicas differ between syncs): ``dcp.save({"train": reg.stateful(model, opt)})``,
-        then ``dcp.load`` the same to resume."""
+        """This registration's, ``model``'s and ``optimizer``'s state as torch.distributed.checkpoint
+        must save them: ``dcp.save({"train": reg.stateful(model, opt)})``, ``dcp.load`` to resume."""
         return ReplicaState(self, model, as_optimizer(optimizer))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -212,25 +173,17 @@ def register(
     manager: Any = None,
     mesh: Any = None,
 ) -> Registration:
-    """Apply every table of ``config`` that applies to ``model`` (the module docstring's
-    table), on every rank, after wrapping or sharding the model and before the first
-    backward.
+    """Apply every table of ``config`` that applies to ``model`` (the module docstring's table), on
+    every rank, after wrapping or sharding the model and before the first backward.
 
-    ``optimizer``: the model's optimizer, or a list of several over disjoint parameters
-    (Muon and AdamW: a :class:`~commpress.optim.HybridOptimizer`, whose iteration ends when
-    each has stepped). With ``[local_sgd]`` it is required: its
-    ``step()`` then runs the rounds (the training loop stays ``loss.backward();
-    optimizer.step()``; call :meth:`Registration.finish` at the end). For the DDP hook,
-    methods that apply momentum themselves (Top-k with ``dgc = true``) take it over from
-    the optimizer's SGD groups. ``process_group``: the group the DDP hook or Local SGD
-    communicates in (default: the model's, or the world; FSDP uses its own mesh).
-    ``total_steps``: lets QSR cap the last round. ``manager``: a ``torchft.Manager`` every
-    collective goes through (docs/fault_tolerance.md): the DDP hook's (the model wrapped by
-    :func:`commpress.hooks.managed_ddp`), 1-bit Adam's, Dion's, or the syncs of ``[local_sgd]``. ``mesh``:
-    the 2-D ``DeviceMesh`` (``"replicate"``, ``"shard"``) of a model sharded with FSDP2 over
-    ``mesh["shard"]`` inside each replica group (:mod:`commpress.comm.mesh`): ``[local_sgd]``
-    then averages each rank's shard over the groups, and a config without it averages
-    each gradient shard over the groups every step (the cross-group hook).
+    ``optimizer``: the model's optimizer, or a list over disjoint parameters (Muon and AdamW, as a
+    :class:`~commpress.optim.HybridOptimizer`); ``[local_sgd]`` runs at its ``step()`` (call
+    :meth:`Registration.finish` at the end), DGC takes over its SGD momentum. ``process_group``:
+    the group the DDP hook or Local SGD talks in (default: the model's, or the world).
+    ``total_steps``: the run's length (QSR's last round, a fractional ``[onebit_adam]`` warmup).
+    ``manager``: a ``torchft.Manager`` every collective goes through (docs/fault_tolerance.md;
+    wrap a DDP model with :func:`commpress.hooks.managed_ddp`). ``mesh``: the 2-D ``DeviceMesh``
+    (``"replicate"``, ``"shard"``) of a model sharded over ``mesh["shard"]`` in each replica group.
     """
     cfg = Config.load(config)
     if mesh is not None and (manager is not None or process_group is not None):

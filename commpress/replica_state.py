@@ -1,14 +1,8 @@
-"""A registration's state for torch.distributed.checkpoint (DCP) with the model and
-optimizer it trains: ``dcp.save({"train": reg.stateful(model, optimizer)}, checkpoint_id=...)``,
-and ``dcp.load`` of the same, built fresh, to resume.
+"""A registration's state for torch.distributed.checkpoint (DCP) with its model and optimizer.
 
-DCP writes one copy of a tensor that several ranks hold under the same key (a plain tensor,
-or a DTensor's shard at the same offset): right for DDP's replicas, wrong where
-``[local_sgd]`` lets the replicas' models drift apart between syncs (each rank, or each
-replica group of a sharded model): DCP would keep one replica's model for all. So the model
-and optimizer go under their replica's key, as ``torch.distributed.checkpoint.state_dict``
-gives them (sharded tensors stay sharded), and commpress's own state per rank as
-:class:`~commpress.comm.checkpoint.DCPState` stores it.
+DCP writes one copy of a tensor several ranks hold under the same key, wrong where
+``[local_sgd]`` lets replicas drift apart between syncs: so the model and optimizer go under their
+replica's key, and commpress's own state per rank (:class:`~commpress.comm.checkpoint.DCPState`).
 """
 
 from __future__ import annotations
@@ -31,10 +25,8 @@ __all__ = ["ReplicaState"]
 
 
 class ReplicaState:
-    """A ``Stateful`` for DCP: ``{"rank<r>": ...}`` (the registration's state, as
-    :class:`~commpress.comm.checkpoint.DCPState` keeps it) and ``{"replica<i>": {"model":
-    ..., "optim": ...}}``, ``i`` this rank's replica (its rank in ``[local_sgd]``'s
-    averaging group; one key, ``"replica"``, where every rank holds the same model)."""
+    """A DCP ``Stateful``: ``{"rank<r>": ...}`` and ``{"replica<i>": {"model": ..., "optim": ...}}``,
+    ``i`` this rank's rank in ``[local_sgd]``'s averaging group (without it, one ``"replica"``)."""
 
     def __init__(
         self, registration: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer | HybridOptimizer | None = None

@@ -1,9 +1,6 @@
-"""Checks keyword settings against type hints, so every config error names key, value and
-what is accepted. Used for compressor parameters and for config sections. A number's range
-is declared in its hint too (``Annotated[int, Bounds(ge=1)]``): one validator checks the
-type, then the range, and says both in its errors.
-
-Numbers must be finite wherever a ``float`` is accepted: no setting means anything at
+"""Checks settings (compressor parameters, config tables) against type hints, so every config
+error names key, value and what is accepted. A number's range is declared in its hint too
+(``Annotated[int, Bounds(ge=1)]``). A ``float`` must be finite: no setting means anything at
 infinity or NaN, and letting one through only moves the failure into training.
 """
 
@@ -27,10 +24,8 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class Bounds:
-    """The range a number must fall in, declared beside its type:
-    ``period: Annotated[int, Bounds(ge=1)]``. :func:`check_fields` checks it once the type
-    holds, and its error says it (``expected an integer >= 1``, ``a number in (0, 1]``);
-    ``note`` adds what the number means."""
+    """The range a number must fall in, declared beside its type and checked once the type holds;
+    ``note`` adds what the number means to the error."""
 
     ge: float | None = None
     gt: float | None = None
@@ -69,8 +64,7 @@ def _number(bound: float) -> str:
 
 
 def _bounds(tp: Any, value: Any) -> tuple[Any, Bounds] | None:
-    """(the type, its Bounds) that ``value`` (of type ``tp``, already checked) falls under,
-    or None when no range is declared for it."""
+    """(the type, its Bounds) that ``value``, already type-checked, falls under, or None."""
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
         inner, *extras = typing.get_args(tp)
@@ -84,8 +78,7 @@ def _bounds(tp: Any, value: Any) -> tuple[Any, Bounds] | None:
 
 
 def _describe(tp: Any, ranged: bool = True) -> str:
-    """What type ``tp`` accepts; with ``ranged``, a number's declared range too (not said
-    of a union's members: ``a finite number or none``)."""
+    """What type ``tp`` accepts; with ``ranged``, a number's declared range too (not for a union's members)."""
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
         inner, *extras = typing.get_args(tp)
@@ -186,8 +179,7 @@ def check_kwargs(
 
 @functools.cache
 def signature_fields(fn: Callable[..., Any]) -> dict[str, tuple[Any, bool]]:
-    """The keyword parameters of ``fn`` as ``check_kwargs`` fields (from its type hints,
-    a number's :class:`Bounds` kept); computed once per function (read it, do not change it)."""
+    """The keyword parameters of ``fn`` as :func:`check_kwargs` fields (cached: do not change it)."""
     hints = typing.get_type_hints(fn, include_extras=True)
     fields = {}
     for p in inspect.signature(fn).parameters.values():
@@ -208,26 +200,22 @@ def _dataclass_fields(cls: type) -> dict[str, tuple[Any, bool]]:
 
 
 def parse_dataclass(where: str, cls: type[T], data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> T:
-    """Build dataclass ``cls`` from ``data``, with clear errors for unknown or mistyped keys
-    (``belongs``: as for :func:`check_kwargs`)."""
+    """Build dataclass ``cls`` from ``data`` (``belongs``: as for :func:`check_kwargs`)."""
     return cls(**check_kwargs(where, data, _dataclass_fields(cls), belongs))
 
 
 def check_fields(where: str, obj: Any, key: str = "{where}: {key}", names: tuple[str, ...] | None = None) -> None:
-    """Check every field of the (frozen) dataclass instance ``obj`` (or those in ``names``)
-    against its type hint and store the converted value (lists become tuples, integers
-    floats), then check the declared :class:`Bounds`: called from ``__post_init__`` so a
-    table built directly is held to the same rules as one parsed. ``key``: how a range
-    error names the key."""
+    """Check the fields of the frozen dataclass ``obj`` (or those in ``names``) against their hints
+    and :class:`Bounds`, storing the converted values; ``__post_init__`` calls it, so a table
+    built directly meets the rules of one parsed. ``key``: how a range error names the key."""
     fields = {k: tp for k, (tp, _) in _dataclass_fields(type(obj)).items() if names is None or k in names}
     for name, value in _check_values(where, fields, {k: getattr(obj, k) for k in fields}, key).items():
         object.__setattr__(obj, name, value)
 
 
 def check_arguments(where: str, fn: Callable[..., Any], arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """``arguments`` (parameter name -> value) of a call to ``fn`` checked as
-    :func:`check_fields` checks a dataclass: against ``fn``'s type hints, then their
-    :class:`Bounds`; returned converted. Names without a hint (``self``) pass unchecked."""
+    """``arguments`` of a call to ``fn``, checked against its hints as :func:`check_fields` checks a
+    dataclass, returned converted."""
     fields = {k: tp for k, (tp, _) in signature_fields(fn).items() if k in arguments}
     return {**arguments, **_check_values(where, fields, {k: arguments[k] for k in fields})}
 
@@ -235,8 +223,7 @@ def check_arguments(where: str, fn: Callable[..., Any], arguments: Mapping[str, 
 def _check_values(
     where: str, fields: Mapping[str, Any], values: Mapping[str, Any], key: str = "{where}: {key}"
 ) -> dict[str, Any]:
-    """``values`` converted to their ``fields`` types (name -> type hint), every type checked
-    before any range, so a wrong type is named as such."""
+    """``values`` converted to their ``fields`` types, every type checked before any range."""
     out = {}
     for name, tp in fields.items():
         ok, conv = _coerce(values[name], tp)

@@ -31,9 +31,8 @@ def _is_number(text: str) -> bool:
 
 
 class Progress:
-    """tqdm's bar, driven by the count done so far: ``Progress(total, label).update(done, note)``.
-    On a pipe (logs, CI) it redraws at most every ``PIPE_SECONDS`` and at the end, so a long
-    run still shows it is alive without filling the log."""
+    """tqdm's bar, driven by the count done so far; on a pipe (logs, CI) it redraws at most every
+    ``PIPE_SECONDS``, so a long run shows it is alive without filling the log."""
 
     PIPE_SECONDS = 30.0
 

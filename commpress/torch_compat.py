@@ -1,10 +1,7 @@
 """The torch API that differs between the releases commpress supports (torch >= 2.9), in one
-place, so that no other module asks which torch it runs on.
-
-A name newer than 2.9 is looked up when it is called and its 2.9 equivalent used where this
-torch lacks it (the newer name first: 2.13 deprecates the older one). What no 2.9 name
-provides is refused on import, naming the release it needs. docs/versions.md lists each
-one; tests/test_old_torch.py runs commpress with the newer names hidden.
+place. A newer name is looked up when called, first (later releases deprecate the older), its 2.9
+equivalent used where this torch lacks it; what 2.9 lacks is refused on import. docs/versions.md
+lists each; tests/test_old_torch.py runs commpress with the newer names hidden.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ except ImportError as exc:
 def all_gather_single(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> dist.Work | None:
-    """Every rank's ``input`` into ``output`` (``world`` times its size): torch 2.13's
-    ``dist.all_gather_single``, else ``dist.all_gather_into_tensor`` (the same call)."""
+    """Torch 2.13's ``dist.all_gather_single``, else ``dist.all_gather_into_tensor`` (the same call)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
 
@@ -59,22 +55,19 @@ def reduce_scatter_single(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> dist.Work | None:
-    """Chunk ``rank`` of ``input`` reduced over ranks into ``output``: torch 2.13's
-    ``dist.reduce_scatter_single``, else ``dist.reduce_scatter_tensor`` (the same call)."""
+    """Torch 2.13's ``dist.reduce_scatter_single``, else ``dist.reduce_scatter_tensor`` (the same call)."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)
 
 
 def ddp_forward_buffer_sync(model: Any) -> str:
-    """The name of the DDP model's attribute that turns on its broadcast of rank 0's
-    buffers before each forward: ``forward_sync_buffers`` (torch 2.13, which deprecates
-    the constructor's ``broadcast_buffers``), else 2.9's ``broadcast_buffers``."""
+    """The DDP attribute that turns on the broadcast of rank 0's buffers before each forward:
+    torch 2.13's ``forward_sync_buffers``, else 2.9's ``broadcast_buffers``."""
     return "forward_sync_buffers" if hasattr(model, "forward_sync_buffers") else "broadcast_buffers"
 
 
 def fsdp_param_groups(state: Any) -> list[Any]:
-    """The parameter groups of one FSDP2 module's state: a list in releases after 2.9 (one
-    group per mesh), 2.9's single optional ``_fsdp_param_group`` otherwise."""
+    """One FSDP2 module state's parameter groups: a list after 2.9, one optional group in 2.9."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)

@@ -1,26 +1,11 @@
 """Hierarchical reduction: uncompressed inside fast domains, compressed across them.
 
-One bucket goes through three stages:
-
-1. **reduce-scatter inside the domain** (uncompressed, as an all-to-all and a sum): the bucket is cut into shards at
-   parameter boundaries (one per cross-domain group; 1-D tensors may be cut anywhere),
-   and local rank j receives the domain's sum of shard j;
-2. **across domains**: local rank j of every domain forms cross group j and runs the
-   configured compressor on shard j, scaled by ``domains / world`` so that the
-   compressor's average over domains is the global mean;
-3. **all-gather inside the domain**: every rank gets every averaged shard back.
-
-Why shards rather than every local rank reducing the whole bucket across domains: the
-slow links then carry each byte once, split over the domain's ranks (which run their
-compressors in parallel), instead of once per local rank. Cutting at parameter boundaries
-keeps each tensor's shape, which the low-rank methods need. Domains of unequal size use
-as many shards as the smallest domain has ranks; the extra ranks only take part inside
-their domain.
-
-It is one generator, :func:`hierarchical_reduction`, run by any backend that knows the
-``"domain"`` and ``"cross"`` scopes (:func:`hierarchy_scopes` gives their partitions): the
-backend's ordered channels keep every communicator's sequence equal on every rank, as
-for any compressor (see ``docs/architecture.md``).
+A bucket is reduce-scattered inside its domain into one shard per cross group, local rank j of
+every domain (cross group j) reduces shard j across domains with the configured compressor, and
+the domain all-gathers the averaged shards: the slow links carry each byte once, split over the
+domain's ranks, not once per local rank. Shards are cut at parameter boundaries (1-D tensors
+anywhere), keeping the shapes low-rank methods need; unequal domains get as many as the smallest
+has ranks. Any backend with ``"domain"`` and ``"cross"`` scopes runs it (``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -37,13 +22,9 @@ from commpress.compressors.wire.collectives import AllGather, ReduceScatter, Red
 
 __all__ = ["Place", "hierarchical_reduction", "hierarchy_scopes", "shard_ranges", "shard_slots"]
 
-#: Builds the cross-domain reduction of one shard: (bucket of the shard, context) -> generator.
-MakeReduction = Callable[[Bucket, Context], Reduction]
-
 
 def shard_ranges(slots: Sequence[ParamSlot], total: int, shards: int) -> list[tuple[int, int]]:
-    """Cut ``[0, total)`` into ``shards`` contiguous ranges of about equal size, at
-    parameter boundaries (inside 1-D parameters anywhere). Some ranges may be empty."""
+    """Cut ``[0, total)`` into ``shards`` near-equal ranges at parameter boundaries (1-D ones anywhere)."""
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     edges = sorted({0, total, *(s.offset for s in slots), *(s.offset + s.numel for s in slots)})
@@ -71,16 +52,14 @@ def shard_slots(slots: Sequence[ParamSlot], start: int, stop: int) -> tuple[Para
 
 
 def hierarchy_scopes(plan: Hierarchy, world_size: int) -> dict[str, list[list[int]]]:
-    """The ``"domain"`` and ``"cross"`` partitions of the ranks under ``plan`` (ranks in no
-    cross group, the extra ranks of larger domains, get a part of their own, never used)."""
+    """The ``"domain"`` and ``"cross"`` partitions of the ranks; a rank in no cross group gets an unused part."""
     spare = [[r] for r in range(world_size) if not any(r in g for g in plan.cross_groups)]
     return {"domain": [list(d) for d in plan.domains], "cross": [list(g) for g in plan.cross_groups] + spare}
 
 
 @dataclass(frozen=True)
 class Place:
-    """Where one rank sits in a plan: its domain's size, the number of domains, its index in
-    the domain, the shards per bucket, its index in its cross group (None: it has none)."""
+    """Where one rank sits in a plan (``cross_rank`` None: in no cross group)."""
 
     world_size: int
     domain_size: int
@@ -106,11 +85,8 @@ class Place:
 
 
 def hierarchical_reduction(bucket: Bucket, step: int, place: Place, across: Callable[[Bucket, Context], Reduction]) -> Reduction:
-    """Average ``bucket`` over every rank: reduce-scatter in the domain, ``across`` (the
-    method groups' reduction) on this rank's shard over the cross group, all-gather in the
-    domain. Leaves the global mean in ``bucket.buffer``. Returns what ``across`` knows of
-    the average where its shard is the whole bucket; otherwise None (the other shards
-    arrive by the all-gather: the hook checks the buffer)."""
+    """Leave the mean over every rank in ``bucket.buffer``, ``across`` reducing this rank's shard.
+    Returns what ``across`` knows of the average when the shard is the whole bucket, else None."""
     buffer, k = bucket.buffer, place.domain_size
     ranges = shard_ranges(bucket.slots, buffer.numel(), place.shards) + [(0, 0)] * (k - place.shards)
     width = max(b - a for a, b in ranges)

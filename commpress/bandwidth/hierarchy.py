@@ -1,9 +1,7 @@
 """The groups of a hierarchical reduction: fast domains, and cross groups of one rank per domain.
 
-Pure data from the domains alone, shared by the reduction (which communicator a rank
-uses), the traffic model (which links a group crosses) and the planner (what each group
-is given). Cross group j holds the j-th rank of every domain, for j below the smallest
-domain's size; the extra ranks of larger domains only work inside their domain.
+Pure data shared by the reduction, the traffic model and the planner. Cross group j holds the
+j-th rank of every domain, for j below the smallest domain's size.
 """
 
 from __future__ import annotations
@@ -16,16 +14,14 @@ __all__ = ["Hierarchy"]
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """``domains`` reduce uncompressed inside; ``cross_groups[j]`` reduces shard j of every
-    bucket across domains. No cross groups with one domain (or none)."""
+    """``domains`` reduce inside; ``cross_groups[j]`` reduces shard j across them (none with one domain)."""
 
     domains: tuple[tuple[int, ...], ...]
     cross_groups: tuple[tuple[int, ...], ...]
 
     @classmethod
     def of(cls, domains: Sequence[Sequence[int]], world_size: int | None = None) -> Hierarchy:
-        """The layout of ``domains`` (each sorted, in order of their first rank); they must
-        split ranks 0..n-1 (n = ``world_size`` when given) into non-empty groups."""
+        """The layout of ``domains``, which must split ranks 0..n-1 (n: ``world_size``) into non-empty groups."""
         doms = tuple(sorted(tuple(sorted(d)) for d in domains))
         members = sorted(r for d in doms for r in d)
         n = len(members) if world_size is None else world_size

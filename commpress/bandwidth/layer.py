@@ -1,31 +1,12 @@
-"""The bandwidth-aware layer of the DDP hook state.
+"""The bandwidth-aware layer of the DDP hook state (``[bandwidth] adaptive = true``).
 
-Turned on by ``[bandwidth] adaptive = true``. At start-up it measures the links
-(:func:`~commpress.bandwidth.measurement.measure_topology`, the same result on every rank), plans
-(:func:`~commpress.bandwidth.planner.plan_hierarchy`, a pure function of that measurement
-and of the model's buckets), checks that every rank holds the same plan, and reduces
-every bucket hierarchically: uncompressed inside fast domains, compressed across them
-with the methods the plan gives this rank's cross-domain group. The first plan is made
-for DDP's default buckets (:func:`~commpress.bandwidth.traffic.ddp_buckets`); later plans
-for the buckets the layer has seen. With ``remeasure_every`` it measures and plans again
-at the start of every N-th step, on every rank at the same bucket, when no reduction is
-in flight. Inside a :func:`~commpress.bandwidth.timing.recording` it times its collectives.
-
-Changing a method's parameter keeps its state: the new instance loads the old one's
-``state_dict`` (error feedback, warm starts), converted where the parameter shapes it
-(:func:`commpress.bandwidth.ratios.adapt_state`: a low-rank method keeps its error buffers
-and restarts its warm start when the rank changes). A plan that switches a group to ``none``
-(its links are fast enough) parks the compressor with its state; a later plan that
-brings the method back resumes it. Parked compressors are part of ``state_dict``.
-
-With ``[layerwise]`` the groups are a :class:`~commpress.layerwise.groups.LayerwiseGroups`:
-the setting this layer gives the main method is the link's budget, which a layer-wise plan
-per cross group shares out per tensor (see that module); the plan is made over this
-layer's backend, and a new setting ends the plan made for the old one.
-
-Everything it asks of the ranks goes through the hook state's backend
-(:class:`~commpress.comm.links.MeasurableBackend`): a communicator of its own for the
-measurements and the plan check, and a backend with the plan's domain and cross scopes.
+At start-up it measures the links (:func:`~commpress.bandwidth.measurement.measure_topology`), plans
+(:func:`~commpress.bandwidth.planner.plan_hierarchy`), checks that every rank holds the same plan,
+then reduces every bucket hierarchically; with ``remeasure_every`` it measures and plans again every
+N-th step, before any bucket is in flight. A method whose parameter changes keeps its state
+(:func:`~commpress.bandwidth.ratios.adapt_state`); a group switched to ``none`` parks its compressor
+until a plan brings it back. With ``[layerwise]`` the main method's setting is the link's budget,
+which a layer-wise plan per cross group shares out per tensor (:mod:`commpress.layerwise.groups`).
 """
 
 from __future__ import annotations
@@ -54,8 +35,7 @@ __all__ = ["AdaptiveLayer"]
 
 
 class AdaptiveLayer:
-    """Measure, plan, and run hierarchical reductions of ``groups``' buckets over the ranks
-    of ``main``, the backend of the hook state; bytes across domains count in ``main``'s traffic."""
+    """Measure, plan and run hierarchical reductions of ``groups``' buckets over ``main``'s ranks and traffic."""
 
     def __init__(self, groups: MethodGroups, settings: BandwidthConfig, model: torch.nn.Module | None, main: Backend) -> None:
         if model is None:
@@ -66,7 +46,6 @@ class AdaptiveLayer:
         self._groups = groups
         self._main = main
         self._links = main.links()  # a communicator of its own: probes never mix with reductions
-        # what each method group was configured with, and the model's buckets as DDP builds them
         self.configured = {key: (m, dict(p)) for key, (m, p) in groups.specs.items()}
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         element_size = trainable[0][1].element_size() if trainable else 4
@@ -81,8 +60,7 @@ class AdaptiveLayer:
         self.log = timing.active()
         if self.log is not None:
             self.log.layer = self
-        # a group switches between its configured method and none (1 round): the groups' rounds suffice
-        # (with [layerwise] every candidate setting is a group of its own, its plan's two collectives among them)
+        # switching between the configured method and none (1 round) needs no more rounds than the groups'
         self.rounds = groups.rounds
         self.active: dict[str, tuple[str, dict[str, Any]]] = {key: (m, dict(p)) for key, (m, p) in self.configured.items()}
         self.parked: dict[tuple[str, str], Compressor] = {}
@@ -116,8 +94,7 @@ class AdaptiveLayer:
             self.replan(self.measure(), step)
 
     def replan(self, topology: Topology, step: int | None = None) -> HierarchyPlan:
-        """Plan from ``topology`` and switch to it. Every rank must call it with the same
-        topology (measured ones are); raises RuntimeError if the plans differ."""
+        """Plan from ``topology`` and switch to it; every rank must pass the same one (RuntimeError if not)."""
         self.layout = self.observed_layout()
         plan = plan_hierarchy(topology, self.layout, self.configured, self.settings)
         digests = self._links.allgather_object(digest_of(plan.to_dict()))
@@ -137,8 +114,7 @@ class AdaptiveLayer:
         return plan
 
     def observed_layout(self) -> ModelLayout:
-        """The buckets of the last step this layer reduced, once DDP has rebuilt them after
-        its first step; until then the layout planned for."""
+        """The buckets of the last step once DDP has rebuilt them (after its first); until then the planned ones."""
         if self._steps_seen < 2 or not self._seen:
             return self.layout
         return ModelLayout(tuple(self._seen[i] for i in sorted(self._seen)), self.layout.keys, self.layout.element_size)

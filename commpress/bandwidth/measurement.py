@@ -1,22 +1,10 @@
-"""Measure the network between ranks: bandwidth and latency of every link, the rate of
-the flows of the hierarchical layout running at once (a node's shared uplink), and the
-time of a world all-reduce; the result is a :class:`~commpress.bandwidth.topology.Topology`.
+"""Measure the network between ranks into a :class:`~commpress.bandwidth.topology.Topology`.
 
-Links are first measured one pair at a time (the others wait at a barrier): each pair
-sends a growing message until one transfer lasts ``probe_ms`` (short messages only
-measure the token-bucket burst of a shaped link), repeats it and keeps the fastest (a
-loaded CPU only ever slows a transfer down). Then the flows of the hierarchical layout
-run at once, as its collectives run them: every rank of every domain sends to the next
-rank of its domain (the domains' reduce-scatters), then local rank j of every domain
-sends to local rank j of the next domain (the cross groups' ring all-reduces), so links
-shared by several flows (a node's uplink, a host's memory and cores) are measured as
-shared. Each such set of flows is also timed after a pause of ``probe_ms``: what a flow
-gains then over its steady rate is its *burst*, the bytes a shaped link lets through at
-line rate once its token bucket has refilled. Rank 0 assembles the result and broadcasts
-it, so every rank holds the same topology.
-
-Every transfer goes through a :class:`~commpress.comm.links.Links` communicator: a
-backend's ``links()``, or :class:`~commpress.comm.torch_backend.TorchLinks` over a group.
+Each link is measured alone with a message grown until one transfer lasts ``probe_ms`` (short
+messages only measure a shaped link's token-bucket burst), keeping the fastest repeat, as a loaded
+CPU only slows a transfer down. Then the hierarchical layout's flows run at once, as its
+collectives run them, so shared links (a node's uplink) are measured shared; timed after a pause,
+what a flow gains over its steady rate is the link's *burst*. Rank 0's result is broadcast to all.
 """
 
 from __future__ import annotations
@@ -69,7 +57,7 @@ def _measure_direction(links: Links, peer: int, probe_s: float, max_elems: int, 
             break
         size = min(max_elems, size * max(2, math.ceil(probe_s / max(elapsed, 1e-6))))
     times = [elapsed] + [_send_probe(links, peer, size, payload) for _ in range(repeats - 1)]
-    rate = 4 * size / _transfer(min(times), latency)  # CPU load only ever slows a transfer down: keep the fastest
+    rate = 4 * size / _transfer(min(times), latency)
     links.send(torch.tensor([0], dtype=torch.int64, device=payload.device), peer)  # done
     return rate, latency
 
@@ -89,8 +77,7 @@ def _serve(links: Links, peer: int, max_elems: int) -> None:
 
 
 def uplink_flows(domains: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """(sender, receiver) of every cross group's flow out of each domain, as its ring
-    all-reduce sends: local rank j of domain d to local rank j of domain d + 1 (cyclic)."""
+    """(sender, receiver) of each cross group's ring flow: local rank j of domain d to domain d + 1's."""
     if len(domains) < 2:
         return []
     shards = min(len(d) for d in domains)
@@ -98,8 +85,7 @@ def uplink_flows(domains: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
 
 
 def domain_flows(domains: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-    """(sender, receiver) of a ring inside every domain of two or more ranks: each rank
-    sends to the next, as each sends its chunks in the domain's reduce-scatter."""
+    """(sender, receiver) of a ring inside every domain of two or more ranks, as its reduce-scatter sends."""
     return [(d[j], d[(j + 1) % len(d)]) for d in domains if len(d) > 1 for j in range(len(d))]
 
 
@@ -111,12 +97,8 @@ def _measure_flows(
     max_elems: int,
     repeats: int,
 ) -> dict[tuple[int, int], Any]:
-    """Run every flow at once (each rank sends at most one and receives at most one):
-    ``repeats`` times back to back, then ``repeats`` times after a pause of ``probe_s`` (a
-    token bucket refills up to rate * probe_s) in chunks whose arrivals the receiver
-    times. A flow lasts ``probe_s`` at its pairwise rate. Returns {this rank's outgoing
-    flow: seconds of each back-to-back run, ("in", its incoming flow): (bytes, arrivals)}.
-    Every rank of ``links`` calls it."""
+    """Run every flow at once, back to back, then after pauses in chunks the receiver times. Returns
+    {outgoing flow: seconds per run, ("in", incoming flow): (bytes, arrivals per run)}."""
     out = next((f for f in flows if f[0] == links.rank), None)
     inc = next((f for f in flows if f[1] == links.rank), None)
 
@@ -131,8 +113,7 @@ def _measure_flows(
     ack_in, ack_out = torch.zeros(1, device=device), torch.zeros(1, device=device)
 
     def once(pause: float = 0.0, chunks: int = 1) -> tuple[float, list[tuple[float, int]]]:
-        """All flows start together; (seconds until this rank's receiver acknowledged,
-        (seconds, bytes received) at each chunk's arrival at this rank)."""
+        """Start every flow together: (seconds until acknowledged, (time, bytes so far) per arrival)."""
         links.barrier()
         time.sleep(pause)
         t0 = time.perf_counter()
@@ -169,9 +150,8 @@ def _measure_flows(
 
 
 def _flows_of(flows: Sequence[tuple[int, int]], runs: Mapping[Any, Any], latency: Matrix) -> Flows:
-    """The flows of one domain from their runs: each flow's rate from its fastest run; all
-    together, their bytes over the slowest flow's time (fastest such run); the burst: each
-    flow's :func:`_lead` after a pause (median over runs), summed."""
+    """One domain's flows from their runs: each rate from its fastest run, the total over the slowest
+    flow's time, the burst the sum of each flow's median :func:`_lead`."""
     if not flows:
         return Flows()
     nbytes = [runs["in", f][0] for f in flows]
@@ -183,10 +163,8 @@ def _flows_of(flows: Sequence[tuple[int, int]], runs: Mapping[Any, Any], latency
 
 
 def _lead(arrivals: Sequence[tuple[float, int]]) -> float:
-    """A token bucket's burst seen in one transfer's arrivals: while the arrivals run at
-    least ``_BURSTING`` times as fast as in the second half of the transfer (the steady
-    rate), the most bytes they got ahead of that rate (to a chunk). 0 on an unshaped link,
-    whose rate may wander but does not leap; a burst beyond half the transfer shows as less."""
+    """A token bucket's burst in one transfer's arrivals: the most bytes they got ahead of the second
+    half's (steady) rate while running ``_BURSTING`` times faster; 0 on an unshaped link."""
     half = len(arrivals) // 2
     (t0, b0), (tm, bm), (te, be) = arrivals[0], arrivals[half], arrivals[-1]
     if half == 0 or te <= tm:
@@ -209,9 +187,7 @@ def measure_topology(
     group_by: Literal["auto", "bandwidth", "host"] = "auto",
     domains: Sequence[Sequence[int]] | None = None,
 ) -> Topology:
-    """Measure every link between the ranks of ``links`` and return the same
-    :class:`Topology` on every rank. All its ranks must call it together, with no other
-    collectives in flight on them. Ranks are the ranks of ``links``."""
+    """The same :class:`Topology` of ``links``' ranks on every rank; all call it, nothing else in flight."""
     rank, n = links.rank, links.world_size
     max_elems = max(1, max_bytes // 4)
     hosts = links.allgather_object(host_key())

@@ -1,24 +1,11 @@
-"""The planner: for every cross-domain group, the knob of its method that makes the
-group's predicted step time meet the target.
+"""The planner: for every cross-domain group, the setting of its method that meets the target time.
 
-The plan's unit is the group, not the link: a collective runs at the pace of its slowest
-link, so every rank of a cross group uses one setting, and the traffic model
-(:mod:`commpress.bandwidth.traffic`) predicts the group's time from the topology: the
-group's own links, its members' uplinks shared with the other cross groups, the
-collective algorithm, and the bytes the method really sends at each setting (the
-uncompressed part of the low-rank methods, Top-k's all-gather growing with the group).
-
-A group's *ratio* is its predicted wire bytes over those of the uncompressed gradient
-(1.0 = uncompressed). The target is ``budget_ms`` or, with ``budget_ms = 0``,
-``(1 + slowdown)`` times the fastest group's time (domains uncompressed, cross groups at
-``max_ratio``). Each cross group gets the largest setting whose predicted time meets the
-target with its ratio in ``[min_ratio, max_ratio]``; one that cannot meet it gets the most
-compression ``min_ratio`` allows (its predicted time shows it). Each method's knob is
-searched through its ratio mapping (:mod:`commpress.bandwidth.ratios`), which orders the
-settings from most to least compressed.
-
-Everything here is a pure function of its inputs, so every rank that plans from the same
-measurement gets the same plan, and tests can feed it hand-made topologies.
+The unit is the group, not the link: a collective runs at its slowest link's pace, so a cross
+group's ranks share one setting, whose time :mod:`commpress.bandwidth.traffic` predicts. A group's
+*ratio* is its predicted wire bytes over the uncompressed ones. The target is ``budget_ms``, or
+with ``budget_ms = 0`` ``(1 + slowdown)`` times the fastest group's time; each group gets the least
+compressed setting (:mod:`commpress.bandwidth.ratios`) with a ratio in ``[min_ratio, max_ratio]``
+that meets it, else the most compressed one. All pure: ranks planning from one measurement agree.
 """
 
 from __future__ import annotations
@@ -46,9 +33,8 @@ _STEPS = 48
 
 @dataclass(frozen=True)
 class HierarchyPlan(Hierarchy):
-    """A hierarchical layout with every cross group's methods (``methods[j]``: {method
-    group: (method, params)}), its ratio, the target time and the predicted traffic of
-    every group (cross groups first, then domains)."""
+    """A :class:`Hierarchy` with each cross group's methods ({method group: (method, params)}) and
+    ratio, the target time and every group's predicted traffic (cross groups first)."""
 
     methods: tuple[dict[str, tuple[str, dict[str, Any]]], ...] = ()
     ratio: tuple[float, ...] = ()
@@ -107,9 +93,7 @@ def plan_hierarchy(
     methods: Methods,
     settings: BandwidthConfig | Mapping[str, Any] | None = None,
 ) -> HierarchyPlan:
-    """Plan the hierarchical reduction of ``layout`` over ``topology``'s domains, each
-    method group running its configured ``methods[key] = (method, params)`` across domains,
-    its knob set per cross group (see the module's docstring)."""
+    """Plan ``layout`` over ``topology``'s domains: the configured ``methods``' knobs per cross group."""
     cfg = settings if isinstance(settings, BandwidthConfig) else BandwidthConfig(**dict(settings or {}))
     hierarchy = Hierarchy.of(topology.domains, topology.world_size)
     domains = [domain_traffic(topology, hierarchy, layout, d) for d in range(len(hierarchy.domains))]
@@ -182,8 +166,7 @@ class _Search:
 
 
 def _last(ok: Callable[[float], bool], lo: float, hi: float) -> float | None:
-    """For ``ok`` true up to a point of [lo, hi] and false after it: the largest point found
-    true (None: false at ``lo``)."""
+    """The largest point of [lo, hi] where ``ok`` (true, then false) holds; None if false at ``lo``."""
     if ok(hi):
         return hi
     if not ok(lo):
@@ -195,8 +178,7 @@ def _last(ok: Callable[[float], bool], lo: float, hi: float) -> float | None:
 
 
 def _first(ok: Callable[[float], bool], lo: float, hi: float) -> float | None:
-    """For ``ok`` false up to a point of [lo, hi] and true after it: the smallest point
-    found true (None: false at ``hi``)."""
+    """The smallest point of [lo, hi] where ``ok`` (false, then true) holds; None if false at ``hi``."""
     if ok(lo):
         return lo
     if not ok(hi):

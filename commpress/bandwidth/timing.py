@@ -1,20 +1,10 @@
-"""Measured traffic of a hierarchical reduction, per group and step: what the traffic model
-predicts, taken from the collectives as they run.
+"""Measured traffic of a hierarchical reduction per group and step, as the traffic model predicts it.
 
-Off unless a :func:`recording` is active: an adaptive layer built inside one times every
-collective its reductions issue (two clock reads each: from the request to its result)
-and keeps itself in the log, so a caller that only holds a config (a benchmark) can read
-the plan and the bucket layout afterwards. :func:`measured` turns every rank's records
-into per-group figures, without comparing clocks across ranks (they may be on different
-hosts):
-
-- a collective's transfer time is the shortest wait for it among the group's ranks (the
-  last rank to issue it waits least: its wait is the transfer, not a peer's lateness);
-- on each rank, each collective covers that long up to its end; a step's time is the
-  length of the union of those intervals (overlapping collectives count once), averaged
-  over the group's ranks;
-- a group's figure is the mean over steps without the first ``skip`` (DDP rebuilds its
-  buckets after the first step) and without the slowest and fastest tenth.
+Inside a :func:`recording`, an adaptive layer built there times its collectives and keeps itself
+in the log, so a caller holding only a config can read the plan afterwards. :func:`measured`
+never compares clocks across ranks: a collective's transfer time is its shortest wait among the
+group's ranks; a step's time is the union of those intervals up to each collective's end; a
+group's figure is a trimmed mean over steps after ``skip`` (DDP rebuilds its buckets after step 1).
 """
 
 from __future__ import annotations
@@ -34,9 +24,8 @@ __all__ = ["CollectiveLog", "Measured", "Record", "active", "measured", "recordi
 
 @dataclass(frozen=True)
 class Record:
-    """One collective on one rank: ``ordinal`` counts the collectives of its bucket's
-    reduction in its scope; ``nbytes`` is the rank's input; ``start``/``end`` are this
-    rank's clock (s) at the request and at the result."""
+    """One collective on one rank: ``ordinal`` counts its bucket's collectives in its scope,
+    ``nbytes`` is the input, ``start``/``end`` this rank's clock (s) at request and result."""
 
     step: int
     bucket: int

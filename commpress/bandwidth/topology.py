@@ -1,11 +1,6 @@
-"""The network between ranks as measured: bandwidth and latency of every link, the flows of
-the hierarchical layout measured at once, the time of a world all-reduce, and the fast
-domains the links form (ranks joined by fast links, or on one host).
+"""The network between ranks as measured, and the fast domains it forms (fast links, or one host).
 
-:class:`Topology` is plain data (``to_dict``/``from_dict``, a table for people); the
-domains are a pure function of the numbers, so every rank that holds the same numbers
-derives the same domains. :func:`commpress.bandwidth.measurement.measure_topology`
-measures one.
+The domains are a pure function of the numbers, so ranks holding the same numbers derive the same.
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ GAP = 4.0
 
 
 def host_key() -> str:
-    """This process's host: hostname plus network namespace, so that ranks in separate
-    namespaces (emulated nodes) count as separate hosts."""
+    """This process's host: hostname plus network namespace, so emulated nodes count as separate hosts."""
     try:
         ns = os.stat("/proc/self/ns/net").st_ino
     except OSError:
@@ -91,10 +85,8 @@ def _merge(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]], n: int) -> tu
 
 @dataclass(frozen=True)
 class Flows:
-    """Flows out of one domain measured at once: the rate of each (bytes/s), what they
-    carry together (``total``, bytes/s: their bytes over the time until the last one is
-    through) and the bytes they passed together at line rate after a pause (``burst``: a
-    shaped link's token bucket)."""
+    """Flows out of one domain measured at once: each one's rate and their ``total`` (bytes/s), and
+    the bytes they passed at line rate after a pause (``burst``: a shaped link's token bucket)."""
 
     rates: tuple[float, ...] = ()
     total: float = 0.0
@@ -103,16 +95,10 @@ class Flows:
 
 @dataclass(frozen=True)
 class Topology:
-    """Measured links between ``world_size`` ranks and the fast domains they form.
-
-    ``bandwidth[i][j]`` is the rate from rank i to rank j (bytes/s), ``latency[i][j]``
-    the one-way latency (s); the diagonals are inf and 0.
-    ``uplinks[d]`` are domain d's cross-domain flows (one per cross group) and
-    ``domain_links[d]`` its ranks' flows to each other, each set measured running at once
-    (empty: not measured). ``threshold`` is the rate that made a link fast (bytes/s; 0: every
-    link). ``allreduce_seconds`` is the median time of an all-reduce of
-    ``allreduce_bytes`` over all ranks (nan if not measured).
-    """
+    """Measured links between ``world_size`` ranks and their fast domains: ``bandwidth[i][j]`` (bytes/s)
+    and one-way ``latency[i][j]`` (s) from i to j; ``uplinks[d]`` and ``domain_links[d]``, domain d's
+    flows across and inside (empty: not measured); ``threshold``, the rate that made a link fast (0:
+    every link); ``allreduce_seconds``, the median world all-reduce of ``allreduce_bytes``."""
 
     hosts: tuple[str, ...]
     bandwidth: Matrix
@@ -148,10 +134,9 @@ class Topology:
         domains: Sequence[Sequence[int]] | None = None,
         **kwargs: Any,
     ) -> Topology:
-        """A topology from known (or hand-made) link rates in bytes/s. Domains: the given
-        ones; else ranks joined by links of at least ``fast_gbps`` (0: :func:`auto_threshold`)
-        ("bandwidth"), ranks on one host ("host"), or either ("auto"). ``uplinks`` and ``domain_links`` (keywords) must follow
-        those domains."""
+        """A topology from known (or hand-made) rates in bytes/s. Domains: the given ones, else ranks joined
+        by links of at least ``fast_gbps`` (0: :func:`auto_threshold`) ("bandwidth"), on one host ("host"), or
+        either ("auto"); ``uplinks`` and ``domain_links`` keywords must follow those domains."""
         n = len(bandwidth)
         bw = tuple(tuple(math.inf if i == j else float(v) for j, v in enumerate(row)) for i, row in enumerate(bandwidth))
         if any(len(row) != n for row in bw):

@@ -1,27 +1,18 @@
-"""The traffic model: what each group of a hierarchical reduction sends per step, and how
-long that takes, predicted from the measured topology. Pure: no process groups, no clocks.
+"""The traffic model: what each group of a hierarchical reduction sends per step and how long that
+takes, predicted from the measured topology. One rank's *payload* is its collective's input (what
+``Traffic`` counts); for b bytes over n ranks, gloo's algorithms send on the wire:
 
-Per collective, one rank's *payload* is its input tensor (what ``Traffic`` counts). What
-it puts on the wire, and in how many messages one after another, depends on the
-algorithm (gloo's):
+- ring all-reduce: ``2(n-1)/n * b`` in ``2(n-1)`` messages;
+- ring all-gather (b from every rank): ``(n-1) * b`` in ``n-1`` messages;
+- all-to-all (n chunks): ``(n-1)/n * b`` in ``n-1`` messages.
 
-- ring all-reduce of b bytes over n ranks: ``2(n-1)/n * b`` in ``2(n-1)`` messages;
-- ring all-gather of b bytes from every rank: ``(n-1) * b`` (``(n-1)/n`` of the gathered
-  size) in ``n-1`` messages;
-- all-to-all of b bytes (n chunks): ``(n-1)/n * b`` in ``n-1`` messages.
+W wire bytes in M messages over links of latency ``alpha`` and per-flow rate ``beta`` take
+``t = M alpha + W / beta``. A shaped link's token bucket of ``b`` bytes passes ``b`` at line rate
+after the pause between steps and refills (by at most ``b``) during each message's latency:
+``t = M alpha + max(0, W - b - M min(b, beta alpha)) / beta``.
 
-A group whose ranks send W wire bytes in M messages per step, over links of latency
-``alpha`` and rate ``beta`` (bytes/s, one rank's flow), takes ``t = M alpha + W / beta``.
-A shaped link (a token bucket of ``b`` bytes, refilled at ``beta``) lets ``b`` bytes
-through at line rate after the pause between steps, and refills during each message's
-latency (by at most ``b``): ``t = M alpha + max(0, W - b - M min(b, beta alpha)) / beta``.
-
-Which collectives a method issues, and their sizes, the compressor says itself
-(:meth:`~commpress.compressors.base.Compressor.transfers`, a sum over the bucket's tensors:
-PowerSGD's and ACP-SGD's ``min_compression_rate`` rule which tensors are compressed, Top-k's
-``min_numel`` and ``topk_count`` which entries are sent); a method that does not is run
-once on the in-process simulated world and its collectives recorded. The hierarchical
-layout is cut exactly as the reduction cuts it (:func:`~commpress.bandwidth.hierarchical.shard_ranges`).
+The compressor reports its collectives (:meth:`~commpress.compressors.base.Compressor.transfers`),
+else it is run once on the simulated world.
 """
 
 from __future__ import annotations
@@ -116,17 +107,13 @@ class GroupTraffic:
         }
 
 
-# ---------------------------------------------------------------------------------------
 # what a method sends
 
 
 def method_transfers(
     method: str, params: Mapping[str, Any], slots: Sequence[ParamSlot], element_size: int = 4, group_size: int = 2
 ) -> tuple[Transfer, ...]:
-    """The collectives ``method`` with ``params`` issues for a bucket of ``slots`` in a
-    group of ``group_size`` ranks: the compressor's own
-    :meth:`~commpress.compressors.base.Compressor.transfers`, or, for one that does not
-    model them, what it issues when run once."""
+    """The collectives ``method`` with ``params`` issues for ``slots`` among ``group_size`` ranks."""
     return _cached(method, json.dumps(dict(params), sort_keys=True), tuple(slots), element_size, group_size)
 
 
@@ -153,23 +140,20 @@ def _dry_run(method: str, params: Mapping[str, Any], slots: tuple[ParamSlot, ...
     return [Transfer.of(req) for req in seen if req.nbytes]
 
 
-# ---------------------------------------------------------------------------------------
 # the model's buckets and the hierarchical layout
 
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """What a model reduces each step: DDP's ``buckets`` (each its slots, offsets within
-    the bucket), the method group of every parameter name (``keys``; absent: the main
-    method) and the gradients' ``element_size`` in bytes."""
+    """What a model reduces each step: DDP's ``buckets`` of slots, each parameter's method group
+    (``keys``; absent: the main method) and the gradients' ``element_size`` in bytes."""
 
     buckets: tuple[tuple[ParamSlot, ...], ...]
     keys: dict[str, str] = field(default_factory=dict)
     element_size: int = 4
 
     def parts(self, slots: Sequence[ParamSlot]) -> list[tuple[str, tuple[ParamSlot, ...]]]:
-        """``slots`` split by method group in order of first appearance, each packed from
-        offset 0, as :meth:`commpress.config.groups.MethodGroups.parts` hands them over."""
+        """``slots`` split by method group, packed from 0, as :meth:`~commpress.config.groups.MethodGroups.parts` does."""
         groups: dict[str, list[ParamSlot]] = {}
         for s in slots:
             groups.setdefault(self.keys.get(s.name, MAIN), []).append(s)
@@ -190,9 +174,8 @@ def ddp_buckets(
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
 ) -> tuple[tuple[ParamSlot, ...], ...]:
-    """DDP's buckets after its first step, with its default settings: gradients in the
-    order they become ready (the reverse of registration), the first bucket closed once it
-    holds ``first_bucket_mb`` MiB, later ones at ``bucket_cap_mb`` MiB."""
+    """DDP's buckets after its first step with its defaults: gradients in reverse registration order,
+    the first bucket closed at ``first_bucket_mb`` MiB, later ones at ``bucket_cap_mb``."""
     buckets: list[list[tuple[str, Sequence[int]]]] = []
     current: list[tuple[str, Sequence[int]]] = []
     size, limit = 0, first_bucket_mb * _MIB
@@ -214,8 +197,7 @@ def _shard(slots: Sequence[ParamSlot], place: Place) -> tuple[ParamSlot, ...]:
 
 
 def _domain_transfers(slots: Sequence[ParamSlot], place: Place, element_size: int) -> list[Transfer]:
-    """Stage 1 and 3 of one bucket: the all-to-all of ``k`` chunks as wide as the widest
-    shard, and the all-gather of one chunk."""
+    """A bucket's all-to-all of ``k`` chunks as wide as the widest shard, and all-gather of one."""
     k = place.domain_size
     if k == 1 or not slots:
         return []
@@ -246,9 +228,7 @@ def _pairs(topology: Topology, ranks: Sequence[int]) -> Link:
 
 
 def cross_link(topology: Topology, hierarchy: Hierarchy, group: int) -> Link:
-    """Cross group ``group``'s links: its slowest pair, and where the uplinks were measured,
-    each member domain's uplink (rate and burst of its flows together) divided among the
-    cross groups that use it at once (all of them)."""
+    """Cross group ``group``'s links: its slowest pair, and each domain's measured uplink shared by all."""
     link = _pairs(topology, hierarchy.cross_groups[group])
     shared = [f for f in topology.uplinks if f.rates]
     if not shared:
@@ -259,8 +239,7 @@ def cross_link(topology: Topology, hierarchy: Hierarchy, group: int) -> Link:
 
 
 def domain_link(topology: Topology, hierarchy: Hierarchy, domain: int) -> Link:
-    """Domain ``domain``'s links: its slowest pair, and where measured, its slowest flow
-    while every rank of every domain sends at once (the burst: theirs together, per flow)."""
+    """Domain ``domain``'s links: its slowest pair, and where measured, its slowest flow with all sending."""
     link = _pairs(topology, hierarchy.domains[domain])
     flows = topology.domain_links[domain] if topology.domain_links else None
     if flows is None or not flows.rates:

@@ -13,8 +13,7 @@ __all__ = ["Backend", "SimulatedWorld", "Traffic", "make_backend"]
 
 
 def make_backend(name: str, process_group: Any = None, rounds: int = 1) -> Backend:
-    """The backend called ``name`` ("torch" or "mpi") over ``process_group`` (a
-    torch ProcessGroup for "torch", an mpi4py communicator for "mpi"; None = everyone)."""
+    """The ``"torch"`` or ``"mpi"`` backend over ``process_group`` (None: the world)."""
     if name == "torch":
         from commpress.comm.torch_backend import TorchBackend
 

@@ -1,9 +1,7 @@
 """Every rank agrees on the config before any collective whose shape depends on it.
 
-Ranks whose configs differ would otherwise create different numbers of communicators or
-issue collectives of different sizes, and hang or abort inside the transport. The check
-is one exchange of a fixed-size digest over the process group DDP already uses (bounded
-by that group's timeout: a rank that never gets here makes the others fail, not hang).
+Ranks with different configs would build different communicators or collectives and hang in
+the transport; one digest exchange, bounded by the group's timeout, fails them all instead.
 """
 
 from __future__ import annotations
@@ -23,17 +21,13 @@ def agree_on_config(config: Config, entry: str, backend: str = "torch", process_
 
 
 def agree_on_settings(settings: Any, entry: str, backend: str = "torch", process_group: Any = None, detail: Any = None) -> None:
-    """Raise on every rank if the plain-data ``settings`` differ across ranks (as
-    :func:`agree_on_digest`); ``detail`` (default: ``settings``) goes into the message."""
+    """:func:`agree_on_digest` of plain-data ``settings``; ``detail`` (default: ``settings``) is shown."""
     agree_on_digest(digest_of(settings), entry, backend, process_group, settings if detail is None else detail)
 
 
 def agree_on_digest(digest: str, entry: str, backend: str = "torch", process_group: Any = None, detail: Any = None) -> None:
-    """Raise :class:`ConfigError` on every rank if ``digest`` differs across ranks, or
-    :class:`CollectiveError` if some rank never takes part within the group's timeout.
-
-    Uses torch.distributed when it is initialized (also with ``backend = "mpi"``: then
-    a rank on another backend is still found), else the MPI communicator."""
+    """Raise :class:`ConfigError` on every rank if ``digest`` differs (:class:`CollectiveError` if a
+    rank never joins); torch.distributed first even for ``"mpi"``, to catch a rank on the other."""
     import torch.distributed as dist
 
     if backend == "mpi" and not (dist.is_available() and dist.is_initialized()):

@@ -1,6 +1,5 @@
-"""Averages a flat vector of model values over ranks through any commpress compressor
-(``none``, ``fp16``, ``bf16``, ...) and a commpress backend, blocking or in the background:
-what Local SGD, CO2, DiLoCo and 1-bit Adam send their models and momenta through."""
+"""Averaging flat model values over ranks through any compressor and backend: what Local SGD,
+CO2, DiLoCo and 1-bit Adam send their models and momenta through."""
 
 from __future__ import annotations
 
@@ -25,30 +24,21 @@ __all__ = ["ParameterAverager"]
 
 
 def _exact_sum(tensor: torch.Tensor) -> Reduction:
-    """Sum ``tensor`` over ranks in place, in full precision."""
     summed = yield AllReduce(tensor)
     if summed is not tensor:
         tensor.copy_(summed)
 
 
 class ParameterAverager(OnBackend, BoundToProcess):
-    """Runs a method group's reduction over a flat bucket of model values.
+    """Runs a method group's reduction (``method``, ``params`` as in a config) over a flat bucket
+    of model values; build it on every rank in the same order.
 
-    ``method`` and ``params`` name the compressor as in a commpress config. Local SGD and
-    CO2 average *differences* from a value every rank holds identically (the last
-    average), so a narrow wire dtype such as ``bf16`` rounds the small change of one round,
-    not the weights themselves. Build it on every rank in the same order.
-
-    Built with a backend name, it opens that backend at :meth:`connect`, after the one
-    exchange in which the ranks agree on the method, its params and the caller's settings
-    (the trainer's period, model, ...); used before, it connects with its own settings.
-    Built with a torchft ``manager``, it reduces through the manager
-    (:class:`~commpress.comm.manager_backend.ManagerBackend`), whose replicas heal rather
-    than agree.
-
-    ``compressor``: one its caller built, in place of ``method`` and ``params``: Dion's
-    power iteration (:class:`~commpress.compressors.dion.DionCompressor`), whose result is
-    an update rather than an average and so is no method a config names.
+    Callers average *differences* from a value all ranks share, so a narrow wire dtype such as
+    ``bf16`` rounds one round's change, not the weights. A backend name is opened at
+    :meth:`connect`, after the ranks agree on the method and the caller's settings; a torchft
+    ``manager`` reduces through :class:`~commpress.comm.manager_backend.ManagerBackend`, whose
+    replicas heal rather than agree. ``compressor`` replaces ``method`` for one no config names
+    (Dion's :class:`~commpress.compressors.dion.DionCompressor`, whose result is an update).
     """
 
     def __init__(
@@ -66,7 +56,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
             method = compressor.name
         self.method = method
         self.process_group = process_group
-        if manager is not None:  # a torchft Manager: its backend, the step transaction over the manager
+        if manager is not None:
             backend = ManagerBackend(manager, self.groups.rounds)
         self._backend_name = backend if isinstance(backend, str) else None
         self._backend = None if isinstance(backend, str) else backend
@@ -84,15 +74,11 @@ class ParameterAverager(OnBackend, BoundToProcess):
 
     @property
     def can_block(self) -> bool:
-        """Whether a rank may wait on a collective alone (False for ranks of a
-        :class:`commpress.comm.SimulatedWorld`, all in one thread)."""
+        """Whether a rank may wait on a collective alone (not in a :class:`~commpress.comm.SimulatedWorld`)."""
         return self._backend is None or self._backend.can_block
 
     def connect(self, settings: Mapping[str, Any] | None = None, entry: str = "", process_group: Any = None) -> None:
-        """The set-up exchange: every rank agrees on ``settings`` and this averager's method
-        and params at once (``entry`` names the caller in the error; ``process_group``: the
-        group to agree in when the averager was handed a backend), then the backend named
-        at construction opens. Ranks that cannot block skip the exchange."""
+        """Agree on ``settings`` and the method across ranks (if they can block), then open the backend."""
         if self.can_block and (self._backend is None or self._backend.fixed_members):
             name = self._backend_name or ("torch" if dist.is_initialized() else "mpi")
             group = self.process_group if self._backend_name else process_group
@@ -107,10 +93,8 @@ class ParameterAverager(OnBackend, BoundToProcess):
         return self.groups.compressors[MAIN]
 
     def start(self, bucket: Bucket, commit: bool = True) -> torch.futures.Future:
-        """Start averaging ``bucket.buffer`` in place; the future completes with the buffer.
-        Keep the buffer untouched until then. Call in the same order on every rank.
-        ``commit=False``: the compressor's state changes stay staged until :meth:`settle`
-        (a torchft Manager decides at ``should_commit`` whether the step counts)."""
+        """Start averaging ``bucket.buffer`` in place, in the same order on every rank; leave it alone
+        until the future completes. ``commit=False`` stages state changes until :meth:`settle`."""
         ctx = self.next_context()
         self.calls += 1
         done = future_on(bucket.buffer.device)
@@ -120,7 +104,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
                 fut.value()  # raises the reduction's error
                 if commit:
                     self.groups.end_step(commit=True)
-            except BaseException as exc:  # the CollectiveError itself, not a RuntimeError around it
+            except BaseException as exc:  # pass the CollectiveError itself on, not a wrapper
                 done.set_exception(exc)
                 return
             done.set_result(bucket.buffer)
@@ -133,7 +117,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
         return Context(rank=self.rank, world_size=self.world_size, step=self.calls)
 
     def check_takes(self, dtype: torch.dtype, who: str) -> None:
-        """Refuse values of ``dtype`` the method does not take (``who``: whose values, for the error)."""
+        """Refuse values of a ``dtype`` the method does not take (``who`` names them in the error)."""
         compressor = self.compressor
         if dtype not in compressor.dtypes:
             name = str(dtype).removeprefix("torch.")
@@ -152,12 +136,12 @@ class ParameterAverager(OnBackend, BoundToProcess):
         return self.start(bucket).wait()
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over ranks in place in full precision (small set-up values)."""
+        """Sum ``tensor`` over ranks in place, in full precision (for small set-up values)."""
         self.backend.run(_exact_sum(tensor), tensor.device).wait()
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Every rank gets rank ``src``'s ``tensor``, exactly (a sum with zeros elsewhere)."""
+        """Rank ``src``'s ``tensor`` on every rank, exactly (a sum with zeros elsewhere)."""
         if self.rank != src:
             tensor.zero_()
         return self.sum(tensor)
@@ -173,11 +157,8 @@ class ParameterAverager(OnBackend, BoundToProcess):
         self.compressor.load_state_dict(state["compressor"])
 
     def own_part(self, state: Mapping[str, Any], what: str) -> Mapping[str, Any]:
-        """This rank's part of ``state``, a part or a whole job of the states of an object
-        that keeps this averager's :meth:`state_dict` under ``"averager"`` (Local SGD,
-        DiLoCo, CO2, 1-bit Adam): everything else in a part is the same on every rank, and
-        the compressor's per-rank entries are combined for another world size (see
-        :mod:`commpress.comm.checkpoint`)."""
+        """This rank's part of the ``state`` of an owner keeping :meth:`state_dict` under
+        ``"averager"`` (the rest being the same on every rank); see :mod:`commpress.comm.checkpoint`."""
         return checkpoint.own_part(state, self.rank, self.world_size, what, self._holds_per_rank, self._combine)
 
     def _holds_per_rank(self, part: Mapping[str, Any]) -> bool:

@@ -1,24 +1,12 @@
 """The one backend contract: run reduction generators as futures, issuing collectives in
 the same order on every rank.
 
-Why ordered channels: collectives on one communicator must be issued in the same order on
-all ranks. A reduction's first collective is issued from the calling thread (DDP's hook,
-in bucket order), but later ones are issued from completion callbacks, which on gloo run
-on worker threads in a timing-dependent order. Here the ``i``-th collective a reduction
-issues in a scope goes to channel ``(scope, i)`` (its own communicator), and each channel
-issues strictly in the order the reductions were started, a reduction that ends without
-using a channel releasing its turn there. So bucket ``i``'s second collective can run
-while bucket ``i+1`` is still compressing, and every rank still issues the same sequence
-on every communicator.
-
-On CUDA every wait is ordered by events: a request queued for its turn carries an event of
-the stream that produced its tensor, and the collective, wherever it is issued from, waits
-for it; a reduction's future is CUDA-aware, so whoever waits on it (DDP's reducer, the
-optimizer step) waits for the streams the last callback ran on.
-
-Failures are loud: a failed collective fails the reduction's future with a
-:class:`~commpress.errors.CollectiveError` naming the collective, the channel and its
-ranks, and every later reduction on this backend fails at once with the same cause.
+A reduction's later collectives are issued from completion callbacks, which on gloo run in a
+timing-dependent order. So the ``i``-th collective a reduction issues in a scope goes to
+channel ``(scope, i)``, its own communicator, where reductions take turns in the order they
+started; bucket ``i``'s second collective can then overlap bucket ``i+1``'s compression. On
+CUDA a queued request waits on an event of the stream that made its tensor. A failed collective
+fails its reduction with a :class:`~commpress.errors.CollectiveError`, and every later one.
 """
 
 from __future__ import annotations
@@ -61,14 +49,10 @@ class _Queue:
 
 
 class Backend(ABC):
-    """Drives reductions; a subclass says how to start one collective on one channel
-    (:meth:`_start`), which ranks a channel spans (:meth:`members`), and how to exchange
-    a picklable object for set-up checks (:meth:`allgather_object`).
-
-    ``rounds`` is the most collectives one reduction issues, per scope (an int: all in
-    the ``"world"`` scope). ``traffic`` counts bytes of every scope but ``"domain"`` (the
-    links the compression is for), ``domain_traffic`` the bytes inside fast domains.
-    """
+    """Drives reductions; a subclass implements :meth:`_start`, :meth:`members` and
+    :meth:`allgather_object`. ``rounds``: the most collectives one reduction issues, per scope
+    (an int: ``"world"``). ``traffic`` counts every scope but ``"domain"`` (the slow links
+    compression is for); ``domain_traffic`` the bytes inside fast domains."""
 
     def __init__(self, rank: int, world_size: int, rounds: int | Mapping[str, int]) -> None:
         rounds = {"world": rounds} if isinstance(rounds, int) else dict(rounds)
@@ -85,54 +69,49 @@ class Backend(ABC):
         self._seq = 0
         self._failure: CollectiveError | None = None
 
-    #: whether this rank may block on a collective until its peers join it (False when
-    #: every rank of the world runs in this thread: a blocking call would wait forever)
+    #: whether this rank may block on a collective alone (False when every rank runs in this thread)
     can_block: bool = True
-    #: whether the ranks stay the same for the backend's life, so they can agree on settings
-    #: and take rank 0's model once at set-up (False under a torchft Manager: replicas come
-    #: and go, and a joining one heals from a peer)
+    #: whether the ranks stay fixed, so they agree on settings once (False under a torchft Manager)
     fixed_members: bool = True
 
-    # ---- the step's transaction: a fixed group's step always commits -------------------
-    #: whether this member takes part in the step (a replica that heals in it does not)
+    # ---- the step's transaction (see ManagerBackend); a fixed group's step always commits ----
+    #: whether this member takes part in the step (a healing replica does not)
     participating: bool = True
-    #: whether a member of the step heals in it (it is then handed what it lacks)
+    #: whether a member of the step heals in it
     heals: bool = False
-    #: per reduction of the step, its collectives' results, while this member heals (None: it does not)
+    #: per reduction of the step, its collectives' results, while this member heals
     log: list[list[Any]] | None = None
 
     def begin_step(self) -> None:
-        """Begin a step: for a fixed group, nothing to ask."""
+        """Begin a step; a fixed group has nothing to ask."""
         return None
 
     def open_step(self) -> None:
-        """Begin a step of the caller's own (a trainer's sync): a fixed group's begins at once."""
+        """Begin a step of the caller's own (a trainer's sync)."""
         self.begin_step()
 
     def commit(self) -> bool:
-        """End the step opened last; whether it counts: a fixed group's always does."""
+        """End the step opened last; whether it counts."""
         return True
 
     def allow_state_reads(self, allowed: bool) -> None:
-        """Whether a peer may read the shared state now (not while an inner step changes it):
-        no peer reads it in a fixed group."""
+        """Whether a healing peer may read the shared state now."""
         return None
 
     def step_of(self, counted: int) -> int:
-        """The number of the step begun: for a fixed group, the caller's own count."""
+        """The number of the step begun, given the caller's own count."""
         return counted
 
     def committed(self) -> bool:
-        """Whether the step begun last is committed: a fixed group's always is."""
+        """Whether the step begun last is committed."""
         return True
 
     def survived(self, exc: BaseException) -> bool:
-        """Whether the run survives ``exc``, a failure of the step's collectives (the step is
-        then not committed): never in a fixed group, where it is raised."""
+        """Whether the run survives ``exc``, a failure of the step's collectives (else it is raised)."""
         return False
 
     def share_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
-        """Name the state a member that heals takes from a peer: none in a fixed group."""
+        """Name the state a healing member takes from a peer."""
         return None
 
     @property
@@ -158,30 +137,23 @@ class Backend(ABC):
 
     @abstractmethod
     def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:
-        """Start ``request`` on ``channel``'s communicator; the future gives the result (a
-        tensor for AllReduce and ReduceScatter, a list of tensors for AllGather) or fails;
-        a subclass whose future gives something else says what in :meth:`_result`."""
+        """Start ``request`` on ``channel``'s communicator; the future gives a tensor (a list of
+        them for AllGather), or whatever the subclass's :meth:`_result` turns into one."""
 
     def _result(self, channel: Channel, request: Collective, fut: torch.futures.Future) -> Any:
-        """The result of ``request`` once its future ``fut`` has completed (its value here);
-        raises the collective's error."""
+        """The result of ``request`` once ``fut`` has completed; raises the collective's error."""
         return fut.value()
 
     def run(self, reduction: Reduction, device: torch.device | None = None) -> torch.futures.Future:
-        """Run ``reduction``; the returned future completes with what it returns (whether
-        its average is known finite) when it ends.
-
-        ``device`` is where its tensors live (default: the current CUDA device once CUDA is
-        initialized); on CUDA the future makes its waiters wait for the reduction's streams.
-        Must be called in the same order on every rank (DDP calls hooks in bucket order).
-        """
+        """Run ``reduction`` on ``device``'s tensors (see :func:`future_on`), in the same order on
+        every rank; the future completes with what it returns (whether its average is finite)."""
         task = _Task(self._seq, reduction, future_on(device))
         self._seq += 1
         self._advance(task, None)
         return task.result
 
     def _advance(self, task: _Task, result: Any) -> None:
-        """Step the generator with ``result``; queue its next request or finish it."""
+        """Send ``result`` into the generator; queue its next request or finish it."""
         if self._failure is not None:
             task.gen.close()
             return self._finish(task, self._failure)
@@ -214,7 +186,7 @@ class Backend(ABC):
         self._pump(channel)
 
     def _finish(self, task: _Task, error: BaseException | None, returned: Any = None) -> None:
-        """End ``task``: give up its turns on the channels it did not use, complete its future."""
+        """Release ``task``'s turns on the channels it did not use and complete its future."""
         for channel, queue in self._queues.items():
             if channel[1] >= task.used.get(channel[0], 0):
                 with queue.lock:
@@ -248,7 +220,6 @@ class Backend(ABC):
             when_done(fut, self._callback(task, channel, request))
 
     def _issue(self, channel: Channel, request: Collective) -> torch.futures.Future:
-        """:meth:`_start`, with a failure to start turned into a failed future."""
         try:
             return self._start(channel, request)
         except BaseException as exc:
@@ -277,9 +248,8 @@ class Backend(ABC):
 
 
 def future_on(device: torch.device | None = None) -> torch.futures.Future:
-    """A future for results made on ``device``'s streams (default: the current CUDA device
-    once CUDA is initialized): on CUDA, completing it records events on the current streams
-    and waiting on it (or a callback of it) waits for them; on the CPU a plain future."""
+    """A future whose waiters wait for ``device``'s current CUDA streams at completion (default:
+    the current CUDA device once initialized); a plain future on the CPU."""
     if device is None and torch.cuda.is_initialized():
         device = torch.device("cuda", torch.cuda.current_device())
     if device is None or device.type != "cuda" or not torch.cuda.is_available():  # (fake CUDA tensors in tests)
@@ -289,7 +259,6 @@ def future_on(device: torch.device | None = None) -> torch.futures.Future:
 
 
 def _ready(tensor: torch.Tensor) -> torch.cuda.Event | None:
-    """An event on the current stream of a CUDA ``tensor``'s device (None on the CPU)."""
     if not tensor.is_cuda or not torch.cuda.is_available():
         return None
     event = torch.cuda.Event()
@@ -298,8 +267,7 @@ def _ready(tensor: torch.Tensor) -> torch.cuda.Event | None:
 
 
 class OnBackend:
-    """The rank, world size and traffic of the backend an object reduces through (its
-    ``backend``), for objects that hold one (the hook state, the parameter averager)."""
+    """The rank, world size and traffic of the ``backend`` an object reduces through."""
 
     backend: Backend
 

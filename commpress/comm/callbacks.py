@@ -1,24 +1,12 @@
 """Callbacks on collective futures that the process can exit after.
 
-gloo completes a collective's future on one of its worker threads and runs the future's
-Python callbacks there; after a callback has run, that thread takes the GIL again to
-release it, and again to release the collective's tensors (torch keeps a tensor's Python
-object alive while C++ holds the tensor too). If the main thread has begun tearing the
-interpreter down by then (a script that ends right after its last step), taking the GIL
-ends the worker thread inside a C++ destructor and the process aborts ("terminate called
-without an active exception") after a run that succeeded. So every callback commpress
-hands to a collective's future is counted until it is released (after whatever it held:
-the reduction, its futures), and at exit, before the interpreter is torn down, the main
-thread waits with the GIL released until the count is zero and gloo's worker threads are
-idle: at once after a normal run, a few milliseconds on a busy machine, at most
-:data:`EXIT_WAIT` seconds where a collective never completes.
-
-The release on gloo's thread may drop the last reference to a backend, and with it to the
-process groups it opened (once ``destroy_process_group()`` has let go of them): a group
-destroyed on one of its own worker threads joins that thread and the process aborts
-("Resource deadlock avoided"). A backend hands its groups to :func:`outlive_worker`, which
-keeps them, where they are let go of on another thread, until the main thread hands over
-its next callback or exits.
+gloo runs a future's Python callbacks on its worker thread, which retakes the GIL to release
+the callback and the collective's tensors; during interpreter teardown that aborts the process
+("terminate called without an active exception") after a successful run. So every callback
+commpress hands a future is counted until released, and at exit the main thread waits (GIL
+released, at most :data:`EXIT_WAIT` seconds) for the count to reach zero and gloo to idle.
+A process group destroyed on its own worker thread also aborts ("Resource deadlock avoided"):
+:func:`outlive_worker` keeps such groups for the main thread to let go of.
 """
 
 from __future__ import annotations
@@ -38,13 +26,11 @@ __all__ = ["EXIT_WAIT", "drain", "outlive_worker", "pending", "when_done"]
 #: the longest the process waits at exit for callbacks of collectives still in flight
 EXIT_WAIT = 2.0
 
-#: the name torch gives gloo's worker threads (what runs the callbacks)
+#: the name torch gives gloo's worker threads
 _WORKER = "pt_gloo_runloop"
 
 
 class _Count:
-    """The callbacks not released yet, and whether any ever was counted."""
-
     def __init__(self) -> None:
         self.n = 0
         self.ever = False
@@ -68,7 +54,7 @@ class _Counted:
         return self.fn(fut)
 
     def __del__(self) -> None:
-        # release what ``fn`` holds first, so the count falls only once that is gone too
+        # release what ``fn`` holds first: the count falls only once that is gone
         self.fn = None
         with self.count.changed:
             self.count.n -= 1
@@ -81,18 +67,15 @@ _kept_lock = threading.Lock()
 
 
 def when_done(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], Any]) -> None:
-    """Run ``fn(fut)`` when ``fut`` completes (on the thread that completes it; at once, on
-    this thread, if it has), counted until released so that the process does not exit
-    under it."""
+    """Run ``fn(fut)`` when ``fut`` completes, counted until released."""
     if _kept:
         _release_kept()
     fut.add_done_callback(_Counted(fn))
 
 
 def outlive_worker(*objects: Any) -> None:
-    """Called as their last holder lets go of ``objects`` (process groups): on a thread other
-    than the main one (gloo's, releasing a callback) keep them until the main thread hands
-    over its next callback or exits, so that none is destroyed on its own worker thread."""
+    """Called as the last holder lets go of ``objects`` (process groups): off the main thread,
+    keep them until the main thread's next :func:`when_done` or exit."""
     if threading.current_thread() is not threading.main_thread():
         with _kept_lock:
             _kept.extend(objects)
@@ -114,16 +97,15 @@ def pending() -> int:
 
 
 def drain(timeout: float | None = None) -> bool:
-    """Wait (the GIL released) until every counted callback is released, at most
-    ``timeout`` seconds (default :data:`EXIT_WAIT`); whether they all were."""
+    """Wait, GIL released, at most ``timeout`` (default :data:`EXIT_WAIT`) seconds until every
+    counted callback is released; whether they all were."""
     count = _Counted.count
     with count.changed:
         return count.changed.wait_for(lambda: count.n == 0, EXIT_WAIT if timeout is None else timeout)
 
 
 def _workers_busy() -> bool | None:
-    """Whether one of gloo's worker threads is running or waiting to run (after a callback
-    it releases the collective's tensors); None where ``/proc`` cannot tell."""
+    """Whether a gloo worker thread is running or runnable; None where ``/proc`` cannot tell."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -141,8 +123,7 @@ def _workers_busy() -> bool | None:
 
 
 def _wait_until_idle(deadline: float) -> bool:
-    """Wait, the GIL released, until gloo's workers have been idle for two looks in a row
-    (50 ms where that cannot be seen), at most until ``deadline``; whether they were."""
+    """Wait until gloo's workers look idle twice in a row, at most until ``deadline``; whether they did."""
     idle = 0
     while idle < 2:
         busy = _workers_busy()
@@ -157,9 +138,7 @@ def _wait_until_idle(deadline: float) -> bool:
 
 
 def _at_exit() -> None:
-    """Before the interpreter is torn down: wait for every counted callback and for gloo's
-    workers to let go of the collectives they ran, then let go of the groups kept for the
-    main thread; say so on stderr if the wait timed out."""
+    """Wait for the counted callbacks and idle workers, then release the kept groups."""
     if not _Counted.count.ever:
         return
     deadline = time.monotonic() + EXIT_WAIT

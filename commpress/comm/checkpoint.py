@@ -1,19 +1,11 @@
-"""Per-rank state in checkpoints: each state says whose it is, a whole job's states travel
-together, and every rank takes back its own part.
+"""Per-rank state in checkpoints: each state says whose it is, and every rank takes back its own.
 
-Error feedback, Top-k residuals and DGC's velocities differ per rank. A state dict from
-:meth:`state_dict` is one rank's *part*: it records ``rank``, ``world_size``, ``step`` and
-the ``config`` it was saved with. A *whole-job* state (``state_dict(full=True)``, a
-collective) is ``{"world_size": W, "ranks": [part_0, ..., part_W-1]}``: a rank-0-only
-checkpoint holds every rank's part, and each rank loads its own.
-
-A part is refused by another rank, or by a job of another world size, when it holds
-per-rank entries (:func:`holds_per_rank`); a part without them (stateless methods, or
-before compression started) is the same on every rank and loads anywhere. A whole-job
-state loads into a job of another world size by :func:`share_of`: new rank ``r`` takes
-the old ranks ``r, r + W', r + 2W', ...``, summed and scaled by ``W'/W``, so the job's
-average of every per-rank entry (the gradient it still owes) is kept; shared entries come
-from old rank 0. New ranks beyond the old world size start with none.
+Error feedback and similar residuals differ per rank. A *part* (``state_dict()``) records
+``rank``, ``world_size``, ``step`` and ``config``; a *whole job* (``state_dict(full=True)``, a
+collective) is ``{"world_size": W, "ranks": [part_0, ...]}``. A part holding per-rank entries
+(:func:`holds_per_rank`) loads only on its own rank and world size. A whole job loads into world
+size ``W'`` by :func:`share_of`: new rank ``r`` sums old ranks ``r, r + W', ...`` scaled by
+``W'/W``, keeping the job's average of every per-rank entry; shared entries come from rank 0.
 """
 
 from __future__ import annotations
@@ -48,27 +40,20 @@ __all__ = [
 
 
 def tag(part: dict[str, Any], rank: int | None, world_size: int | None, step: int, config: Mapping[str, Any]) -> dict[str, Any]:
-    """``part`` with the rank, world size, step and config it belongs to. A state not
-    connected yet, which has reduced nothing, has rank and world size None: it holds
-    nothing per rank and loads on any rank."""
+    """``part`` tagged with its rank and world size (None before connecting), step and config."""
     return {"rank": rank, "world_size": world_size, "step": int(step), "config": dict(config), **part}
 
 
 def gather_job(allgather: Callable[[Any], list[Any]], part: dict[str, Any]) -> dict[str, Any]:
-    """Every rank's ``part``, on every rank, through ``allgather`` (a backend's
-    ``allgather_object``: a collective, every rank calls it)."""
+    """The whole job: every rank's ``part`` through ``allgather`` (a collective)."""
     parts = allgather(part)
     return {"world_size": len(parts), "ranks": parts}
 
 
 class DCPState:
-    """``obj`` (a hook state, a Local SGD/CO2 trainer, an FSDP state) as a ``Stateful`` for
-    ``torch.distributed.checkpoint``: ``dcp.save({"hook": DCPState(state)}, ...)`` writes
-    each rank's own part under a key of its own (DCP writes a key that every rank holds
-    only once, which would keep rank 0's error feedback for all), and ``dcp.load`` hands
-    each rank its part back, checked like :meth:`load_state_dict`. The part is stored as
-    bytes that ``torch.load(..., weights_only=True)`` reads. Resuming with another world
-    size needs the whole job (``state_dict(full=True)``)."""
+    """``obj`` (a hook state, trainer or FSDP state) as a ``Stateful`` for DCP: each rank's part,
+    as ``weights_only`` bytes, under a key of its own, since DCP writes a key every rank holds
+    only once (keeping rank 0's error feedback for all)."""
 
     def __init__(self, obj: Any, rank: int | None = None) -> None:
         self.obj = obj
@@ -106,12 +91,8 @@ def own_part(
     per_rank: Callable[[Mapping[str, Any]], bool],
     combine: Callable[[Mapping[str, Any], Sequence[Mapping[str, Any]], float], dict[str, Any]],
 ) -> Mapping[str, Any]:
-    """This rank's part of ``state`` (a part, or a whole job).
-
-    ``per_rank(part)`` says whether a part holds entries that differ per rank;
-    ``combine(shared, parts, scale)`` builds one rank's part from old rank 0's (``shared``)
-    and the old parts it takes over (a whole job saved with another world size).
-    """
+    """This rank's part of ``state`` (a part, or a whole job). ``per_rank(part)``: whether it
+    holds per-rank entries; ``combine(shared, parts, scale)``: a part for another world size."""
     check_state(state, what)
     if not is_whole_job(state):
         _check_whose(state, rank, world_size, what, per_rank)
@@ -131,8 +112,7 @@ def own_part(
 def same_everywhere(
     state: Mapping[str, Any], rank: int, world_size: int, what: str, config: Mapping[str, Any]
 ) -> Mapping[str, Any]:
-    """This rank's part of the ``state`` of an object that holds nothing per rank (step
-    counters): any rank's part will do; the config must be the saved one."""
+    """:func:`own_part` for state that holds nothing per rank (step counters), config checked."""
     part = own_part(state, rank, world_size, what, lambda _: False, lambda shared, _, __: dict(shared))
     check_config(part["config"], config, what)
     return part
@@ -159,8 +139,7 @@ def holds_per_rank(entries: Mapping[str, Any], keys: Sequence[str]) -> bool:
 
 
 def check_state(state: Any, what: str) -> None:
-    """Raise ValueError, saying so, unless ``state`` is a part or a whole job of parts:
-    whatever else it is (None, a list, another library's dict) gets the one message."""
+    """Raise ValueError unless ``state`` is a part or a whole job of parts."""
     if not isinstance(state, Mapping):
         _refuse_junk(what, f"is {'None' if state is None else 'a ' + type(state).__name__}")
     if not is_whole_job(state):
@@ -208,8 +187,7 @@ def check_config(saved: Mapping[str, Any], current: Mapping[str, Any], what: str
 
 
 def check_resume(backend: Backend, step: int, digest: str, what: str) -> None:
-    """Raise on every rank if ranks are about to reduce from different steps or configs
-    (states saved at different times, or some ranks resumed and others not)."""
+    """Raise on every rank if ranks are about to reduce from different steps or configs."""
     seen = backend.allgather_object((int(step), digest))
     steps = [s for s, _ in seen]
     if len(set(steps)) > 1:
@@ -232,8 +210,7 @@ def compressors_per_rank(compressors: Mapping[str, Compressor], states: Mapping[
 def combine_compressors(
     compressors: Mapping[str, Compressor], shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scale: float
 ) -> dict[str, Any]:
-    """Group key -> one rank's compressor state, from old rank 0's (``shared``) and the
-    old ranks' states it takes over (see :func:`own_part`)."""
+    """Group key -> one rank's compressor state, from old rank 0's and the parts it takes over."""
     out: dict[str, Any] = {}
     for key, c in compressors.items():
         state = dict(shared.get(key, {}))
@@ -245,8 +222,7 @@ def combine_compressors(
 
 
 def check_same_mesh(state: Mapping[str, Any], shard_shapes: list[list[int]], world_size: int, what: str) -> None:
-    """A sharded model's state loads on the mesh it was saved on only: ``shard_shapes`` in
-    ``world_size`` replica groups (its rows are this shard's)."""
+    """Refuse a sharded model's state saved on another mesh (shard shapes, replica groups)."""
     config = state.get("config", {}) if isinstance(state, Mapping) else {}
     saved = (config.get("shard_shapes"), state.get("world_size") if isinstance(state, Mapping) else None)
     if saved != (shard_shapes, world_size):

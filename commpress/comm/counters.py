@@ -1,7 +1,4 @@
-"""Counters of what a rank sent and how long it spent compressing (:class:`Traffic`).
-
-What was measured, as opposed to :mod:`commpress.bandwidth.traffic`, the model that predicts it.
-"""
+"""What a rank sent and how long it spent compressing, as measured (:mod:`commpress.bandwidth.traffic` predicts it)."""
 
 from __future__ import annotations
 
@@ -13,13 +10,9 @@ __all__ = ["Traffic"]
 
 @dataclass
 class Traffic:
-    """Cumulative per-rank counters, safe to update from communication threads.
-
-    ``bytes_sent`` counts the payload this rank contributes to collectives (its input
-    tensor's bytes; the sizes exchanged before a variable all-gather included), not the
-    algorithm-dependent bytes a ring or tree forwards. ``compute_seconds`` is the time
-    spent inside compressor code (compress and decompress) between collectives.
-    """
+    """Cumulative per-rank counters, safe to update from communication threads: ``bytes_sent`` is
+    this rank's input to collectives (not what a ring forwards), ``compute_seconds`` the time in
+    compressor code."""
 
     bytes_sent: int = 0
     collectives: int = 0

@@ -1,9 +1,7 @@
 """Join torch.distributed from whatever launched this process: torchrun or mpirun.
 
-DDP needs a torch process group even when the hook's collectives go through MPI, so under
-``mpirun`` this starts gloo from the MPI rank and size (``OMPI_COMM_WORLD_RANK`` ... or the
-PMI/PMIx equivalents). The rendezvous address is ``MASTER_ADDR``/``MASTER_PORT`` when set;
-otherwise rank 0 picks a free port and tells the others through mpi4py.
+DDP needs a torch group even when collectives go through MPI, so under ``mpirun`` this starts
+gloo at ``MASTER_ADDR``/``MASTER_PORT``, or else at a free port rank 0 shares through mpi4py.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import torch.distributed as dist
 
 __all__ = ["Launch", "detect_launcher", "init_from_env"]
 
-# (rank, size, local size) variables of the MPI launchers we know, first match wins.
+# (rank, size, local size) variables of known MPI launchers, first match wins.
 _MPI_VARS = (
     ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"),
@@ -60,10 +58,7 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launch:
 
 
 def init_from_env(backend: str = "gloo", timeout: float = 300.0) -> Launch:
-    """Initialize the default torch process group from the launcher's environment.
-
-    Raises RuntimeError when the process was started by neither torchrun nor mpirun.
-    """
+    """Initialize the default torch process group from the torchrun or mpirun environment."""
     launch = detect_launcher()
     if launch.kind == "none":
         raise RuntimeError(

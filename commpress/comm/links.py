@@ -1,11 +1,7 @@
-"""What the bandwidth layer needs from a backend beyond running reductions.
-
-Measuring the links takes point-to-point transfers and blocking collectives on a
-communicator of their own, so probes never mix with reductions (:class:`Links`). Reducing
-hierarchically takes a backend over the same ranks whose ``"domain"`` and ``"cross"``
-scopes split them as a plan says. A :class:`MeasurableBackend` offers both; the layer
-above asks for nothing else, so it never touches torch.distributed itself.
-:class:`~commpress.comm.torch_backend.TorchBackend` is one.
+"""What the bandwidth layer needs from a backend beyond running reductions: :class:`Links`, a
+communicator of its own for probes (so they never mix with reductions), and backends whose
+``"domain"`` and ``"cross"`` scopes split the ranks as a plan says. Through
+:class:`MeasurableBackend` that layer never touches torch.distributed itself.
 """
 
 from __future__ import annotations
@@ -28,12 +24,8 @@ class Pending(Protocol):
 
 
 class Links(ABC):
-    """A communicator of ``world_size`` ranks for measuring the links between them.
-
-    Peers are ranks of this communicator (``0 .. world_size - 1``); ``ranks`` are their
-    global ranks (for messages); probe tensors live on ``device``. Every rank calls the
-    collectives together; ``send``/``recv`` pair up as the caller arranges.
-    """
+    """A communicator for measuring links: peers are its own rank numbers, ``ranks`` their
+    global ones (for messages), and probe tensors live on ``device``."""
 
     rank: int
     world_size: int
@@ -74,16 +66,12 @@ class Links(ABC):
 
 
 class MeasurableBackend(Backend):
-    """A backend whose links can be measured and whose ranks can be split into domain
-    and cross scopes: what the bandwidth layer runs on."""
+    """A backend whose links can be measured and whose ranks split into domain and cross scopes."""
 
     @abstractmethod
     def links(self) -> Links:
-        """A new communicator of this backend's ranks for measuring links; every rank
-        calls it together."""
+        """A new :class:`Links` over this backend's ranks (every rank calls it)."""
 
     @abstractmethod
     def scoped(self, rounds: Mapping[str, int], scopes: Mapping[str, Sequence[Sequence[int]]]) -> Backend:
-        """A new backend over the same ranks: ``rounds`` collectives per scope,
-        ``scopes`` partitions of the ranks (this backend's rank numbers) for ``"domain"``
-        and ``"cross"``. Every rank calls it together."""
+        """A new backend over the same ranks, ``scopes`` partitioning them for ``"domain"``/``"cross"``."""

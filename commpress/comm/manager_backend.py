@@ -1,21 +1,11 @@
-"""The backend over a torchft ``Manager``: every collective goes through the manager's
-reconfigurable process group and its errors to the manager, so a lost peer fails the step
-(``should_commit()`` is False) instead of the run.
+"""The backend over a torchft ``Manager``: collectives go through the manager's reconfigurable
+process group and errors to the manager, so a lost peer fails the step, not the run.
 
-Why not ``manager.allreduce``: it averages (a compressor divides by the step's participants
-itself, from ``ctx.world_size``) and its future chain is lazy (it completes only once
-waited on). Like it, this backend waits for the quorum, makes a healing replica's
-all-reduce input count as nothing (zeros; for a maximum, the lowest value) and reports
-failures to the manager (``report_error``, as ``manager.wrap_future`` does, without its
-traceback: a lost peer is logged in one line). An all-gather carries one more byte saying
-whether its sender participates, and a healing replica's entry is dropped: every average
-counts the step's participants only (``num_participants()``).
-
-One process group carries every collective, so reductions run one after another (a later
-round, issued from a completion callback, would otherwise be issued in a timing-dependent
-order); the backward pass still overlaps the communication. While this replica heals, the
-results of the step's collectives are kept (:attr:`ManagerBackend.log`) so the hook can
-:func:`replay` the step on the state it receives from a healthy peer.
+Not ``manager.allreduce``: it averages (compressors divide by ``ctx.world_size`` themselves)
+and its future completes only once waited on. A healing replica contributes nothing (an
+all-gather's extra byte drops its entry) and keeps the step's results (:attr:`ManagerBackend.log`)
+to :func:`replay` on a healthy peer's state. One process group carries every collective, so
+reductions run one after another to keep their order.
 """
 
 from __future__ import annotations
@@ -48,8 +38,7 @@ _SURVIVED = re.compile(rf"^({re.escape(_IN_CALLBACK)})*(CollectiveError|Floating
 
 
 class ManagerBackend(Backend):
-    """Runs reductions over ``manager`` (a ``torchft.Manager``). Call :meth:`begin_step`
-    before a step's first reduction: it reads the step's quorum."""
+    """Runs reductions over a ``torchft.Manager``; call :meth:`begin_step` before a step's first."""
 
     fixed_members = False
 
@@ -62,44 +51,39 @@ class ManagerBackend(Backend):
         self._lock = threading.Lock()
 
     def begin_step(self) -> None:
-        """Wait for the step's quorum; take its participants (the world size), this
-        replica's rank among them and whether it heals; forget the last step's failure.
-        A healing replica reads the step's results as participant 0 does: its own entry
-        is not among them (at torchft's first-step sync it has a rank of its own)."""
+        """Wait for the step's quorum and take its world size, this replica's rank and whether it
+        heals (then it reads results as participant 0); forget the last step's failure."""
         m = self.manager
         self.world_size = m.num_participants()
         self.participating = m.is_participating()
         self.rank = (m.participating_rank() or 0) if self.participating else 0
-        #: whether a replica of the quorum heals in this step (the group holds more than participate)
         self.heals = m._pg.size() > self.world_size
         self._failure = None
         self.log = None if self.participating else []
         self._began_at = m.current_step()
 
     def open_step(self) -> None:
-        """A step of the caller's own: ask the manager for a quorum, then :meth:`begin_step`."""
+        """Ask the manager for a quorum, then :meth:`begin_step`."""
         self.manager.start_quorum()
         self.begin_step()
 
     def commit(self) -> bool:
-        """``should_commit()``: whether every participant's step succeeded (a healing replica
-        takes its peer's state in it)."""
+        """``should_commit()``: whether every participant's step succeeded."""
         return bool(self.manager.should_commit())
 
     def allow_state_reads(self, allowed: bool) -> None:
-        """Let a healing peer read the shared state (between inner steps) or not."""
+        """Let a healing peer read the shared state (between inner steps), or not."""
         if allowed:
             self.manager.allow_state_dict_read()
         else:
             self.manager.disallow_state_dict_read()
 
     def step_of(self, counted: int) -> int:
-        """Committed steps since this backend was made: the manager's step, the same on every
-        replica whenever it joined."""
+        """Committed steps since this backend was made (the same on every replica)."""
         return self.manager.current_step() - self._base
 
     def committed(self) -> bool:
-        """Whether the manager committed the step begun last (``should_commit()`` moved its step on)."""
+        """Whether ``should_commit()`` moved the manager's step on past the one begun last."""
         return self._began_at is None or self.manager.current_step() > self._began_at
 
     def survived(self, exc: BaseException) -> bool:
@@ -108,8 +92,7 @@ class ManagerBackend(Backend):
         return True
 
     def share_state(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
-        """Register ``save`` and ``load`` with the manager under ``key``: a healing replica
-        receives a healthy peer's ``save()`` and calls ``load`` with it in ``should_commit()``."""
+        """Register ``save`` and ``load`` with the manager: a healing replica loads a peer's ``save()``."""
         self.manager.register_state_dict_fn(key, load, save)
 
     def members(self, scope: str) -> list[int]:
@@ -171,15 +154,13 @@ class ManagerBackend(Backend):
             return result()
 
         wrapped = _reported(self.manager, fut).then(done)
-        # torchft's callbacks on ``fut`` complete ``wrapped`` on gloo's thread and go on after
-        # it; a counted callback after them keeps the process from exiting under them
+        # torchft's callbacks go on after completing ``wrapped``: count one after them (comm/callbacks.py)
         when_done(fut, _ran)
         return wrapped
 
 
 def _reported(manager: Any, fut: torch.futures.Future) -> torch.futures.Future:
-    """``manager.wrap_future(fut, _FAILED)`` without its traceback log: within the manager's
-    timeout ``fut``'s value, else the error reported to the manager and :data:`_FAILED`."""
+    """``manager.wrap_future(fut, _FAILED)`` without its traceback log."""
     from torchft.futures import future_timeout
 
     def swallowed(f: torch.futures.Future) -> Any:
@@ -193,9 +174,8 @@ def _reported(manager: Any, fut: torch.futures.Future) -> torch.futures.Future:
 
 
 def report(manager: Any, exc: Exception) -> None:
-    """Fail the manager's step with ``exc``. A lost or failed collective (or a non-finite
-    average) is what the step's failure survives: one line at WARNING. Anything else is
-    logged at ERROR with its traceback, since retrying the step will not make it go away."""
+    """Fail the manager's step with ``exc``: one WARNING line for a failed collective or a
+    non-finite average, which a retry survives; anything else at ERROR with its traceback."""
     if _survived(exc):
         log.warning("step %s will not be committed: %s", manager.current_step(), _first_line(exc))
     else:
@@ -204,8 +184,7 @@ def report(manager: Any, exc: Exception) -> None:
 
 
 def _survived(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed collective or a non-finite average, also where a future's
-    callback raised it (torch's futures keep only its text then)."""
+    """Whether ``exc`` is a failed collective or non-finite average (also as a callback's text)."""
     return isinstance(exc, (CollectiveError, FloatingPointError)) or bool(_SURVIVED.match(str(exc)))
 
 
@@ -215,15 +194,14 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _identity(op: str, dtype: torch.dtype) -> float:
-    """What a healing replica contributes to an all-reduce ``op``: nothing (sum: 0; max: the
-    dtype's lowest value, -inf for floats)."""
+    """The identity of all-reduce ``op``: what a healing replica contributes."""
     if op == "sum":
         return 0
     return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
 def _ran(fut: torch.futures.Future) -> None:
-    """Nothing: the last callback on a collective's future, counted (``comm/callbacks.py``)."""
+    """Nothing: a counted last callback on a collective's future."""
 
 
 def _forward(out: torch.futures.Future, fut: torch.futures.Future) -> None:
@@ -234,14 +212,11 @@ def _forward(out: torch.futures.Future, fut: torch.futures.Future) -> None:
 
 
 def _cloned(result: Any) -> Any:
-    """A copy of a collective's result (a tensor, or an all-gather's list of them)."""
     return [t.clone() for t in result] if isinstance(result, list) else result.clone()
 
 
 def replay(reduction: Reduction, results: list[Any]) -> Finite:
-    """Run ``reduction`` on recorded ``results`` instead of communicating: an all-reduce's
-    recorded result is written into the tensor it asked to reduce (as a backend does), an
-    all-gather gets a copy of the recorded list. Raises if it asks for more collectives."""
+    """Run ``reduction`` on recorded ``results`` instead of communicating."""
     try:
         request = next(reduction)
         for result in results:

@@ -1,12 +1,7 @@
-"""Replica groups of a sharded model: the 2-D device mesh a user hands
-:func:`commpress.register` (``mesh=``), whose ``"shard"`` dimension FSDP2 shards the model
-over inside a group and whose ``"replicate"`` dimension joins the groups, which commpress
-alone communicates over (DiLoCo's outer syncs, or the compressed cross-group gradient
-average).
-
-Rank ``(g, s)`` holds shard ``s`` of group ``g``'s model; it exchanges its shard with the
-ranks ``(g', s)`` holding the same shard in the other groups, so every exchange runs on a
-shard's own rows and nothing is gathered across groups.
+"""Replica groups of a sharded model: the 2-D mesh handed to :func:`commpress.register`
+(``mesh=``). FSDP2 shards over ``"shard"``; commpress alone communicates over ``"replicate"``,
+rank ``(g, s)`` exchanging with the ranks ``(g', s)`` holding the same shard, so nothing is
+gathered across groups.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ REPLICATE, SHARD = "replicate", "shard"
 
 @dataclass(frozen=True)
 class ReplicaGroups:
-    """What commpress takes from a 2-D mesh: ``replicate``, the process group of the ranks
-    holding this rank's shard in every group (FSDP2 keeps the ``shard`` side), and its shape."""
+    """What commpress takes from the mesh: its shape and ``replicate``, the ranks holding this shard."""
 
     replicate: Any  # torch.distributed.ProcessGroup
     groups: int  # replica groups
@@ -41,9 +35,7 @@ class ReplicaGroups:
 
 
 def replica_groups(mesh: Any, model: torch.nn.Module, entry: str = "commpress.register()") -> ReplicaGroups:
-    """``mesh``'s two dimensions, once ``model``'s parameters are known to be sharded over
-    its ``"shard"`` dimension alone (FSDP2's ``fully_shard(module, mesh=mesh["shard"])``);
-    a clear :class:`ConfigError` otherwise."""
+    """``mesh``'s replica groups; a :class:`ConfigError` unless ``model`` is sharded over ``mesh["shard"]`` alone."""
     names = getattr(mesh, "mesh_dim_names", None)
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or set(names or ()) != {REPLICATE, SHARD}:
         got = f"a {mesh.ndim}-D DeviceMesh named {names}" if isinstance(mesh, DeviceMesh) else type(mesh).__name__

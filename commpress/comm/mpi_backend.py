@@ -1,17 +1,10 @@
 """The MPI backend: mpi4py non-blocking collectives completing torch futures.
 
-Collectives run on zero-copy numpy views of CPU tensors (``Iallreduce`` in place,
-``Iallgather``/``Iallgatherv`` on raw bytes, so any dtype travels). CUDA tensors go to MPI
-directly when the MPI library is CUDA-aware, otherwise through pinned host buffers. A
-progress thread tests the outstanding requests and completes their futures, so
-``commpress.hooks.ddp_hook`` works unchanged with ``backend = "mpi"`` under ``mpirun``.
-Following :class:`commpress.comm.backend.Backend`, every channel (the ``i``-th collective
-of a reduction) uses its own duplicated communicator, issued in the same order on every
-rank. MPI has no collective timeout: a request not done within ``timeout`` fails its future
-(:class:`~commpress.errors.CollectiveError`), so a stalled peer is reported, not waited on.
-
-DDP itself still needs a torch process group: under ``mpirun`` start gloo from the MPI
-environment with :func:`commpress.comm.from_env.init_from_env`.
+Collectives run on zero-copy numpy views of CPU tensors, gathers on raw bytes so any dtype
+travels; CUDA tensors go directly when MPI is CUDA-aware, else through pinned host buffers. A
+progress thread completes the futures, and each channel has its own duplicated communicator.
+MPI has no collective timeout, so a request not done within ``timeout`` fails its future.
+DDP still needs a torch group: start it with :func:`commpress.comm.from_env.init_from_env`.
 """
 
 from __future__ import annotations
@@ -47,8 +40,7 @@ def _import_mpi() -> Any:
 
 
 def cuda_aware() -> bool:
-    """Whether MPI may be handed CUDA buffers: ``COMMPRESS_MPI_CUDA_AWARE=1|0`` decides,
-    else what the MPI library reports (mpi4py's ``Query_cuda_support`` where it exists)."""
+    """Whether MPI takes CUDA buffers: ``COMMPRESS_MPI_CUDA_AWARE=1|0``, else what MPI reports."""
     forced = os.environ.get("COMMPRESS_MPI_CUDA_AWARE")
     if forced is not None:
         return forced == "1"
@@ -57,7 +49,7 @@ def cuda_aware() -> bool:
 
 
 class _Ops:
-    """MPI reduction ops for dtypes numpy lacks (bfloat16): torch adds raw 16-bit words."""
+    """MPI reduction ops, with user-defined ones in torch for bfloat16 (unknown to numpy)."""
 
     def __init__(self, mpi: Any) -> None:
         self.mpi = mpi
@@ -78,10 +70,8 @@ class _Ops:
 
 
 class MPIBackend(Backend):
-    """Runs reductions with mpi4py non-blocking collectives over ``comm`` (default
-    ``MPI.COMM_WORLD``), in the ``"world"`` scope. Every rank of ``comm`` must construct it
-    together. ``timeout`` (default: torch.distributed's default group timeout when it is
-    initialized, else 30 minutes) bounds how long one collective may take."""
+    """Runs reductions over ``comm`` (default ``MPI.COMM_WORLD``), in the ``"world"`` scope; every
+    rank constructs it together. ``timeout`` defaults to torch.distributed's group timeout."""
 
     def __init__(self, comm: Any = None, rounds: int = 1, timeout: timedelta | None = None) -> None:
         if detect_launcher().kind != "mpirun":
@@ -98,7 +88,7 @@ class MPIBackend(Backend):
         self._comms = {channel: comm.Dup() for channel in self._queues}
         self._ops = _Ops(mpi)
         self._cuda_aware = cuda_aware()
-        # one lock around every MPI call (correct at any MPI thread level) and the pending list
+        # one lock around every MPI call (correct at any MPI thread level)
         self._lock = threading.RLock()
         self._pending: list[tuple[Any, torch.futures.Future, Callable[[], Any], float]] = []
         self._wake = threading.Condition(self._lock)
@@ -128,7 +118,6 @@ class MPIBackend(Backend):
             c.Free()
         self._comms = {}
 
-    # starting collectives ------------------------------------------------------------
     def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:
         comm = self._comms[channel]
         if isinstance(request, AllReduce):
@@ -139,8 +128,7 @@ class MPIBackend(Backend):
         return self._allgather(comm, request)
 
     def _host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-        """A CPU (or, CUDA-aware, the same) contiguous tensor MPI can use, and how to copy
-        the result back into ``tensor``."""
+        """A contiguous tensor MPI can use for ``tensor``, and how to copy the result back."""
         if tensor.is_cuda and not self._cuda_aware:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor)
@@ -154,9 +142,8 @@ class MPIBackend(Backend):
 
     @staticmethod
     def _buffer(tensor: torch.Tensor, raw: bool = False) -> Any:
-        """What mpi4py takes as a buffer (it infers type and count): a numpy view of a CPU
-        tensor or the CUDA tensor itself. ``raw``: as bytes; bfloat16 (unknown to numpy and
-        MPI) as 16-bit words, reduced by a user-defined op."""
+        """A buffer mpi4py infers type and count from: a numpy view, or the CUDA tensor. ``raw``:
+        as bytes; bfloat16 goes as 16-bit words."""
         view = tensor.reshape(-1)
         if raw:
             view = view.view(torch.uint8)
@@ -200,7 +187,6 @@ class MPIBackend(Backend):
 
         return self._track(req, finish)
 
-    # completing them ------------------------------------------------------------------
     def _track(self, req: Any, finish: Callable[[], Any]) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
         with self._wake:
@@ -209,8 +195,7 @@ class MPIBackend(Backend):
         return fut
 
     def _progress(self) -> None:
-        """Test outstanding requests; complete the futures of finished ones (outside the
-        lock: their callbacks start the next rounds)."""
+        """Test the requests; complete finished ones' futures outside the lock (callbacks issue more)."""
         idle = 0
         while True:
             with self._wake:
@@ -268,7 +253,6 @@ def _check_matches_torch(comm: Any) -> None:
 
 
 def _torch_timeout() -> timedelta:
-    """torch.distributed's default group timeout when initialized, else 30 minutes."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -1,13 +1,9 @@
 """What pickles, and what refuses to.
 
-Hook states (the DDP hook's ``CommState``, the FSDP1 hook states) may be built before the
-process group and handed to a framework that pickles them into the processes it spawns
-(Lightning's ``ddp_spawn``), or pickled with a checkpoint, as PyTorch's ``PowerSGDState``
-is: they travel without their process group and the copy connects to the default group
-at its first use. A state of another group refuses, since its copy would reduce over the
-wrong ranks. Trainers bound to this process's model and optimizer (Local SGD, CO2, DiLoCo,
-1-bit Adam, the parameter averager, FSDP2's state) refuse to pickle: a copy could reach
-none of what they drive, and their checkpoint is ``state_dict()``.
+Hook states may be pickled into spawned processes (Lightning's ``ddp_spawn``) or with a
+checkpoint, as ``PowerSGDState`` is: they travel without their process group and the copy
+connects to the default group (so a state of another group refuses). Trainers bound to this
+process's model and optimizer refuse: a copy could reach none of it; use ``state_dict()``.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ __all__ = ["BoundToProcess", "check_default_group"]
 
 
 class BoundToProcess:
-    """Base of objects bound to this process's model, optimizer or process group: pickling
-    (and ``copy``) raises ``TypeError`` saying to save ``state_dict()`` instead."""
+    """Base of objects bound to this process: pickling (and ``copy``) raises ``TypeError``."""
 
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
         raise TypeError(
@@ -30,8 +25,7 @@ class BoundToProcess:
 
 
 def check_default_group(group: Any, what: str) -> None:
-    """Refuse to pickle ``what``, a hook state of ``group``, unless ``group`` is the default
-    one (None, or the world group): its copy connects to the default group."""
+    """Refuse to pickle ``what``, a hook state of ``group``, unless that is the default group."""
     if group is None:
         return
     import torch.distributed as dist

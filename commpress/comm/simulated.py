@@ -1,9 +1,6 @@
-"""An in-process world: n ranks in one process, each with a real :class:`Backend`.
-
-Every rank's :class:`SimulatedBackend` runs reductions through the same ordered channels as
-the torch and MPI backends; a collective completes, with exact results, once every rank of
-its scope has started it. Fast, deterministic tests of any reduction (compressors, the
-hierarchical reduction) with many ranks, no processes needed.
+"""An in-process world: n ranks in one process, each with a real :class:`Backend`'s ordered
+channels; a collective completes exactly once every rank of its scope has started it. For
+fast, deterministic tests of any reduction with many ranks.
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ _ROUNDS = 16
 
 
 class SimulatedWorld:
-    """``world_size`` ranks in one process. ``scopes`` partitions the ranks for the
-    ``"domain"`` and ``"cross"`` scopes (``"world"`` is everyone). Sums are taken in rank
-    order, so results are exact and reproducible; each rank gets its own result tensors."""
+    """``world_size`` ranks, ``scopes`` partitioning them for ``"domain"`` and ``"cross"``. Sums
+    are taken in rank order, so results are reproducible."""
 
     def __init__(self, world_size: int, scopes: Mapping[str, Sequence[Sequence[int]]] | None = None) -> None:
         if world_size < 1:
@@ -61,8 +57,7 @@ class SimulatedWorld:
         return [factory() for _ in range(self.world_size)]
 
     def reduce(self, compressors: Sequence[Compressor], buckets: Sequence[Bucket], step: int = 0) -> list[Finite]:
-        """Run ``compressors[r].reduce(buckets[r])`` on every rank r until all finish; what
-        each rank's reduction returned."""
+        """What ``compressors[r].reduce(buckets[r])`` returns on every rank r."""
         return self.run(
             [
                 c.reduce(b, Context(rank=r, world_size=self.world_size, step=step))
@@ -71,9 +66,8 @@ class SimulatedWorld:
         )
 
     def run(self, gens: Sequence[Reduction]) -> list[Finite]:
-        """Run one reduction per rank to the end and give what each returned; raise the
-        first rank's error, or one naming the ranks left waiting (they issued collectives
-        nobody matched)."""
+        """Run one reduction per rank to the end; what each returned. Raises the first rank's
+        error, or names the ranks left waiting on unmatched collectives."""
         if len(gens) != self.world_size:
             raise ValueError(f"need {self.world_size} reductions, got {len(gens)}")
         futures = [b.run(g) for b, g in zip(self.backends, gens)]

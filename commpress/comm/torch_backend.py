@@ -40,15 +40,10 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
 
 
 class TorchBackend(MeasurableBackend):
-    """Runs reductions with async torch.distributed collectives over ``process_group``.
-
-    Opens one communicator per channel: ``rounds`` per scope (an int: the ``"world"``
-    scope only). ``scopes`` maps ``"domain"``/``"cross"`` to a partition of the group's
-    ranks (group-local rank numbers); this rank talks to the members of its part. Every
-    rank of the group must construct the backend together, in the same order relative to
-    other group creations. Channel communicators inherit the group's timeout, so a dead
-    or stalled peer fails the collective within that time.
-    """
+    """Runs reductions with async torch.distributed collectives over ``process_group``, one
+    communicator per channel with the group's timeout; ``scopes`` partitions the group's ranks
+    for ``"domain"``/``"cross"``. Every rank constructs it together, in the same order relative
+    to other group creations."""
 
     def __init__(
         self,
@@ -83,7 +78,7 @@ class TorchBackend(MeasurableBackend):
                     self._comms[channel] = comm
 
     def __del__(self) -> None:
-        # its last reference may go with a collective's callback, on the channel group's own thread
+        # its last reference may go on a channel group's own thread (comm/callbacks.py)
         outlive_worker(getattr(self, "group", None), getattr(self, "_comms", None))
 
     def members(self, scope: str) -> list[int]:
@@ -101,16 +96,13 @@ class TorchBackend(MeasurableBackend):
         return allgather_object(obj, self.group)
 
     def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:
-        """The collective's own future, with no callback of commpress's in between:
-        :meth:`_result` makes the result in the callback the backend adds, which is
-        counted until released (``comm/callbacks.py``)."""
+        """The collective's own future; :meth:`_result` makes the result in the counted callback."""
         group = self._comms[channel]
         if isinstance(request, AllReduce):
             return dist.all_reduce(request.tensor, op=_OPS[request.op], group=group, async_op=True).get_future()
         flat = request.tensor.reshape(-1).contiguous()
         if isinstance(request, ReduceScatter):
-            # all-to-all plus a sum in rank order: reproducible, and gloo's reduce-scatter
-            # gives no future
+            # all-to-all plus a sum in rank order: reproducible, and gloo's reduce-scatter gives no future
             out = self._outputs[id(request)] = torch.empty_like(flat)
             return dist.all_to_all_single(out, flat, group=group, async_op=True).get_future()
         assert isinstance(request, AllGather)
@@ -118,8 +110,7 @@ class TorchBackend(MeasurableBackend):
         return all_gather_single(out, flat, group=group, async_op=True).get_future()
 
     def _result(self, channel: Channel, request: Collective, fut: torch.futures.Future) -> Any:
-        """An all-reduce's tensor (reduced in place); a reduce-scatter's rows summed in
-        rank order; an all-gather's output split into one tensor per rank."""
+        """The tensor reduced in place, the reduce-scatter's rows summed, or the gathered rows."""
         if isinstance(request, AllReduce):
             fut.value()  # raises the collective's error: never local or uninitialised data
             return request.tensor
@@ -131,8 +122,7 @@ class TorchBackend(MeasurableBackend):
 
 
 class TorchLinks(Links):
-    """:class:`~commpress.comm.links.Links` over a torch.distributed group (default: the
-    world). Probes live on the current CUDA device for an NCCL group, else on the CPU."""
+    """:class:`~commpress.comm.links.Links` over a torch.distributed group (default: the world)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         require_initialized("measuring the links")

@@ -1,26 +1,12 @@
 """The compressors' kernels loaded at registration, before the first step.
 
-A compiled CPU kernel (numba, ``cache=True``) is compiled or read from numba's on-disk
-cache at its first call in a process: seconds per op family on an empty cache, tenths of
-a second from it; a CUDA kernel is compiled by NVRTC at its first launch. Inside a
-training step that time is on the step's clock, and the peers wait for it at the step's
-collective. :func:`load_kernels` runs every method group once at registration on values
-shaped like the tensors it will reduce, in a simulated world of two ranks
-(:class:`~commpress.comm.SimulatedWorld`: nothing is sent; a world of one would skip the
-kernels that divide by the world), each rank's values its own normal draws (a payload
-equal to a rank's own is not entropy-decoded, and zeros would miss the paths that data
-takes), so that the same size-dependent paths (a tensor sent
-whole under ``min_numel``, Top-k's exact selection up to 65,536 elements and sampled
-above, a bucket's batched call or a large tensor's own) reach the same kernels as
-training. It runs compressors built afresh from the groups' settings, never the groups'
-own: their state (error feedback, warm starts, what a step staged), the step counters and
-the traffic counts stay as they were, and as the compressors draw their random numbers
-from keys of (seed, rank, step, tensor), no generator's stream moves.
-
-The buckets need not be known in advance (DDP makes them, and remakes them after the first
-step): every distinct shape of each group is reduced once, all of them in one bucket, then
-each alone (with several threads a tensor larger than one thread's share of its bucket
-takes the per-tensor call, a smaller one the batched call).
+numba and NVRTC kernels compile (or load from cache) at their first call, which inside a step
+is on the step's clock while the peers wait. :func:`load_kernels` runs every method group once
+on values shaped like its tensors, in a two-rank :class:`~commpress.comm.SimulatedWorld` (one
+rank, or equal or zero values, would skip paths), so training takes no new paths. Its
+compressors are fresh copies: the groups' state, counters and random streams stay as they were.
+DDP's buckets are not known in advance, so each group's distinct shapes are reduced together,
+then each alone (reaching both the batched and the per-tensor calls).
 """
 
 from __future__ import annotations
@@ -40,8 +26,7 @@ WORLD = 2
 
 
 def load_model_kernels(groups: MethodGroups, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], step: int = 0) -> None:
-    """:func:`load_kernels` of a model's trainable parameters ``named_parameters`` (name,
-    parameter), per dtype and device."""
+    """:func:`load_kernels` of a model's trainable parameters, per dtype and device."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, torch.Size]]] = {}
     for name, p in named_parameters:
         if p.requires_grad:
@@ -57,11 +42,8 @@ def load_kernels(
     device: torch.device | str | None = None,
     step: int = 0,
 ) -> None:
-    """Reduce values of ``dtype`` on ``device`` shaped like the tensors ``named`` (name,
-    shape), laid out as :func:`layouts` gives, by fresh copies of the compressor of the
-    group ``groups.key_for`` names (each group's tensors as one bucket of their own, as
-    :class:`~commpress.compressors.composite.Composite` hands them over), at ``step``, in
-    a simulated world of :data:`WORLD` ranks."""
+    """Reduce values of ``dtype`` on ``device`` shaped like the ``(name, shape)`` tensors ``named``,
+    in the buckets of :func:`layouts`, each group's apart (as ``Composite`` hands them over)."""
     ranks = [_fresh(groups) for _ in range(WORLD)]
     for index, slots in layouts(groups, named):
         by_key: dict[str, list[ParamSlot]] = {}
@@ -69,7 +51,7 @@ def load_kernels(
             by_key.setdefault(groups.key_for(slot.name), []).append(slot)
         for key, members in by_key.items():
             if key not in ranks[0] or dtype not in ranks[0][key].dtypes:
-                continue  # a group made after the groups were (a plan's), or a dtype it refuses at registration
+                continue  # a group made later (a plan's), or a dtype refused at registration
             laid, numel = lay_out((s.name, s.shape) for s in members)
             reductions = [
                 own[key].reduce(Bucket(index, _values(numel, dtype, device, rank), laid), Context(rank, WORLD, step))
@@ -79,9 +61,7 @@ def load_kernels(
 
 
 def layouts(groups: MethodGroups, named: Iterable[tuple[str, Sequence[int]]]) -> list[tuple[int, tuple[ParamSlot, ...]]]:
-    """The buckets ``(index, slots)`` that reach the kernels the tensors ``named`` (name,
-    shape) reach in any buckets: each group's distinct shapes once (the first tensor of
-    each shape names it), all in one bucket, then each in a bucket of its own."""
+    """The buckets ``(index, slots)``: each group's distinct shapes together, then each alone."""
     seen: dict[tuple[str, tuple[int, ...]], str] = {}
     for name, shape in named:
         if torch.Size(shape).numel():
@@ -92,17 +72,12 @@ def layouts(groups: MethodGroups, named: Iterable[tuple[str, Sequence[int]]]) ->
 
 
 def _values(numel: int, dtype: torch.dtype, device: torch.device | str | None, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s gradient: normal values from a generator of its own (no other
-    generator's stream moves), different on every rank, as a gradient is (a payload equal
-    to a rank's own is not decoded, and zeros everywhere would miss the paths of data)."""
     generator = torch.Generator().manual_seed(rank)
     return torch.randn(numel, generator=generator).to(device=device, dtype=dtype)
 
 
 def _fresh(groups: MethodGroups) -> dict[str, Compressor]:
-    """A new compressor per group, built from the settings in force; one that applies the
-    optimizer's momentum takes the group's (or 0 before it is handed over: the kernels are
-    the same)."""
+    """A new compressor per group from the settings in force, with the group's momentum (or 0)."""
     fresh = {}
     for key, (method, params) in groups.specs.items():
         compressor = build(method, params)

@@ -2,9 +2,7 @@
 
 Every module of this package is imported here, so a compressor registers itself
 (``@register_compressor``) by being a file of the package: adding one touches that file only.
-The rest of the package never names a method: it asks the class what it needs
-(:class:`~commpress.compressors.base.Compressor` lists what may be asked), and names only
-:data:`EXACT`, the exact average every layer falls back to.
+The rest of the library names no method but :data:`EXACT`, the exact average it falls back to.
 """
 
 import importlib as _importlib

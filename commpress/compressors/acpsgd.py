@@ -1,14 +1,11 @@
 """ACP-SGD (Zhang et al., ICDCS 2023): PowerSGD's two factor updates, one per step.
 
-Even steps orthonormalize Q and all-reduce ``P = M Q``; odd steps orthonormalize P and
-all-reduce ``Q = M^T P``. One all-reduce per bucket and step, of about half PowerSGD's
-bytes, so it keeps DDP's bucketing and overlap with the backward pass; the alternation is
-the warm start, and one error buffer carries what either step left out.
+Even steps all-reduce ``P = M Q``, odd steps ``Q = M^T P``: one all-reduce per bucket and step,
+so DDP's bucketing and overlap are kept; the alternation is the warm start.
 
-Which factor a step sends follows the step number alone, never the state: every rank
-issues the same all-reduce even where its state differs from its peers' (a replica
-healing under a torchft Manager starts empty while its peers hold P). A factor a matrix
-does not hold yet (its first step, a healing replica) is the step's shared random draw.
+Which factor a step sends follows the step number alone, never the state, so every rank issues
+the same all-reduce even when a healing replica (torchft) starts empty; a missing factor is the
+step's shared random draw.
 """
 
 from __future__ import annotations
@@ -29,27 +26,21 @@ __all__ = ["ACPSGDCompressor"]
 
 @register_compressor
 class ACPSGDCompressor(LowRankCompressor):
-    """Alternating low-rank compression with error feedback.
-
-    Sends ``4 r n`` bytes per n x m matrix on P steps and ``4 r m`` on Q steps, plus the
-    dense elements in fp32: P on even steps, Q on odd ones. Without ``warm_start`` every
-    step is a P step from a fresh shared random Q.
-    """
+    """Alternating low-rank compression with error feedback; without ``warm_start`` every step is
+    a P step from a fresh shared random Q."""
 
     name: ClassVar[str] = "acpsgd"
     rounds: ClassVar[int] = 1
 
     def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
-        """P and Q factors on alternate steps (their mean per step; without ``warm_start``
-        P every step), with the uncompressed elements (fp32)."""
+        """The mean of the P and Q factors per step (P without ``warm_start``), plus the dense elements."""
         factors = self.factor_numels(slot)
         if factors is None:
             return (Transfer("all_reduce", 4.0 * slot.numel),)
         return (Transfer("all_reduce", 4.0 * (sum(factors) / 2 if self.warm_start else factors[0])),)
 
     def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
-        """P or Q per step, alternating: twice PowerSGD's rank; without ``warm_start``, P
-        every step (bound: :meth:`LowRankCompressor._rank_for_ratio`)."""
+        """P or Q per step: about twice PowerSGD's rank (P only without ``warm_start``)."""
         return self._rank_for_ratio(ratio, slots, lambda n, m: (n + m) / 2 if self.warm_start else n)
 
     def _rounds(self, bucket: Bucket, ctx: Context, step: _Step) -> Reduction:
@@ -84,7 +75,6 @@ class ACPSGDCompressor(LowRankCompressor):
         return True  # the factors and the dense elements were checked: their products are finite
 
     def _random_p(self, lay: _Layout, step: int) -> torch.Tensor:
-        """Random P factors of the bucket, for a Q step where a matrix holds no P: drawn
-        like :meth:`_random_qt`'s Q, from streams of their own (the same on every rank)."""
+        """Shared random P factors for a Q step where a matrix holds none, from streams of their own."""
         pieces = [(f"{name}/p", f.n * f.rank) for name, f in zip(lay.names, lay.plan.factors)]
         return shared_normal(stream_starts(self.seed, pieces, lay.device), step)

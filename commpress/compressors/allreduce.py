@@ -1,9 +1,5 @@
-"""Baselines that all-reduce the whole bucket: ``none`` (full precision) and the dtype
-casts ``fp16`` / ``bf16`` (half the bytes on the wire).
-
-These take float64 gradients too: every backend all-reduces float64, and a cast to a
-16-bit wire dtype does not care where it starts, so a float64 model (or the float64
-parameters of one, through an override) trains with them."""
+"""Baselines that all-reduce the whole bucket: ``none`` (full precision) and the casts ``fp16`` /
+``bf16``. They accept float64 gradients too: every backend all-reduces float64."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ __all__ = ["BF16Compressor", "FP16Compressor", "NoneCompressor"]
 
 @register_compressor
 class NoneCompressor(Compressor):
-    """Plain averaging all-reduce, the reference: divides by the world size first, then
-    sums, exactly like DDP without a hook, so parameters stay bit-identical."""
+    """Plain averaging all-reduce: divide, then sum, exactly like DDP without a hook (bit-identical)."""
 
     name: ClassVar[str] = EXACT
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (*Compressor.dtypes, torch.float64)

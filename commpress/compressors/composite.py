@@ -1,9 +1,5 @@
-"""One bucket, several methods: each method's part of the bucket reduced in turn.
-
-A bucket's parameters may fall into several method groups (config overrides, the last layer
-TernGrad leaves out). :class:`Composite` splits the bucket by a ``key_for(name)`` rule the
-config resolves, and runs each group's compressor on its part, one after another; a part
-that is not the whole buffer works on a gathered copy that is scattered back afterwards.
+"""One bucket, several methods (config overrides, a skipped last layer): each group's part is
+reduced in turn, on a gathered copy scattered back unless it is the whole buffer.
 """
 
 from __future__ import annotations
@@ -26,9 +22,8 @@ class Part:
 
 
 class Composite:
-    """Reduces buckets whose parameters use the compressors of ``compressors`` (group key
-    -> compressor, read at every reduction: a group may be given another compressor),
-    each parameter in the group ``key_for(name)`` names."""
+    """Reduces buckets with each parameter in the group ``key_for(name)`` names; ``compressors``
+    (group key -> compressor) is read at every reduction, so a group may change compressor."""
 
     def __init__(self, key_for: Callable[[str], str], compressors: Mapping[str, Compressor]) -> None:
         self.key_for = key_for
@@ -52,8 +47,7 @@ class Composite:
         return cached
 
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
-        """Each group's reduction of ``bucket`` in turn. The average is known finite when
-        every group's is."""
+        """Each group's reduction in turn; the average is known finite when every group's is."""
         known: list[Finite] = []
         for part in self.parts(tuple(bucket.slots)):
             compressor = self.compressors[part.key]

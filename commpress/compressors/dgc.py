@@ -1,22 +1,14 @@
 """Deep Gradient Compression's accumulation (Lin et al., 2018) for Top-k.
 
-Plain error feedback under a momentum optimizer delays a gradient in the residual, then
-releases it into the optimizer's momentum, which repeats it for many steps. DGC moves the
-momentum in front of the sparsification, per rank and per tensor::
+Plain error feedback under a momentum optimizer releases a delayed gradient into the momentum,
+which repeats it for many steps. DGC moves the momentum in front of the sparsification::
 
     u = m·u + g          momentum correction: the local momentum
     v = v + u            the local velocity, what is sparsified
     send top-k of v;     v = 0 and u = 0 where sent (momentum factor masking)
 
-and the optimizer then runs without momentum. Tensors sent whole (smaller than Top-k's
-``min_numel``) keep exact momentum SGD: their average ``D`` updates ``U = m·U + D``, the
-same on every rank, and ``U`` is delivered. ``g`` is first clipped per tensor to L2 norm
-``clip_norm / sqrt(world)`` (DGC's local gradient clipping) when ``clip_norm > 0``.
-
-The state (``u``, ``v``, ``U``) lives in the compressor's name-keyed
-:class:`~commpress.compressors.wire.memory.ErrorMemory`; the hooks hand the momentum of
-``torch.optim.SGD`` over to the compressors that apply it
-(:func:`commpress.hooks.optimizer.hand_over_momentum`).
+and the optimizer runs without momentum (:func:`commpress.hooks.optimizer.hand_over_momentum`).
+Tensors sent whole keep exact momentum SGD: their average ``D`` updates ``U = m·U + D``.
 """
 
 from __future__ import annotations
@@ -34,7 +26,7 @@ __all__ = ["clip_local", "correct", "dense_momentum", "mask", "owed_velocity"]
 
 
 def clip_local(grad: torch.Tensor, slots: Sequence[ParamSlot], clip_norm: float, world_size: int) -> torch.Tensor:
-    """A float32 copy of ``grad`` with every slot's tensor scaled down to L2 norm at most
+    """DGC's local clipping: a float32 copy of ``grad``, each tensor scaled to L2 norm at most
     ``clip_norm / sqrt(world_size)`` (no host sync; Inf/NaN stay non-finite)."""
     out = grad.to(torch.float32, copy=True)
     bound = clip_norm / math.sqrt(world_size)
@@ -48,8 +40,7 @@ def clip_local(grad: torch.Tensor, slots: Sequence[ParamSlot], clip_norm: float,
 def correct(
     memory: ErrorMemory, pieces: Sequence[Piece], grad: torch.Tensor, momentum: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Momentum correction of the sparsified tensors: fresh flat ``(u, v)`` with
-    ``u = m·u + g`` and ``v = v + u`` (``grad`` float32, the bucket's layout)."""
+    """Momentum correction: fresh flat ``(u, v)`` in the bucket's layout."""
     n = grad.numel()
     u_old, _ = memory.gather("momentum", pieces, n, grad.device)
     v_old, _ = memory.gather("velocity", pieces, n, grad.device)
@@ -64,14 +55,14 @@ def mask(u: torch.Tensor, indices: torch.Tensor) -> None:
 
 
 def dense_momentum(memory: ErrorMemory, pieces: Sequence[Piece], average: torch.Tensor, momentum: float) -> torch.Tensor:
-    """``U = m·U + D`` for the tensors sent whole (``average`` = D, float32, the dense layout)."""
+    """``U = m·U + D`` for the tensors sent whole (``average`` = D, in the dense layout)."""
     old, _ = memory.gather("momentum", pieces, average.numel(), average.device)
     return torch.add(average, old.narrow(0, 0, average.numel()), alpha=momentum)
 
 
 def owed_velocity(entries: Mapping[str, Any], momentum: float) -> torch.Tensor | None:
-    """What one tensor owes from its DGC state (``velocity`` v, ``momentum`` u): ``v + m u``,
-    the velocity plus the momentum's next contribution; None without either."""
+    """What one tensor owes from its DGC state: ``v + m u``, the velocity plus the momentum's next
+    contribution; None without either."""
     v, u = entries.get("velocity"), entries.get("momentum")
     if v is None or u is None:
         return v if u is None else u * momentum

@@ -1,16 +1,13 @@
 """Dion's power iteration over data-parallel ranks (Ahn et al., 2025): Muon's orthonormal
 update of a matrix's momentum, approximated at rank r from factors the ranks average.
 
-Per m x n matrix, each rank adds its gradient to its own momentum, ``B = M + G``; then
-``P = B Q`` (Q shared, warm-started), P averaged and orthonormalized; ``R = B^T P``
-averaged; error feedback ``M = B - (1 - mu) P R^T``; ``Q = R`` with unit columns; the
-result is the update direction ``P Q^T``, which :class:`commpress.optim.Dion` applies at
-the optimizer's step. The ranks exchange ``(m + n) r`` numbers per matrix, PowerSGD's
-factors: the collectives, batching and warm start are PowerSGD's, the momentum is its
-error memory (per rank), and only the error's decay and the result differ.
+Per matrix, ``B = M + G`` (M: this rank's momentum); ``P = B Q``, averaged, orthonormalized;
+``R = B^T P``, averaged; ``M = B - (1 - mu) P R^T``; ``Q = R`` with unit columns; the update
+direction is ``P Q^T``, applied by :class:`commpress.optim.Dion`. Everything else is PowerSGD's,
+the momentum being its error memory.
 
-Not a registered method: its result is an update, not an average gradient, so it runs
-only at the step of ``[dion]``, never in a DDP hook.
+Not a registered method: its result is an update, not an average gradient, so it runs only at
+the step of ``[dion]``, never in a DDP hook.
 """
 
 from __future__ import annotations
@@ -31,10 +28,8 @@ COLUMN_EPS = 1e-8
 
 
 class DionCompressor(PowerSGDCompressor):
-    """Dion's update directions of the bucket's matrices, each m x n one at rank
-    ``min(rank, m, n)``, or for a fraction ``rank`` in (0, 1) at that share of ``min(m, n)``,
-    with momentum ``mu`` (what the next step keeps of the part the factors captured:
-    ``M = B - (1 - mu) P R^T``). A 1-D tensor is refused: Dion, like Muon, steps matrices."""
+    """Dion's update directions of the bucket's matrices (``rank`` may be a fraction of ``min(m, n)``),
+    with momentum ``mu``. A 1-D tensor is refused: Dion, like Muon, steps matrices."""
 
     name: ClassVar[str] = "dion"
 

@@ -1,11 +1,8 @@
 """The deliberate transfers between a compressor's device and the host, in one place.
 
-Compressors keep their work on the gradient's device; the few values that must cross to
-the host go through these functions: flags a step branches on (a finiteness check, a
-clipping decision), numbers a step's sizes or choices rest on (the longest coded frame, a
-plan's summed errors), checkpoint tensors saved on the CPU, and saved tensors restored onto
-the device at their first use. Collectives carry device tensors; these reads come after.
-Tests that run compressors on fake devices patch them.
+Compressors keep their work on the gradient's device; the few values that must cross (flags a
+step branches on, sizes, checkpoint tensors) go through these functions, which tests running
+compressors on fake devices patch.
 """
 
 from __future__ import annotations
@@ -16,10 +13,9 @@ __all__ = ["finite", "flags", "numbers", "to_device", "to_host"]
 
 
 def finite(*tensors: torch.Tensor, bound: float | None = None) -> torch.Tensor:
-    """A 0-d bool tensor on the tensors' device: no Inf or NaN in any of them (empty ones
-    count as finite) and, with ``bound``, no element of magnitude above it. One ``aminmax``
-    pass each: max and min propagate NaN and reach +-Inf, several times cheaper on the CPU
-    than ``isfinite(t).all()`` with its bool temporary."""
+    """A 0-d bool tensor on the device: no Inf or NaN in any of ``tensors`` and, with ``bound``, no
+    magnitude above it. One ``aminmax`` pass each (min and max propagate NaN), cheaper than
+    ``isfinite(t).all()`` and its bool temporary."""
     flag = torch.ones((), dtype=torch.bool, device=tensors[0].device)
     for t in tensors:
         if t.numel():

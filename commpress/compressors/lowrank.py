@@ -1,10 +1,8 @@
-"""The base class of PowerSGD and ACP-SGD: parameters, the shared steps of both
-(error feedback, warm or random start, the dense part fused into the factor all-reduce,
-decompression), the non-finite policy, staged state and checkpoints.
+"""The base class of the rank-r compressors (PowerSGD, ACP-SGD, Dion): error feedback, warm or
+random start, the dense part riding in the factor all-reduce, decompression, non-finite policy.
 
-State is kept per parameter name in an :class:`ErrorMemory` (kinds "error", "q" and "p"),
-so it follows a parameter into whatever bucket DDP puts it. A step
-stages its changes; :meth:`Compressor.end_step` commits or drops them.
+State is kept per parameter name in an :class:`ErrorMemory` (kinds "error", "q", "p"), so it
+follows a parameter into whatever bucket DDP puts it.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ _RANK_STEPS = range(-2, 4)  # a layer-wise plan's ranks: the configured rank * 2
 
 @dataclass(eq=False)
 class _Layout:
-    """What a bucket's slots and device determine (rebuilt when either changes): the
-    plan, where each compressed matrix's state sits, its random streams, spare buffers."""
+    """What a bucket's slots and device determine: the plan, state locations, random streams, buffers."""
 
     slots: tuple[ParamSlot, ...]
     device: torch.device
@@ -58,14 +55,8 @@ class _Step:
 
 
 class LowRankCompressor(Compressor):
-    """Shared machinery of the rank-``r`` compressors (speed choices: ``lowrank_plan``).
-
-    Parameters: ``rank`` (>= 1), ``min_compression_rate`` (>= 0; a matrix is compressed
-    only if it shrinks by more than this factor), ``error_feedback``, ``warm_start`` and
-    ``seed`` (of the random initial factors, shared by all ranks: drawn per parameter name
-    and step). Plain steps before compression starts are the config's top-level
-    ``start_iter``.
-    """
+    """Shared machinery of the rank-``r`` compressors (batching and layout: ``lowrank_plan``); a matrix
+    is compressed only if it shrinks by more than ``min_compression_rate``."""
 
     per_rank_state: ClassVar[tuple[str, ...]] = ("error",)  # the factors are all-reduced: the same everywhere
     knob: ClassVar[str | None] = "rank"
@@ -78,7 +69,6 @@ class LowRankCompressor(Compressor):
         warm_start: bool = True,
         seed: Seed = 0,
     ) -> None:
-        # types and ranges: declared above, checked before this runs (a registered subclass's)
         self.rank = rank
         self.min_compression_rate = min_compression_rate
         self.error_feedback = error_feedback
@@ -109,16 +99,14 @@ class LowRankCompressor(Compressor):
         return lay
 
     def _random_qt(self, lay: _Layout, step: int) -> torch.Tensor:
-        """Random transposed Q factors of the bucket, on its device. Matrix by matrix they
-        depend on (seed, parameter name, step) only: the same on every rank without
-        communication, and whatever the bucket layout."""
+        """Random transposed Q factors, from (seed, parameter name, step) only: the same on every
+        rank without communication, whatever the bucket layout."""
         if lay.starts is None:
             lay.starts = stream_starts(self.seed, [(n, f.rank * f.m) for n, f in zip(lay.names, lay.plan.factors)], lay.device)
         return shared_normal(lay.starts, step)
 
     def _start_qs(self, lay: _Layout, step: int) -> list[torch.Tensor]:
-        """Orthonormalized Q (count, m, r) of every batch: the warm start where there is one,
-        else the random draw of ``step`` (every step when warm start is off)."""
+        """Orthonormalized Q (count, m, r) of every batch: the warm start if any, else a random draw."""
         if self.warm_start:
             qt, _ = self._memory.gather("q", lay.qs, lay.plan.q_numel, lay.device, fill=lambda: self._random_qt(lay, step))
         else:
@@ -137,8 +125,7 @@ class LowRankCompressor(Compressor):
         """The method's collectives for a started step (``step`` from :meth:`_begin`)."""
 
     def _begin(self, bucket: Bucket) -> _Step | None:
-        """The shared start of a step: check the dtype, then this bucket's layout and
-        matrices ``M`` (see :meth:`_matrices`); None for an empty bucket."""
+        """Check the dtype and form the layout and matrices ``M``; None for an empty bucket."""
         self.check_dtype(bucket)
         if bucket.buffer.numel() == 0:
             return None
@@ -147,8 +134,7 @@ class LowRankCompressor(Compressor):
         return _Step(lay, ms, m_buffer)
 
     def _matrices(self, bucket: Bucket, lay: _Layout) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """``M`` of every batch, in fp32: ``grad + error`` (error feedback) written into a
-        buffer that is not committed state, else the gradients themselves (fp32) or copies."""
+        """``M`` of every batch in fp32: ``grad + error`` in a buffer that is not committed state, or the gradients."""
         plan, grad = lay.plan, bucket.buffer
         if not plan.batches:
             return [], None
@@ -169,8 +155,7 @@ class LowRankCompressor(Compressor):
 
     @staticmethod
     def _payload(bucket: Bucket, plan: LowRankPlan, factor_numel: int, world_size: int) -> torch.Tensor:
-        """A fresh fp32 tensor on the gradient's device: room for the factors, then the dense
-        elements divided by the world size, so that they ride in the same all-reduce."""
+        """A fresh fp32 tensor: room for the factors, then the dense elements divided by the world size."""
         out = torch.empty(factor_numel + plan.dense_numel, dtype=torch.float32, device=bucket.buffer.device)
         if plan.dense_numel:
             dense = bucket.buffer.index_select(0, plan.dense_index)
@@ -186,10 +171,8 @@ class LowRankCompressor(Compressor):
 
     @staticmethod
     def _usable(summed: torch.Tensor, bucket: Bucket, plan: LowRankPlan, also: torch.Tensor | None = None) -> bool:
-        """Whether the all-reduced ``summed`` is finite, and the device flag ``also`` true
-        (one flag read on the host). If not, the compressed part of the bucket is set to
-        NaN and the caller returns without staging anything. Every rank sees the same sums,
-        so all ranks agree; the non-finite gradient makes torch.amp's GradScaler skip the step."""
+        """Whether ``summed`` is finite and ``also`` true (one host read). If not, the compressed part
+        is set to NaN and nothing is staged; every rank sees the same sums, so all skip the step."""
         flag = host.finite(summed) if also is None else host.finite(summed) & also
         if host.flags(flag)[0]:
             return True
@@ -205,8 +188,7 @@ class LowRankCompressor(Compressor):
         return qt
 
     def _decompress(self, bucket: Bucket, step: _Step, ps: list[torch.Tensor], qts: list[torch.Tensor]) -> None:
-        """Write ``P Qt`` (already averaged) into the bucket; with error feedback the new
-        error ``M - P Qt`` is formed in place in M's buffer and staged."""
+        """Write the averaged ``P Qt`` into the bucket; with error feedback stage ``M - P Qt``, formed in M."""
         grad, lay = bucket.buffer, step.layout
         for b, m, p, qt in zip(lay.plan.batches, step.ms, ps, qts):
             if self.error_feedback:
@@ -223,8 +205,7 @@ class LowRankCompressor(Compressor):
     # ---- bytes, the rank for a ratio, state across ranks --------------------------------
 
     def factor_numels(self, slot: ParamSlot) -> tuple[int, int] | None:
-        """(P, Q) elements of ``slot`` as :meth:`LowRankPlan.build` compresses it (an n x m
-        matrix at rank matrix_rank(rank, n, m): n r and m r), or None: it is sent uncompressed."""
+        """(P, Q) elements of ``slot`` as :meth:`LowRankPlan.build` compresses it; None: sent uncompressed."""
         shape = matrix_shape(slot, self.rank, self.min_compression_rate)
         if shape is None:
             return None
@@ -232,13 +213,8 @@ class LowRankCompressor(Compressor):
         return shape[0] * r, shape[1] * r
 
     def _rank_for_ratio(self, ratio: float, slots: Sequence[ParamSlot], sent: Callable[[int, int], float]) -> dict[str, Any]:
-        """The rank whose factors carry ``ratio`` of the matrices' numbers, for a method that
-        sends ``sent(n, m)`` numbers per unit of rank of an n x m matrix per step (P and Q:
-        n + m): the largest r >= 1 with ``r sum(sent(n, m)) <= ratio sum(n m)``, over every
-        tensor of two or more dimensions (an n x rest matrix) as if compressed at rank r.
-        The bytes then reach the ratio within one rank's step on those matrices (or exceed
-        it at rank 1); matrices that ``min_compression_rate`` or a rank above min(n, m)
-        leave uncompressed send more."""
+        """The largest rank r >= 1 with ``r sum(sent(n, m)) <= ratio sum(n m)`` over the matrices,
+        ``sent(n, m)`` being the numbers sent per unit of rank (matrices left uncompressed send more)."""
         mats = [(s.shape[0], math.prod(s.shape[1:])) for s in slots if len(s.shape) >= 2]
         full = sum(n * m for n, m in mats)
         per_rank = sum(sent(n, m) for n, m in mats)
@@ -251,10 +227,8 @@ class LowRankCompressor(Compressor):
         return [(self.name, dict(params)), *own, *pool(self.name, params)]
 
     def error_model(self, tensor: TensorStats) -> Callable[[], float]:
-        """The squared singular values beyond the rank of the tensor as a matrix (the best
-        rank-r approximation, which the warm-started power iteration approaches): its energy
-        less that of the top r, on the whole tensor (the top singular values of fewer rows
-        take a larger share of the tail); 0 where the tensor is sent uncompressed."""
+        """The squared singular values beyond the rank (the best rank-r approximation, which the
+        warm-started power iteration approaches); 0 where the tensor is sent uncompressed."""
         tensor.want_rank(self.rank)
 
         def error() -> float:
@@ -273,8 +247,7 @@ class LowRankCompressor(Compressor):
         return entries.get("error")
 
     def adapt_state(self, state: dict[str, Any], previous: Compressor) -> dict[str, Any]:
-        """A new rank keeps every parameter's error buffer (error feedback) and restarts the
-        warm start: the saved factors have the old rank's width."""
+        """A new rank keeps the error buffers and restarts the warm start (the factors' width changed)."""
         if getattr(previous, "rank", None) == self.rank:
             return state
         return {**state, "q": {}, "p": {}}
@@ -286,13 +259,11 @@ class LowRankCompressor(Compressor):
         self._memory.end_step(commit)
 
     def state_dict(self) -> dict[str, Any]:
-        """The committed state by parameter name, on the CPU: "error" (shaped like the
-        parameter), "q" (r x m, transposed) and "p" (n x r)."""
+        """By parameter name: "error" (shaped like the parameter), "q" (r x m, transposed), "p" (n x r)."""
         return {kind: self._memory.tensors(kind) for kind in _STATE_KEYS}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`. Tensors move to the gradients' device at first use;
-        factors whose shape no longer fits (another ``rank``) are drawn afresh."""
+        """Restore :meth:`state_dict`; factors that no longer fit (another ``rank``) are drawn afresh."""
         if sorted(state) != list(_STATE_KEYS):
             raise ValueError(f"{self.name} state must have exactly the keys {list(_STATE_KEYS)}, got {sorted(state)}")
         self._memory.clear()

@@ -1,18 +1,12 @@
 """How the low-rank compressors see a bucket: batches of same-shape matrices plus an
 uncompressed ("dense") rest, and batched orthonormalization.
 
-Speed comes from three choices. Same-shape matrices of a bucket usually sit at equally
-spaced offsets (one per transformer block), so a batch is a strided 3-D *view* of the flat
-buffer and one ``torch.bmm`` handles every layer of that shape, with no copy and no Python
-loop over layers. The error buffer is double-buffered: ``M = grad + error`` is written into
-the spare buffer, which then becomes the new error in place (``baddbmm_``), so error
-feedback costs one write and keeps the old error intact until the step is committed. And
-the factor ``Q`` is kept transposed (r x m), which makes ``Q = M^T P`` the fast
-``P^T M`` product.
-
-Per-parameter state (error, factors) is stored by name elsewhere (``memory``); a plan's
-:attr:`LowRankPlan.factors` says where each compressed matrix sits in the bucket and in the
-flat factor buffers, so a bucket can gather and stage its parameters' state.
+Same-shape matrices usually sit at equally spaced offsets (one per transformer block), so a
+batch is a strided 3-D *view* of the flat buffer and one ``torch.bmm`` handles every layer of
+that shape without copies. The error buffer is double-buffered: ``M = grad + error`` goes into
+the spare buffer, which becomes the new error in place, so the old error stays intact until
+the step commits. ``Q`` is kept transposed (r x m), which makes ``Q = M^T P`` the fast
+``P^T M`` product. :attr:`LowRankPlan.factors` locates each matrix's state, stored by name.
 """
 
 from __future__ import annotations
@@ -29,20 +23,14 @@ __all__ = ["Factor", "LowRankPlan", "MatrixBatch", "orthonormalize"]
 
 
 def orthonormalize(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning (at least) the columns of every matrix in the batch
-    ``x`` (count x n x r, r <= n).
-
-    Householder QR, batched in one LAPACK call. Unlike Gram-Schmidt it needs no epsilon:
-    a zero or rank-deficient input still gives orthonormal columns, because ``x = QR``
-    puts the span of ``x`` inside the span of ``Q``.
-    """
+    """Orthonormal columns spanning those of each matrix of ``x`` (count x n x r, r <= n), by batched
+    Householder QR: unlike Gram-Schmidt it needs no epsilon for zero or rank-deficient input."""
     return torch.linalg.qr(x).Q
 
 
 @dataclass(frozen=True)
 class MatrixBatch:
-    """``count`` gradient matrices of shape n x m at offsets ``first + i * stride`` of a
-    bucket's flat buffer, approximated at rank ``rank``."""
+    """``count`` n x m gradient matrices at offsets ``first + i * stride``, approximated at ``rank``."""
 
     first: int
     stride: int
@@ -66,8 +54,7 @@ class MatrixBatch:
 
 @dataclass(frozen=True)
 class Factor:
-    """One compressed matrix: its slot, and where its blocks of the flat factor buffers
-    start (``q``: r x m, transposed Q; ``p``: n x r)."""
+    """One compressed matrix: its slot and its offsets in the flat Q (r x m) and P (n x r) buffers."""
 
     slot: ParamSlot
     n: int
@@ -79,9 +66,8 @@ class Factor:
 
 @dataclass(frozen=True, eq=False)
 class LowRankPlan:
-    """How one bucket is compressed: its matrix batches and the positions of the dense
-    elements (1-D tensors and matrices that would not compress by ``min_compression_rate``),
-    with its index tensor on ``device`` (the gradients' device)."""
+    """How one bucket is compressed: its matrix batches and the positions of the dense elements
+    (1-D tensors and matrices that would not shrink by ``min_compression_rate``)."""
 
     slots: tuple[ParamSlot, ...]
     batches: tuple[MatrixBatch, ...]
@@ -141,17 +127,15 @@ class LowRankPlan:
 
 
 def matrix_rank(rank: float, n: int, m: int) -> int:
-    """The rank an n x m matrix is approximated at: ``min(rank, n, m)`` for a whole number,
-    and for a fraction in (0, 1) (Dion's) that share of ``min(n, m)``, at least 1."""
+    """The rank of an n x m matrix: ``min(rank, n, m)``, or for a fraction (Dion's) that share of ``min(n, m)``."""
     if isinstance(rank, int):
         return min(rank, n, m)
     return max(1, int(rank * min(n, m)))
 
 
 def matrix_shape(slot: ParamSlot, rank: float, min_compression_rate: float) -> tuple[int, int] | None:
-    """``(n, m)`` of a tensor that is compressed as an n x m matrix (the first dimension by
-    the rest), or None when it is sent uncompressed: 1-D, or not smaller at rank
-    r = matrix_rank(rank, n, m) by PyTorch's hook's rule ``r (n + m) * min_compression_rate < n m``."""
+    """``(n, m)`` (first dimension by the rest) of a compressed tensor; None when 1-D or failing
+    PyTorch's hook's rule ``r (n + m) * min_compression_rate < n m``."""
     if len(slot.shape) < 2 or slot.numel == 0:
         return None
     n = slot.shape[0]

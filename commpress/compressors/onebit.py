@@ -1,26 +1,14 @@
 """1-bit compression with error feedback (Seide et al., 2014; the compressor of 1-bit Adam).
 
-Per tensor and rank: ``acc = grad + residual``; send ``sign(acc)`` (1 bit per element, 8 per
-byte; a zero counts as +) and one float32 scale, ``mean(|acc|)``; keep
-``residual = acc - scale * sign(acc)``, so what one step does not send is sent later.
-mean(|acc|) is the scale that minimises ``||acc - scale * sign(acc)||^2`` for a sign code (the
-derivative vanishes at ``sum(|acc|) / n``), so the residual is as small as one scale makes it.
-DeepSpeed's 1-bit Adam scales by ``||acc|| / sqrt(n)``, the root mean square, which is at least
-the mean magnitude: equal for a constant magnitude, larger otherwise, leaving a larger residual.
+Per tensor and rank: ``acc = grad + residual``; send ``sign(acc)`` (zero counts as +) and one
+float32 scale, ``mean(|acc|)``; keep ``residual = acc - scale * sign(acc)``. mean(|acc|) minimises
+that residual; DeepSpeed's root mean square is larger unless all magnitudes are equal.
 
-Every rank's scales and packed signs of a bucket travel in ONE all-gather; each rank decodes
-every rank's codes with that rank's scales and averages them (summed in rank order, divided
-by the world). The error feedback is one-sided, on the sending rank only: every rank decodes
-every code exactly, so the only loss is the sender's quantization, and the sender's residual
-holds all of it. DeepSpeed's compressed all-reduce (a reduce-scatter of 1-bit codes, then the
-averaged chunk compressed again for the all-gather) needs a second, server-side error because
-it re-compresses the average; gathering the codes themselves never does.
+All ranks' scales and signs travel in ONE all-gather and every rank decodes every code exactly,
+so the error feedback is one-sided: the sender's residual holds the only loss (DeepSpeed's
+compressed all-reduce re-compresses the average and so needs a second, server-side error).
 
-Tensors of fewer than ``min_numel`` elements (biases, norms) are sent whole in float32, in the
-same all-gather, and averaged exactly.
-
-Wire bytes per rank and bucket: sum over the compressed tensors of ceil(n/8) + 4, plus 4 per
-element of the tensors sent whole.
+Wire bytes per rank and bucket: Σ_t ceil(n/8) + 4, plus 4 per element sent whole.
 """
 
 from __future__ import annotations
@@ -49,21 +37,9 @@ __all__ = ["OneBitCompressor"]
 class OneBitCompressor(Compressor):
     """Signs and a mean-magnitude scale per tensor and rank, in one all-gather, with error feedback.
 
-    Args:
-        min_numel: tensors of fewer elements are sent whole (float32) and averaged exactly;
-            0 compresses every tensor.
-        error_feedback: keep each tensor's residual ``acc - scale * sign(acc)`` and add it to
-            the next gradient (off: every step's quantization error is dropped).
-        chunk: 0, one scale per tensor; a multiple of 8, one scale per run of ``chunk``
-            elements (4 more bytes per run: 1.125 bits per element at 256), so a tensor
-            whose rows differ in magnitude (an embedding) keeps a smaller residual.
-
-    State: the residuals, float32 and shaped like their parameters, kept per parameter name
-    and staged until :meth:`end_step`.
-
-    Non-finite gradients: a tensor holding Inf/NaN on a rank has a non-finite scale there,
-    which every rank decodes, so the tensor is non-finite on every rank and
-    ``torch.amp.GradScaler`` skips the step everywhere; no rank stages state from such a step.
+    ``chunk`` (a multiple of 8; 0: per tensor) gives one scale per that many elements, so a tensor
+    whose rows differ in magnitude (an embedding) keeps a smaller residual. A tensor holding
+    Inf/NaN on a rank has a non-finite scale that every rank decodes, so no residual is staged.
     """
 
     name: ClassVar[str] = "onebit"
@@ -71,7 +47,7 @@ class OneBitCompressor(Compressor):
     per_rank_state: ClassVar[tuple[str, ...]] = ("residuals",)
 
     def __init__(self, min_numel: MinNumel = DEFAULT_MIN_NUMEL, error_feedback: bool = True, chunk: int = 0) -> None:
-        # types and ranges: declared above, checked before this runs (registry); a multiple is no range
+        # a multiple is no range the signature can declare
         if chunk < 0 or chunk % 8:
             raise ConfigError(
                 f"method 'onebit': chunk = {chunk!r} is not accepted; expected 0 (one scale per tensor) or a multiple of 8 "
@@ -84,8 +60,7 @@ class OneBitCompressor(Compressor):
         self._memory = ErrorMemory()
 
     def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
-        """One all-gather: the tensor's float32 scale and its signs, or a tensor under
-        ``min_numel`` whole in float32 (none for an empty tensor)."""
+        """One all-gather: a float32 scale per run and the signs."""
         if slot.numel < self.min_numel:
             return (Transfer("all_gather", 4 * slot.numel),)
         n, run = slot.numel, self.chunk or max(slot.numel, 1)
@@ -94,8 +69,7 @@ class OneBitCompressor(Compressor):
         return (Transfer("all_gather", nbytes),)
 
     def error_model(self, tensor: TensorStats) -> Callable[[], float]:
-        """What the mean magnitude times the sign misses, ``sum a^2 - n s^2`` per run of n
-        elements with scale s = mean |a| (0 for a tensor sent whole)."""
+        """What the scaled sign misses, ``sum a^2 - n s^2`` per run of n elements (s = mean |a|)."""
 
         def error() -> float:
             if tensor.numel < self.min_numel:
@@ -111,8 +85,7 @@ class OneBitCompressor(Compressor):
         return entries.get("residuals")
 
     def _span_array(self, layout: tuple[tuple[int, int], ...]) -> np.ndarray:
-        """Every scale run of the tensors at ``layout`` as an int64 ``[T, 2]`` array, built
-        once per bucket layout (a scale per 64 elements makes hundreds of thousands)."""
+        """Every scale run of ``layout`` as an int64 ``[T, 2]`` array, cached per layout (small chunks make many)."""
         spans = self._layouts.get(layout)
         if spans is None:
             runs = [span for offset, numel in layout for span in self._spans(offset, numel)]
@@ -141,8 +114,7 @@ class OneBitCompressor(Compressor):
         sign_unpack_accumulate_many(all_packed, all_scales, spans, grad, acc, ctx.rank)  # acc becomes the residual
         average = average_whole(all_dense)
         write_whole(grad, whole, dense_pieces, average)
-        # decoded values are at most the largest scale in magnitude: with every scale and the
-        # dense average within the bucket dtype's range over the world, no sum overflows
+        # decoded values are at most the largest scale: bounded scales and average mean no sum overflows
         limit = torch.finfo(grad.dtype).max
         bounded = host.flags(host.finite(all_scales, bound=limit / ctx.world_size) & host.finite(average, bound=limit))[0]
         finite = bounded or host.flags(host.finite(all_scales, average))[0]
@@ -151,8 +123,7 @@ class OneBitCompressor(Compressor):
         return True if bounded else (None if finite else False)
 
     def _feedback(self, grad: torch.Tensor, pieces: list[Piece]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The committed residuals in the bucket's layout (read only) and a spare buffer for
-        ``acc``; (None, None) without error feedback or compressed tensors."""
+        """The committed residuals (read only) and a spare buffer for ``acc``; (None, None) without."""
         if not (self.error_feedback and pieces):
             return None, None
         n = grad.numel()
@@ -164,13 +135,11 @@ class OneBitCompressor(Compressor):
         self._memory.end_step(commit)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"residuals": {name: float32 tensor}}``, the committed residuals (CPU copies);
-        ``{}`` without error feedback (no state)."""
+        """``{"residuals": {name: tensor}}``; ``{}`` without error feedback."""
         return {"residuals": self._memory.tensors("residual")} if self.error_feedback else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; buckets pick their residuals up by parameter name
-        (moved to the gradients' device at first use)."""
+        """Restore :meth:`state_dict`; buckets pick the residuals up by parameter name."""
         expected = {"residuals"} if self.error_feedback else set()
         if set(state) != expected:
             raise ValueError(

@@ -1,6 +1,5 @@
-"""PowerSGD (Vogels et al., NeurIPS 2019): rank-r approximation by one step of subspace
-iteration per training step, warm-started, with error feedback. Two all-reduces per
-bucket: all P factors (plus the uncompressed elements) in one, all Q factors in the other.
+"""PowerSGD (Vogels et al., NeurIPS 2019): rank-r approximation by one warm-started step of
+subspace iteration per training step, with error feedback, in two all-reduces per bucket.
 """
 
 from __future__ import annotations
@@ -22,10 +21,7 @@ __all__ = ["PowerSGDCompressor"]
 @register_compressor
 class PowerSGDCompressor(LowRankCompressor):
     """Per matrix ``M = grad + error``: ``P = M Q``; all-reduce P; orthonormalize P;
-    ``Q = M^T P``; all-reduce Q; result ``P Q^T / world``; error ``M - P Q^T / world``.
-
-    Sends ``4 r (n + m)`` bytes per n x m matrix per step, plus the dense elements in fp32.
-    """
+    ``Q = M^T P``; all-reduce Q; result ``P Q^T / world``; error ``M - P Q^T / world``."""
 
     name: ClassVar[str] = "powersgd"
     rounds: ClassVar[int] = 2
@@ -37,7 +33,7 @@ class PowerSGDCompressor(LowRankCompressor):
         return (Transfer("all_reduce", 4 * p), Transfer("all_reduce", 4 * q))
 
     def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
-        """P and Q every step (bound: :meth:`LowRankCompressor._rank_for_ratio`)."""
+        """P and Q every step."""
         return self._rank_for_ratio(ratio, slots, lambda n, m: n + m)
 
     def _rounds(self, bucket: Bucket, ctx: Context, step: _Step) -> Reduction:
@@ -51,8 +47,7 @@ class PowerSGDCompressor(LowRankCompressor):
         self._write_dense(summed, bucket, plan, plan.p_numel)
         if not plan.batches:
             return
-        # P's finiteness is read with Q's, after the second all-reduce: one host read a
-        # bucket. A non-finite P (the same on every rank) makes Q non-finite on every rank.
+        # P's finiteness is read with Q's (one host read): a non-finite P makes Q non-finite everywhere
         p_finite = host.finite(summed)
         ps = [orthonormalize(p) for p in plan.p_views(summed)]
         second = torch.empty(plan.q_numel, dtype=torch.float32, device=bucket.buffer.device)

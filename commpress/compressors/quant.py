@@ -1,24 +1,12 @@
-"""b-bit stochastic quantization: every element as a 2-, 4- or 8-bit code, a (min, scale) per
-``bucket_size`` elements (the int8 / 4-bit wire of Streaming DiLoCo and Prime's int8 all-reduce).
+"""b-bit stochastic quantization with a (min, scale) per ``bucket_size`` elements (the int8 / 4-bit
+wire of Streaming DiLoCo and Prime's int8 all-reduce).
 
-Per tensor and rank: cut the tensor into buckets of ``bucket_size`` elements; bucket j
-sends lo = min, scale = (max - min) / (2^b - 1) and every element as
-q = floor((x - lo) / scale + u), u uniform in [0, 1), so E[lo + q·scale] = x: unbiased
-(:mod:`commpress.kernels.quantize`, the quantizer the FSDP collectives use). Buckets never
-span two tensors, and the random numbers are keyed by (seed, rank, step, parameter name),
-so the result does not depend on how DDP groups parameters into buckets. Every rank's
-codes, mins and scales of a bucket travel in ONE all-gather; every rank decodes each rank's
-payload with that rank's (min, scale), sums in rank order and divides by the world.
+Each element travels as q = floor((x - lo) / scale + u), u uniform in [0, 1), so the decode is
+unbiased (:mod:`commpress.kernels.quantize`, the FSDP collectives' quantizer). Buckets never
+span two tensors, so the result does not depend on DDP's bucketing. All ranks' codes, and the
+tensors under ``min_numel`` sent whole, travel in ONE all-gather.
 
-With ``error_feedback`` each rank keeps residual = (grad + residual) - its own decoded
-value, added to the next step's gradient (what rounding drops is delayed, not lost; the
-sent value is then no longer unbiased on its own).
-
-Tensors of fewer than ``min_numel`` elements are sent whole in float32, in the same
-all-gather, and averaged exactly (:mod:`commpress.compressors.wire.whole`).
-
-Wire bytes per rank and bucket: Σ over quantized tensors of ⌈n·b/8⌉ + 8·⌈n/bucket_size⌉,
-plus 4·d for the d elements of the tensors sent whole.
+Wire bytes per rank and bucket: Σ_t ⌈n·b/8⌉ + 8·⌈n/bucket_size⌉, plus 4·d sent whole.
 """
 
 from __future__ import annotations
@@ -46,36 +34,18 @@ __all__ = ["DEFAULT_BUCKET_SIZE", "QuantCompressor"]
 #: The bit widths, as a type (the ``bits`` parameter) and as values.
 Bits = Literal[2, 4, 8]
 BITS: tuple[int, ...] = typing.get_args(Bits)
-#: Elements per (min, scale): the FSDP quantization's default (``[fsdp] bucket_size``).
-#: 8 bytes per 1,024 elements add 0.8% to 8-bit codes and 3.1% to 2-bit codes, while a
-#: range per 1,024 elements follows a tensor's local magnitude (one outlier widens the
-#: steps of its own bucket only).
+#: Elements per (min, scale), as ``[fsdp] bucket_size``: small enough that one outlier widens only
+#: its own bucket's steps, large enough that the ranges cost little.
 DEFAULT_BUCKET_SIZE = 1024
 
 
 @register_compressor
 class QuantCompressor(Compressor):
-    """Uniform b-bit stochastic quantization with a (min, scale) per bucket of elements,
-    in one all-gather.
+    """Uniform b-bit stochastic quantization with a (min, scale) per bucket of elements.
 
-    Args:
-        bits: bits per element on the wire: 2, 4 or 8.
-        bucket_size: elements that share one float32 (min, scale) (a multiple of 8, like
-            ``[fsdp] bucket_size``); a tensor's last bucket may be shorter.
-        error_feedback: keep each rank's rounding error (grad + residual minus its own
-            decoded value) and add it to the next step's gradient.
-        min_numel: tensors of fewer elements are sent whole (float32) and averaged
-            exactly; 0 quantizes every tensor.
-        seed: mixed with rank, step and parameter name into the key of the counter-based
-            random generator, so runs are reproducible and ranks draw independent bits.
-
-    With ``error_feedback`` the residuals are kept per parameter name (float32, shaped like
-    the parameter) and staged until :meth:`end_step`.
-
-    Non-finite gradients: a tensor holding Inf/NaN on any rank gets a non-finite (min,
-    scale) there; every rank receives it and writes NaN into the whole tensor, so
-    ``torch.amp.GradScaler`` skips the step everywhere, and no rank stages a residual from
-    such a step.
+    With ``error_feedback`` each rank keeps its rounding error for the next step: delayed, not
+    lost, but no longer unbiased on its own. A tensor holding Inf/NaN on any rank gets a
+    non-finite (min, scale), so every rank writes NaN into it and no residual is staged.
     """
 
     name: ClassVar[str] = "quant"
@@ -91,7 +61,7 @@ class QuantCompressor(Compressor):
         min_numel: MinNumel = DEFAULT_MIN_NUMEL,
         seed: Seed = 0,
     ) -> None:
-        # types and ranges: declared above, checked before this runs (registry); a multiple is no range
+        # a multiple is no range the signature can declare
         if bucket_size < 8 or bucket_size % 8:
             raise ConfigError(f"method 'quant': bucket_size = {bucket_size!r} is not accepted; expected a multiple of 8, >= 8")
         self.bits = bits
@@ -123,8 +93,7 @@ class QuantCompressor(Compressor):
             unpack_accumulate(packed, mins, scales, self.bits, self.bucket_size, s.numel, out, average=True)
         average = average_whole(all_dense)
         write_whole(bucket.buffer, whole, dense_pieces, average)
-        # one host transfer: each tensor's (min, scale) finite on every rank, the whole
-        # tensors received finite, and all small enough that no sum overflows
+        # one host transfer: every (min, scale) and whole tensor finite, and small enough that no sum overflows
         limit = min(torch.finfo(torch.float32).max / ctx.world_size, torch.finfo(bucket.buffer.dtype).max) / 4
         bounded = host.finite(all_dense, bound=limit)
         for mins, scales, _ in received:
@@ -138,14 +107,11 @@ class QuantCompressor(Compressor):
             return False
         if self.error_feedback and pieces:  # not from a non-finite step: the old residuals stay
             self._memory.stage("residual", pieces, x)
-        # a decoded value is at most |min| + (2^b - 1)·scale: bounded, no sum over the ranks
-        # overflows float32 and the average fits the bucket's dtype; finite inputs whose sum
-        # may overflow are left to the hook's check
+        # a decoded value is at most |min| + (2^b - 1)·scale; unbounded sums are left to the hook's check
         return True if bounded else None
 
     def _accumulate(self, grad: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
-        """What is quantized: the gradient itself, or with error feedback a fresh float32
-        grad + residual (which becomes the new residual once the own decode is taken off)."""
+        """What is quantized: the gradient, or with error feedback a fresh float32 grad + residual."""
         if not self.error_feedback or not pieces:
             return grad
         residual, _ = self._memory.gather("residual", pieces, grad.numel(), grad.device)
@@ -166,20 +132,17 @@ class QuantCompressor(Compressor):
         return packed_size(numel, bits) + 8 * -(-numel // self.bucket_size)
 
     def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
-        """One all-gather: the tensor's codes and a float32 (min, scale) per bucket, or a
-        tensor under ``min_numel`` whole in float32."""
+        """One all-gather: the codes and a float32 (min, scale) per bucket."""
         return (Transfer("all_gather", self._nbytes(slot.numel, self.bits)),)
 
     def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
-        """The most ``bits`` whose bytes stay within ``ratio`` of float32's, 2 where none
-        does: at most the ratio (or 2 bits), the next setting up above it."""
+        """The most ``bits`` whose bytes stay within ``ratio`` of float32's (else 2)."""
         target = ratio * 4 * sum(s.numel for s in slots)
         fits = [b for b in BITS if sum(self._nbytes(s.numel, b) for s in slots) <= target]
         return {"bits": max(fits, default=BITS[0])}
 
     def error_model(self, tensor: TensorStats) -> Callable[[], float]:
-        """The variance of stochastic rounding, ``step^2 f (1 - f)`` per element, f its
-        fraction of a step above its bucket's minimum (0 for a tensor sent whole)."""
+        """The variance of stochastic rounding, ``step^2 f (1 - f)`` per element (f: its fraction of a step)."""
 
         def error() -> float:
             if tensor.numel < self.min_numel:
@@ -203,13 +166,11 @@ class QuantCompressor(Compressor):
         self._memory.end_step(commit)
 
     def state_dict(self) -> dict[str, Any]:
-        """With ``error_feedback``: ``{"residuals": {parameter name: float32 tensor}}`` (CPU
-        copies of the committed residuals); without it no state."""
+        """With ``error_feedback``: ``{"residuals": {parameter name: tensor}}``; else no state."""
         return {"residuals": self._memory.tensors("residual")} if self.error_feedback else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; buckets pick their residuals up by parameter name
-        (moved to the gradients' device at first use)."""
+        """Restore :meth:`state_dict`; buckets pick the residuals up by parameter name."""
         expected = ["residuals"] if self.error_feedback else []
         if sorted(state) != expected:
             raise ValueError(f"compressor 'quant' expects state with keys {expected}, got keys {sorted(state)}")

@@ -1,11 +1,8 @@
 """Compressors by name, so new methods plug in without touching hooks or backends.
 
-A registered compressor's constructor keyword arguments are its config parameters, and
-their type hints declare what each accepts (``ratio: Annotated[float, Bounds(gt=0, le=1)]``):
-registering wraps the constructor so that every construction, through :func:`build` or
-direct, is checked against them by :func:`commpress.schema.check_arguments` first. The
-constructor itself checks only what a type and a range cannot say (rules between
-parameters, multiples).
+Registering wraps the constructor so that every construction, through :func:`build` or direct,
+is first checked against its signature (:func:`commpress.schema.check_arguments`; see
+:class:`~commpress.compressors.base.Compressor`).
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ from commpress.schema import check_arguments, check_kwargs, signature_fields
 
 __all__ = ["EXACT", "available", "build", "check_params", "compressor_class", "register_compressor"]
 
-#: The method that averages exactly, the reference: what a link or a layer sends when it is
-#: not compressed, and the steps before ``start_iter``.
+#: The method that averages exactly: uncompressed links and layers, and the steps before ``start_iter``.
 EXACT = "none"
 
 _REGISTRY: dict[str, type[Compressor]] = {}
@@ -32,8 +28,7 @@ C = TypeVar("C", bound=type[Compressor])
 
 
 def register_compressor(cls: C) -> C:
-    """Class decorator: make ``cls`` available under ``cls.name``, its constructor's
-    arguments checked against their declared types and ranges."""
+    """Class decorator: register ``cls`` under ``cls.name``, its constructor arguments checked."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"compressor name {cls.name!r} is already registered")
     if cls.__init__ is not object.__init__ and not getattr(cls.__init__, "_checks_params", False):
@@ -43,8 +38,7 @@ def register_compressor(cls: C) -> C:
 
 
 def _checking(init: Callable[..., None]) -> Callable[..., None]:
-    """``init`` with its arguments checked first (``method 'topk': ratio = 2.0 is not
-    accepted; expected a number in (0, 1]``) and passed on converted."""
+    """``init`` with its arguments checked first and passed on converted."""
     signature = inspect.signature(init)
 
     @functools.wraps(init)
@@ -63,8 +57,7 @@ def available() -> list[str]:
 
 
 def methods_taking(dtype: torch.dtype) -> list[str]:
-    """The registered methods whose compressors take gradients of ``dtype``: :data:`EXACT`
-    first, then by name; what error messages about a refused dtype suggest."""
+    """The methods taking gradients of ``dtype``, :data:`EXACT` first (for dtype error messages)."""
     return sorted((m for m in available() if dtype in _REGISTRY[m].dtypes), key=lambda m: (m != EXACT, m))
 
 
@@ -79,9 +72,8 @@ def compressor_class(method: str) -> type[Compressor]:
 
 
 def check_params(method: str, params: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> dict[str, Any]:
-    """Validate parameter names and types for ``method`` (ranges are checked on build, with
-    the rules between parameters);
-    ``belongs(key)`` says where an unknown key belongs instead (the config knows)."""
+    """Validate parameter names and types for ``method`` (ranges are checked on build);
+    ``belongs(key)`` says where an unknown key belongs instead."""
     cls = compressor_class(method)
     return check_kwargs(f"method {method!r}", params, signature_fields(cls.__init__), belongs)
 

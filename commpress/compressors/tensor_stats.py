@@ -1,12 +1,9 @@
 """What the error models of a layer-wise plan read off one tensor, computed once for all of them.
 
-A plan weighs every candidate setting by what it would lose on each tensor
-(:meth:`~commpress.compressors.base.Compressor.error_model`). Many settings read the same
-statistics: the squares and their sum, the sums of the largest squares (every Top-k
-density), the top singular values (every low-rank rank). :class:`TensorStats` holds them,
-computed on first use; a model asks up front for the counts and the rank it will read
-(:meth:`TensorStats.want_top`, :meth:`TensorStats.want_rank`), so that one pass serves every
-setting.
+Many settings' models (:meth:`~commpress.compressors.base.Compressor.error_model`) read the same
+statistics: squares and their sum, sums of the largest squares (every Top-k density), the top
+singular values (every rank). Models ask up front for the counts and rank they will read
+(:meth:`TensorStats.want_top`, :meth:`TensorStats.want_rank`), so one pass serves them all.
 """
 
 from __future__ import annotations
@@ -21,12 +18,8 @@ __all__ = ["TensorStats", "runs", "top_singular", "top_sums"]
 
 
 class TensorStats:
-    """One tensor's measured rows and what several settings' errors share.
-
-    ``whole`` is the tensor (flat float32) of ``shape``; ``rows`` the rows its errors are
-    measured on (the whole tensor, or a strided sample of its rows), ``factor`` the factor
-    from the rows' errors to the tensor's, ``whole_energy`` the tensor's energy where the
-    sample found it (None: the rows are the tensor)."""
+    """One tensor (``whole``, flat) and the ``rows`` its errors are measured on (all, or a strided sample);
+    ``factor`` scales their errors to the tensor's, ``whole_energy`` is a sample's tensor energy."""
 
     def __init__(
         self, whole: torch.Tensor, shape: tuple[int, ...], rows: torch.Tensor, factor: float, whole_energy: float | None
@@ -81,8 +74,7 @@ class TensorStats:
         return self.energy if self._whole_energy is None else self._whole_energy
 
     def singular(self, n: int, m: int) -> torch.Tensor:
-        """The largest singular values of the tensor as an n x m matrix, at least the
-        largest rank asked for (:func:`top_singular`), largest first."""
+        """The largest singular values of the tensor as an n x m matrix (:func:`top_singular`)."""
         if (n, m) not in self._singular:
             self._singular[n, m] = top_singular(self.whole.view(n, m), self._rank)
         return self._singular[n, m]
@@ -97,20 +89,17 @@ def runs(acc: torch.Tensor, n: int) -> list[torch.Tensor]:
     return rows
 
 
-#: :func:`top_singular` works exactly (``svdvals``) on matrices whose smaller side is at
-#: most this many times the rank asked for; beyond, by a block power iteration.
+#: :func:`top_singular` is exact up to a smaller side of this many times the rank, then iterates.
 _EXACT_SIDE = 4
-_POWER_STEPS = 2  # power iterations: Ritz values within a few % of the top singular values
+_POWER_STEPS = 2  # power iterations
 _OVERSAMPLE = 8  # extra columns beyond the rank asked for
 
 
 def top_singular(a: torch.Tensor, k: int) -> torch.Tensor:
-    """The largest singular values of the matrix ``a`` (float32 or float64), at least ``k``
-    of them (fewer only if ``a`` has fewer), in float64, largest first: all of them by
-    ``svdvals`` where the smaller side is small, else the Ritz values of a block power
-    iteration (``k + 8`` columns, 2 steps, a fixed start: every rank and run computes the
-    same), each at most the true value, so an error read off them is an upper bound; the
-    full SVD of a 11,238 x 172 embedding took most of a plan's measuring."""
+    """At least ``k`` largest singular values of ``a`` in float64, largest first.
+
+    Exact where the smaller side is small, else (cheaper on large matrices) the Ritz values of a block
+    power iteration from a fixed start: never above the true values, so errors read off them are bounds."""
     n, m = a.shape
     if min(n, m) <= _EXACT_SIDE * max(k, 1):
         return torch.linalg.svdvals(a.to(torch.float64))
@@ -124,10 +113,8 @@ def top_singular(a: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_sums(values: torch.Tensor, counts: Iterable[int]) -> dict[int, float]:
-    """For each k of ``counts`` (1 <= k <= numel), the sum in float64 of the k largest of
-    ``values`` (float32, finite, >= 0, flat, contiguous), without sorting them on the CPU
-    (:func:`_radix_sums`). On CUDA a sort is fast, and the histogram's weighted bin counts
-    would add in an order that changes from run to run: the sums are read off a sort."""
+    """For each k of ``counts``, the float64 sum of the k largest of ``values`` (flat, finite, >= 0): on
+    the CPU by radix selection; on CUDA by a sort, fast and, unlike weighted bincounts, reproducible."""
     ks = sorted(set(counts))
     return _sorted_sums(values, ks) if values.is_cuda else _radix_sums(values, ks)
 
@@ -138,17 +125,13 @@ def _sorted_sums(values: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
     return dict(zip(ks, kept[torch.tensor(ks, device=values.device) - 1].tolist()))
 
 
-#: :func:`_radix_sums` bins a float32 by its 12 bits after the sign: the exponent and the
-#: top 4 mantissa bits (4,096 bins: few to clear for a sample of 65,536 elements), so a
-#: bin's values are within a factor 1 + 2**-4 of each other.
+#: :func:`_radix_sums` bins a float32 by the exponent and top 4 mantissa bits (few bins to clear).
 _RADIX_SHIFT = 19
 
 
 def _radix_sums(values: torch.Tensor, ks: Sequence[int]) -> dict[int, float]:
-    """:func:`top_sums` by a radix selection. The bits of a non-negative float32 read as an
-    integer order like the number, so one histogram of their top bits (each bin's count and
-    float64 sum) gives, for every k, the bin holding the k-th largest value and the sum of
-    every bin above it; only the entries of those few bins are sorted."""
+    """:func:`top_sums` by radix selection: non-negative float32 bits order like integers, so one
+    histogram (count and sum per bin) locates each k-th largest's bin; only those bins are sorted."""
     bins = values.view(torch.int32) >> _RADIX_SHIFT
     size = 1 << (31 - _RADIX_SHIFT)
     above = torch.bincount(bins, minlength=size).flip(0).cumsum(0)  # above[i]: entries in the top i + 1 bins

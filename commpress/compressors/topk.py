@@ -1,30 +1,15 @@
 """Top-k sparsification with error feedback (Stich et al., 2018) or DGC's momentum
-correction (Lin et al., 2018).
+correction (Lin et al., 2018, :mod:`commpress.compressors.dgc`).
 
-acc = grad + residual; from every tensor send its k = ceil(ratio·n) entries of largest
-|acc| as (int32 index, value) pairs; the residual becomes acc with the sent values
-removed, so nothing is lost, only delayed. All (index, value) pairs of a bucket travel
-in ONE all-gather; every rank adds up all ranks' pairs and divides by the world.
+acc = grad + residual; each tensor sends its k = ceil(ratio·n) entries of largest |acc| as
+(int32 index, value) pairs, and the residual keeps the rest, so nothing is lost, only delayed.
+A bucket's pairs travel in ONE all-gather; every rank sums all pairs and divides by the world.
 
-With ``dgc = true`` the sparsified quantity is DGC's velocity instead (momentum correction
-and factor masking, :mod:`commpress.compressors.dgc`): the compressor applies the momentum,
-and the optimizer's is handed over to it at registration.
+Selection is per tensor, not per bucket, so small gradients are not starved by large ones and
+the result does not depend on DDP's bucketing. Tensors under ``min_numel`` travel whole.
 
-Selection is per tensor (layer-wise, like DGC), not per bucket: every layer sends its
-share each step, so layers with small gradients are not starved by layers with large
-ones, and the result does not depend on how DDP groups parameters into buckets (its
-rebuild after the first step, ``bucket_cap_mb``, a resumed run's fresh buckets).
-
-With ``value_bits`` the values travel as b-bit stochastic codes, one (min, scale) per
-tensor's selection (:mod:`commpress.compressors.wire.sparse_values`), and what the codes drop
-goes back into the residual too.
-
-Tensors of fewer than ``min_numel`` elements (biases, norms) are sent whole in float32,
-in the same all-gather, and averaged exactly (:mod:`commpress.compressors.wire.whole`).
-
-Wire bytes per rank and bucket: k·(value bytes + 4) + 4·d, k the sum of the compressed
-tensors' k, d the elements of the tensors sent whole; with ``value_bits`` = b,
-Σ_t (4·k_t + ⌈k_t·b/8⌉ + 8) + 4·d.
+Wire bytes per rank and bucket: k·(value bytes + 4) + 4·d (d: elements sent whole); with
+``value_bits`` = b, Σ_t (4·k_t + ⌈k_t·b/8⌉ + 8) + 4·d.
 """
 
 from __future__ import annotations
@@ -63,11 +48,9 @@ from commpress.schema import Bounds
 __all__ = ["DEFAULT_MIN_NUMEL", "TopKCompressor", "topk_count"]
 
 _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-#: With ``selection = "auto"``, tensors up to this many elements use the exact k-th value
-#: (cheap at that size); larger ones the sampled threshold.
+#: With ``selection = "auto"``, tensors up to this size use the exact k-th value, larger ones a sampled threshold.
 EXACT_MAX_NUMEL = 1 << 16
-#: What the value codes' random keys fold in beside the seed, so that they differ from the
-#: sampled selection's (both are keyed by seed, rank, step and parameter name).
+#: Folded into the value codes' random keys so they differ from the sampled selection's.
 _VALUE_STREAM = 0x76616C75
 _FP16_MAX = torch.finfo(torch.float16).max
 _DENSITY_STEPS = range(-3, 7)  # a layer-wise plan's densities: the configured ratio * 2**j
@@ -84,42 +67,19 @@ class TopKCompressor(Compressor):
     ``dgc``, as DGC's velocity).
 
     Args:
-        ratio: fraction of every tensor's entries sent per step, in (0, 1].
-        value_dtype: dtype of the values on the wire: "float32", "float16" or "bfloat16"
-            (the rounding error goes back into the residual, so it is not lost either).
-        value_bits: 2, 4 or 8: the values travel as b-bit stochastic codes with one
-            float32 (min, scale) per tensor's selection instead (``value_dtype`` float32
-            only); the quantization error goes back into the residual, with ``dgc`` into
-            the velocity. Left out: values in ``value_dtype``.
-        selection: "exact" (k-th value of all |acc|), "sampled" (threshold estimated on a sample,
-            count corrected to exactly k) or "auto" (exact up to ``EXACT_MAX_NUMEL``
-            elements per tensor, sampled above).
-        warmup_steps: DGC-style warm-up: over the first ``warmup_steps`` steps the ratio
-            falls geometrically from ``warmup_ratio`` to ``ratio`` (0: no warm-up).
-        warmup_ratio: the ratio at step 0 of the warm-up, in [ratio, 1] (used when
-            ``warmup_steps`` > 0).
-        min_numel: tensors of fewer elements are sent whole (float32) and averaged exactly;
-            0 compresses every tensor.
-        dgc: Deep Gradient Compression: momentum correction and factor masking replace
-            plain error feedback; the optimizer must run without momentum
-            (``commpress.register(..., optimizer=opt)`` hands it over).
-        momentum: DGC's momentum (with ``dgc`` only); left out, it is taken from the
-            optimizer at registration.
-        momentum_masking: DGC's momentum factor masking (with ``dgc`` only): clear the
-            local momentum where values were sent. Off by default: it drops the momentum
-            still due to sent entries, so at ratio 1 DGC becomes SGD without momentum,
-            and it trained worse in the measurements of docs/quantization.md.
-        clip_norm: local gradient clipping: each tensor's gradient is scaled down to L2
-            norm at most ``clip_norm / sqrt(world)`` before it is accumulated (0: off).
-        seed: key material of the sampled selection's random numbers (with rank, step and
-            parameter name).
+        value_dtype, value_bits: the values on the wire, in a dtype or as b-bit stochastic codes
+            (:mod:`commpress.compressors.wire.sparse_values`); what they drop joins the residual.
+        selection: "exact" k-th value, "sampled" (threshold from a sample, count corrected to
+            exactly k) or "auto" (exact up to ``EXACT_MAX_NUMEL``).
+        warmup_steps, warmup_ratio: DGC-style warm-up, the ratio falling geometrically from
+            ``warmup_ratio`` to ``ratio``.
+        dgc: DGC's momentum correction replaces error feedback; the optimizer runs without
+            momentum (``commpress.register(..., optimizer=opt)`` hands it over).
+        momentum_masking: DGC's factor masking. Off by default: it drops the momentum still due
+            to sent entries, so at ratio 1 DGC becomes SGD without momentum (docs/quantization.md).
+        clip_norm: DGC's local gradient clipping (:func:`commpress.compressors.dgc.clip_local`).
 
-    State is kept per parameter name (float32, shaped like the parameter) and staged until
-    :meth:`end_step`: the residuals, or with ``dgc`` the momentum and velocity.
-
-    Non-finite gradients: a rank whose acc holds Inf/NaN sends NaN values, so every rank
-    decodes a non-finite gradient and ``torch.amp.GradScaler`` skips the step everywhere;
-    no rank stages state from such a step.
+    A rank whose acc holds Inf/NaN sends a non-finite value, so every rank skips the step.
     """
 
     name: ClassVar[str] = "topk"
@@ -142,7 +102,7 @@ class TopKCompressor(Compressor):
         clip_norm: Annotated[float, Bounds(ge=0, note="0: off")] = 0.0,
         seed: Seed = 0,
     ) -> None:
-        where = "method 'topk'"  # types and ranges: declared above, checked before this runs (registry)
+        where = "method 'topk'"
         if warmup_steps and not ratio <= warmup_ratio <= 1:
             raise ConfigError(
                 f"{where}: warmup_ratio = {warmup_ratio!r} is not accepted; expected a number in [ratio, 1] = [{ratio}, 1]"
@@ -179,8 +139,7 @@ class TopKCompressor(Compressor):
         return max(self.ratio, self.warmup_ratio * (self.ratio / self.warmup_ratio) ** (step / self.warmup_steps))
 
     def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
-        """One all-gather: an int32 index and a value per kept entry, or a tensor under
-        ``min_numel`` whole in float32 (the ratio after any warm-up)."""
+        """One all-gather: an int32 index and a value per kept entry (the ratio after warm-up)."""
         if slot.numel < self.min_numel:
             return (Transfer("all_gather", 4 * slot.numel),)
         k = topk_count(self.ratio, slot.numel)
@@ -189,19 +148,14 @@ class TopKCompressor(Compressor):
         return (Transfer("all_gather", k * (4 + self.value_dtype.itemsize)),)
 
     def params_for_ratio(self, ratio: float, slots: Sequence[ParamSlot]) -> dict[str, Any]:
-        """The ``ratio`` whose (index, value) pairs carry ``ratio`` of float32's bytes: each
-        tensor Top-k compresses then sends at least ``ratio`` of its float32 bytes and less
-        than one entry (4 + value bytes) more; the same for every tensor. With
-        ``value_bits`` = b an entry is 4 + b/8 bytes, and a tensor sends less than one entry,
-        its (min, scale) and a byte of padding more."""
+        """The ``ratio`` whose (index, value) pairs carry ``ratio`` of float32's bytes, up to one
+        entry (with ``value_bits`` also its (min, scale) and a padding byte) more per tensor."""
         value_bytes = self.value_bits / 8 if self.value_bits is not None else self.value_dtype.itemsize
         return {"ratio": min(1.0, ratio * 4 / (value_bytes + 4))}
 
     def ladder(self, params: Mapping[str, Any]) -> list[Setting]:
-        """Densities from 1/8 to 64 times the configured ratio, below 1/2 (from half the
-        entries on, (index, value) pairs send more than the tensor), then the pool with
-        PowerSGD at ranks 1 to 8. With DGC, which applies the optimizer's momentum, a
-        tensor keeps it: densities only, up to 1 (every entry sent)."""
+        """Densities around the ratio, below 1/2 (beyond it the pairs outweigh the tensor), then the
+        pool; with DGC, whose tensors must keep the momentum it applies, densities only, up to 1."""
         ratio, top = float(self.ratio), 1.0 if self.dgc else 0.5
         densities = sorted({min(top, ratio * 2.0**j) for j in _DENSITY_STEPS} | ({1.0} if self.dgc else set()))
         own = [(self.name, self._at(params, d)) for d in densities if d != ratio and (d < top or self.dgc)]
@@ -257,8 +211,7 @@ class TopKCompressor(Compressor):
         indices, values = self._select(acc, error, grad, sparse, counts, seeds)
         if u is not None and self.momentum_masking:
             mask(u, indices)
-        # Inf/NaN rank first in every tensor's selection, so a non-finite acc always sends
-        # a non-finite value: every rank's decode is then non-finite (no extra pass needed)
+        # Inf/NaN rank first in a selection, so a non-finite acc always sends a non-finite value
         finite = host.flags(host.finite(values))[0]
         wire = self._to_wire(acc, indices, values, counts, seeds, finite)
         dense, dense_pieces = whole_part(grad, bucket, whole)
@@ -270,9 +223,7 @@ class TopKCompressor(Compressor):
         scatter_add_decode(all_values, all_indices, n, bucket.buffer, average=True)
         average = self._decode_whole(all_dense, dense_pieces)
         write_whole(bucket.buffer, whole, dense_pieces, average)
-        # the bucket is zeros, sums of world values / world and `average`: finite if the
-        # values and the average are, and bounded so that no sum overflows the bucket's dtype
-        # (which also makes every received value finite: a non-finite one reaches the average)
+        # finite if the values and `average` are, bounded so that no sum overflows the bucket's dtype
         limit = torch.finfo(bucket.buffer.dtype).max
         bounded = host.flags(host.finite(all_values, bound=limit / ctx.world_size) & host.finite(average, bound=limit))[0]
         received = bounded or host.flags(host.finite(all_values, all_dense))[0]
@@ -283,9 +234,7 @@ class TopKCompressor(Compressor):
     def _accumulate(
         self, grad: torch.Tensor, pieces: list[Piece]
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Where what is sparsified goes (fresh, float32, the bucket's layout), DGC's momentum
-        ``u`` and the residual ``error``: with DGC the corrected velocity, computed (``error``
-        None); else a spare buffer that the selection fills with grad + error (``u`` None)."""
+        """(acc, DGC's ``u``, residual ``error``): acc is DGC's velocity, or a spare for grad + error."""
         if not pieces:
             return torch.empty(0, dtype=torch.float32, device=grad.device), None, None
         if self.dgc:
@@ -296,16 +245,14 @@ class TopKCompressor(Compressor):
         return out, None, residual.narrow(0, 0, grad.numel())  # the spare itself: the memory tracks buffers by identity
 
     def _decode_whole(self, gathered: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
-        """The average of the tensors sent whole (summed in rank order); with DGC, their
-        momentum ``U = m·U + average``."""
+        """The average of the tensors sent whole; with DGC, their momentum ``U = m·U + average``."""
         average = average_whole(gathered)
         return dense_momentum(self._memory, pieces, average, self.momentum) if self.dgc and pieces else average
 
     def _stage(
         self, pieces: list[Piece], acc: torch.Tensor, u: torch.Tensor | None, dense_pieces: list[Piece], average: torch.Tensor
     ) -> None:
-        """Stage the step's state: the residuals, or DGC's velocity and momentum (and the
-        momentum ``U`` of the tensors sent whole)."""
+        """Stage the residuals, or DGC's velocity and momentum (tensors sent whole: momentum only)."""
         if pieces and not self.dgc:
             self._memory.stage("residual", pieces, acc)
         if pieces and self.dgc:
@@ -323,9 +270,7 @@ class TopKCompressor(Compressor):
         counts: list[int],
         seeds: list[int],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every tensor's top entries of ``acc`` (first set to grad + ``error`` when that is
-        given) as (bucket-wide int32 indices, float32 values); the selected entries of
-        ``acc`` are zeroed."""
+        """Every tensor's top entries of ``acc`` (set to grad + ``error`` if given) as (indices, values), zeroed in ``acc``."""
         if not slots:
             return torch.empty(0, dtype=torch.int32, device=acc.device), acc.new_empty(0)
         values, indices = topk_select_many(
@@ -342,10 +287,7 @@ class TopKCompressor(Compressor):
     def _to_wire(
         self, acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, counts: list[int], seeds: list[int], finite: bool
     ) -> list[torch.Tensor]:
-        """``values`` as the frame pieces of :meth:`_wire_layout`: in the wire dtype, or as
-        b-bit codes (a non-finite value makes its tensor's codes decode to NaN). When
-        ``finite``, what the wire drops goes back into ``acc`` (the new residual, or DGC's
-        velocity) at the selected entries."""
+        """``values`` as the frame pieces of :meth:`_wire_layout`; if ``finite``, what they drop goes back into ``acc``."""
         if self._codec is not None:
             wire, sent = self._codec.encode(values, counts, [derive_seed(s, _VALUE_STREAM) for s in seeds])
         elif self.value_dtype == torch.float32 or not finite:  # Inf is not clamped away: it must reach every rank
@@ -371,14 +313,11 @@ class TopKCompressor(Compressor):
         return {"momentum": "momentum", "velocity": "velocity"} if self.dgc else {"residuals": "residual"}
 
     def state_dict(self) -> dict[str, Any]:
-        """The committed state of every parameter, by name (CPU copies, float32):
-        ``{"residuals": ...}``, or with DGC ``{"momentum": ..., "velocity": ...}`` (tensors
-        sent whole have a momentum only)."""
+        """``{"residuals": ...}``, or with DGC ``{"momentum": ..., "velocity": ...}``, by parameter name."""
         return {key: self._memory.tensors(kind) for key, kind in self._kinds().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; buckets pick their state up by parameter name
-        (moved to the gradients' device at first use)."""
+        """Restore :meth:`state_dict`; buckets pick it up by parameter name at first use."""
         kinds = self._kinds()
         if set(state) != set(kinds):
             raise ValueError(f"compressor 'topk' expects state with keys {sorted(kinds)}, got keys {sorted(state)}")

@@ -1,6 +1,5 @@
-"""One validated configuration, read from a TOML or JSON file or a dict.
-
-Top-level keys choose the gradient compressor for hooks::
+"""One validated configuration, read from a TOML or JSON file or a dict; the top-level keys
+choose the hooks' gradient compressor::
 
     method = "powersgd"        # any name in commpress.compressors.available()
     start_iter = 10            # uncompressed ("none") steps before compression starts
@@ -13,8 +12,7 @@ Top-level keys choose the gradient compressor for hooks::
     params = ["*.bias", "*norm*"]
     method = "none"
 
-The other tables (``[local_sgd]``, ``[fsdp]``, ``[bandwidth]``) are listed in
-:mod:`commpress.config.tables`.
+The other tables are listed in :mod:`commpress.config.tables`.
 """
 
 from __future__ import annotations
@@ -95,15 +93,14 @@ class Config:
         check_keys("params", self.params)
         object.__setattr__(self, "params", check_params(self.method, self.params, belongs))
         check_fields("config", self, names=("start_iter", "backend"))  # the rest: parsed by their own rules
-        build(self.method, self.params)  # range checks happen in the compressor
+        build(self.method, self.params)
         if not isinstance(self.overrides, (list, tuple)) or not all(isinstance(o, Override) for o in self.overrides):
             raise ConfigError(f"overrides = {self.overrides!r} is not accepted; expected a list of Override")
         object.__setattr__(self, "overrides", tuple(self.overrides))
 
     @classmethod
     def load(cls, source: Config | Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Config:
-        """A Config from a Config, a dict, or the path of a TOML (``.toml``) or JSON
-        (``.json``) file; both hold the same keys and tables."""
+        """A Config from a Config, a dict, or the path of a ``.toml`` or ``.json`` file (same keys)."""
         if source is None:
             return cls()
         if isinstance(source, Config):
@@ -143,17 +140,15 @@ class Config:
     @overload
     def section(self, name: str) -> Table | None: ...
     def section(self, name: str) -> Table | None:
-        """The ``[name]`` table's settings (its class in :mod:`commpress.config.tables`), or
-        None when the config has none. A name that is no table raises ValueError: a
-        misspelt name would otherwise read as a table left out."""
+        """The ``[name]`` table's settings, or None when the config has none; ValueError for a name
+        that is no table (a misspelling would otherwise read as a table left out)."""
         if name not in TABLE_TYPES:
             raise ValueError(f"no config table is called {name!r}; the tables: {', '.join(TABLE_TYPES)}")
         return self.sections.get(name)
 
     def group_for(self, model: Any, process_group: Any = None) -> Any:
-        """The process group a part of this config talks in: ``process_group`` if given,
-        else, on the torch backend, the model's own (a DDP model's; None: the world). The
-        MPI backend takes no torch group."""
+        """The process group a part of this config talks in: ``process_group`` if given, else on
+        the torch backend the model's own (None: the world)."""
         if process_group is not None or self.backend != "torch":
             return process_group
         return getattr(model, "process_group", None)
@@ -179,9 +174,8 @@ class Config:
         return digest_of(self.to_dict())
 
     def unmatched_overrides(self, names: Iterable[str]) -> list[str]:
-        """The ``overrides`` globs that match none of ``names`` (the model's parameter names),
-        in config order without repeats: a mistyped pattern would otherwise change nothing
-        without a word."""
+        """The ``overrides`` globs that match none of ``names``, in config order: a mistyped pattern
+        would otherwise change nothing without a word."""
         names = list(names)
         patterns = dict.fromkeys(p for ov in self.overrides for p in ov.params)
         return [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in names)]

@@ -1,7 +1,5 @@
-"""Reading a config file: TOML (``.toml``) or JSON (``.json``), chosen by the file's suffix,
-with one schema. JSON is there for users who keep their launcher's settings in JSON (as
-DeepSpeed does); both read into the same plain data that :meth:`Config.from_dict` checks.
-"""
+"""Reading a config file: TOML or JSON by suffix, one schema (JSON for users whose launcher
+settings are JSON, as DeepSpeed's are)."""
 
 from __future__ import annotations
 
@@ -61,8 +59,7 @@ class _RepeatedKey(Exception):
 
 
 def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object, refused when a key repeats (TOML refuses it too; JSON would keep the
-    last value without a word)."""
+    """A JSON object, refused when a key repeats (as TOML refuses it; JSON keeps the last)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:

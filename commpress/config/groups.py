@@ -1,14 +1,6 @@
-"""A model's method groups: the config's main method and each override, the compressor
-that runs each, and which parameters each covers.
-
-One object serves every user of groups (the DDP hook state, the bandwidth-aware layer,
-Local SGD's averager), so group keys (``"main"``, ``"override0"``, ...), rounds and the rule
-that splits a bucket into groups (run by :class:`~commpress.compressors.composite.Composite`)
-are defined once.
-
-A method with ``skip_last_layer = true`` (TernGrad) leaves the model's last layer to one
-more group, ``"last_layer"``, that averages it with ``none``.
-"""
+"""A model's method groups (the config's main method and each override, with their compressors
+and parameters), defined once for every user. A method with ``skip_last_layer = true`` (TernGrad)
+leaves the model's last layer to one more group, ``"last_layer"``, averaged exactly."""
 
 from __future__ import annotations
 
@@ -31,14 +23,8 @@ LAST_LAYER = "last_layer"
 
 
 class MethodGroups:
-    """The method groups of ``config``, each with its compressor.
-
-    ``model`` is needed when a group's method has ``skip_last_layer = true``: that group's
-    share of the model's last layer (:func:`last_layer_names`, named as
-    ``model.named_parameters()`` names them) goes to the ``"last_layer"`` group instead,
-    averaged with ``none``. ``last_layer`` gives those names instead of a model (a hook
-    state restored from a pickle).
-    """
+    """The method groups of ``config``, each with its compressor; a method that skips the last
+    layer needs ``model``, or the ``last_layer`` names (a state restored from a pickle)."""
 
     def __init__(self, config: Config, model: nn.Module | None = None, last_layer: Iterable[str] | None = None) -> None:
         self.config = config
@@ -69,14 +55,12 @@ class MethodGroups:
         return self.composite.rounds
 
     def key_for(self, name: str) -> str:
-        """The group of the parameter called ``name`` (first matching override wins; the
-        last layer of a group that leaves it out goes to ``"last_layer"``)."""
+        """The group of the parameter called ``name`` (the first matching override wins)."""
         key = next((f"override{i}" for i, ov in enumerate(self.config.overrides) if ov.matches(name)), MAIN)
         return LAST_LAYER if key in self.skipping and name in self.last_layer else key
 
     def replace(self, key: str, compressor: Compressor, spec: tuple[str, dict[str, Any]]) -> None:
-        """Run group ``key`` with ``compressor``, built from ``spec`` = (method, params), from
-        now on (the bandwidth layer changes a method's parameter this way)."""
+        """Run group ``key`` with ``compressor``, built from ``spec`` = (method, params), from now on."""
         self.compressors[key] = compressor
         self.specs[key] = spec
 
@@ -98,10 +82,8 @@ class MethodGroups:
 
 
 def last_layer_names(model: nn.Module) -> list[str]:
-    """The names (as ``model.named_parameters()`` gives them) of the parameters of the last
-    module, in ``model.named_modules()`` order, that holds parameters of its own: the weight
-    and bias of a classifier or logits layer. A weight tied to an earlier module keeps
-    that module's name."""
+    """The parameter names of the last module (in ``named_modules()`` order) holding parameters of
+    its own: a classifier's weight and bias; a weight tied to an earlier module keeps its name."""
     own: list[nn.Parameter] = []
     for _, module in model.named_modules():
         here = list(module.parameters(recurse=False))

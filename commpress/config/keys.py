@@ -1,6 +1,5 @@
-"""Where every config key lives, so that a key in the wrong place is answered with the
-place it belongs in (``rank`` at the top level: ``[params]``; ``start_iter`` inside
-``[params]``: the top level), not only with the keys accepted where it was found."""
+"""Where every config key lives, so that a key in the wrong place is answered with where it
+belongs (``rank`` at the top level: ``[params]``), not only with the keys accepted there."""
 
 from __future__ import annotations
 
@@ -35,10 +34,8 @@ def homes(key: str) -> list[str]:
 
 
 def belongs(key: str, here: str = "") -> str:
-    """``": it belongs in <places>"`` for an unknown ``key`` found at ``here`` (a place as
-    :func:`homes` names it, left out), or ``""`` when no place takes it: the text an
-    unknown-key error puts after the key. In an override, a method's parameters go in its
-    ``method_params``."""
+    """The text an unknown-key error puts after ``key`` found at ``here``: ``": it belongs in
+    <places>"`` (the other :func:`homes`), or ``""`` when no place takes it."""
     places = []
     for home in homes(key):
         if home == here:

@@ -1,20 +1,10 @@
 """Which parts of a config apply to which kind of model, and which combine: the one place
-:func:`commpress.register` and every lower-level entry point (``CommState`` and
-``register_ddp_hook``, ``commpress.local_sgd.from_config``, ``commpress.fsdp.apply``) ask,
-so that no table is dropped without a word.
-
-A config's *items* are its tables and the top-level settings that only some parts take
-(:data:`ITEMS`). A *part* (:data:`PARTS`) is one adapter: the DDP hook, the cross-group hook
-of a sharded model's replica groups, Local SGD / CO2 / DiLoCo, 1-bit Adam, FSDP's
-collectives. Each part is chosen by its own table (the two hooks by none of theirs),
-applies to some model kinds (:data:`KINDS`), to some under a torchft ``Manager``
-(``register(..., manager=)``, where every collective goes through the manager), and takes
-some other items along; :data:`NEEDS` and :data:`APART` are the two rules inside a part,
-:data:`NOT_MANAGED` the items no part takes under a manager. Everything else is
-refused with a :class:`~commpress.errors.ConfigError` naming the items, the model kind and
-what to do instead. The docs' tables are rendered from here (:func:`rst_table`,
-:func:`markdown_table`) and a test checks they match.
-"""
+:func:`commpress.register` and every lower-level entry point ask, so that no table is dropped
+without a word. A config's *items* (:data:`ITEMS`) are its tables and the top-level settings only
+some parts take; a *part* (:data:`PARTS`) is one adapter, chosen by its own table (the hooks by
+none), that applies to some model kinds (:data:`KINDS`) and takes some items along. Anything else
+is refused with a :class:`~commpress.errors.ConfigError` naming the items, the model kind and
+what to do instead. The docs' tables are rendered from here (:func:`rst_table`)."""
 
 from __future__ import annotations
 
@@ -92,9 +82,7 @@ def label(item: str) -> str:
 
 
 def items_of(config: Config) -> tuple[str, ...]:
-    """The items ``config`` sets, in :data:`ITEMS` order: a table it holds, a top-level
-    ``method`` other than ``"none"``, any ``overrides``, ``start_iter`` > 0, a backend
-    other than torch."""
+    """The items ``config`` sets (a default value sets none), in :data:`ITEMS` order."""
     found = {
         "method": config.method != "none",
         "overrides": bool(config.overrides),
@@ -107,11 +95,9 @@ def items_of(config: Config) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Part:
-    """One adapter a config reaches: ``name`` is its :class:`~commpress.Registration`
-    attribute's state_dict key; ``table`` chooses it (None: a hook, chosen by no other
-    part's table); ``kinds`` the models it applies to; ``takes`` the items it applies along;
-    ``does`` what it does, in refusals; ``entry`` how to apply it; ``managed`` the kinds it
-    applies to under a torchft Manager."""
+    """One adapter a config reaches: ``name`` is its state_dict key, ``table`` chooses it (None: a
+    hook), ``kinds`` (``managed``: under a torchft Manager) the models it applies to, ``takes``
+    the items it applies along; ``does`` and ``entry`` tell refusals what it does and how to apply it."""
 
     name: str
     table: str | None
@@ -215,10 +201,8 @@ APART: dict[frozenset[str], str] = {
 
 
 def model_kind(model: torch.nn.Module, backend: str = "torch", mesh: Any = None, managed: bool = False) -> str:
-    """``model``'s key in :data:`KINDS`: ``"single"`` is a model neither wrapped nor sharded
-    with torch.distributed not initialized, ``backend`` torch and no torchft Manager
-    (``managed``): nobody to send to; ``"groups"`` any model handed with a ``mesh`` (which
-    :mod:`commpress.comm.mesh` checks)."""
+    """``model``'s key in :data:`KINDS`; ``"single"`` when there is nobody to send to (no
+    torch.distributed, the torch backend, no manager)."""
     if mesh is not None:
         return "groups"
     if isinstance(model, FullyShardedDataParallel):
@@ -253,9 +237,8 @@ def _advice(kind: str, managed: bool) -> str:
 
 
 def _verdict(items: tuple[str, ...], kind: str, managed: bool = False) -> tuple[Part | None, tuple[str, ...], str]:
-    """The part that applies ``items`` on ``kind`` (None in a single process), under a
-    torchft Manager (``managed``) or not, or the items refused and why, with what to do
-    instead (``why`` empty: accepted)."""
+    """The part that applies ``items`` on ``kind`` (None in a single process), or the items refused
+    and why, with what to do instead (``why`` empty: accepted)."""
     chosen = [p for p in PARTS.values() if p.table in items]
     if len(chosen) > 1:
         tables = tuple(i for i in ITEMS if any(i == p.table for p in chosen))
@@ -306,15 +289,13 @@ def _verdict(items: tuple[str, ...], kind: str, managed: bool = False) -> tuple[
 
 
 def refused_items(config: Config, kind: str, managed: bool = False) -> tuple[str, ...] | None:
-    """The items :func:`part_for` names when it refuses ``config`` on ``kind`` (under a
-    torchft Manager: ``managed``), or None when it applies."""
+    """The items :func:`part_for` refuses in ``config`` on ``kind``, or None when it applies."""
     _, refused, why = _verdict(items_of(config), kind, managed)
     return refused if why else None
 
 
 def part_for(config: Config, kind: str, entry: str = "commpress.register()", managed: bool = False) -> Part | None:
-    """The part that applies ``config`` to a model of ``kind``, under a torchft Manager
-    (``managed``) or not (None in a single process: nothing applies); raises
+    """The part that applies ``config`` to a model of ``kind`` (None in a single process); raises
     :class:`ConfigError` naming the items refused, the kind and what to do instead."""
     return _decide(items_of(config), kind, entry, managed)
 
@@ -329,10 +310,9 @@ def _decide(items: tuple[str, ...], kind: str, entry: str, managed: bool = False
 
 
 def check_part(config: Config, name: str, entry: str, kind: str | None = None, managed: bool = False) -> None:
-    """Refuse what the lower-level ``entry``, which applies part ``name`` alone (under a
-    torchft Manager: ``managed``), does not apply: another part's items (saying where they
-    apply), and what :func:`part_for` refuses on ``kind`` (default: the part's first kind)
-    once the part's table is added."""
+    """Refuse what the lower-level ``entry``, which applies part ``name`` alone, does not: another
+    part's items (saying where they apply), and what :func:`part_for` refuses on ``kind``
+    (default: its first kind) once the part's table is added."""
     part = PARTS[name]
     items = items_of(config)
     foreign = [i for i in items if i != part.table and i not in part.takes]
@@ -345,7 +325,7 @@ def check_part(config: Config, name: str, entry: str, kind: str | None = None, m
 
 
 def _applies(kind: str, managed: bool = False) -> list[str]:
-    """What applies on ``kind`` (under a torchft Manager: ``managed``), one phrase per part."""
+    """What applies on ``kind``, one phrase per part."""
     default = any(p.table is None and kind in p.kinds_for(managed) for p in PARTS.values())
     left_out = {**NOT_ON.get(kind, {}), **(NOT_MANAGED if managed else {})}
     out = []
@@ -358,8 +338,7 @@ def _applies(kind: str, managed: bool = False) -> list[str]:
 
 
 def _rows() -> list[tuple[str, list[str]]]:
-    """The rows of the docs' tables: the model, then what applies (one phrase per part);
-    then the models something applies to under a torchft Manager."""
+    """The rows of the docs' tables: (the model, what applies), then the same under a manager."""
     rules = [f"{label(i)} needs {label(n)}" for i, (n, _) in NEEDS.items()]
     rules += [f"{_names(i for i in ITEMS if i in pair)} do not combine" for pair in APART]
     rows = [(_model_name(k), _applies(k)) for k in KINDS if k != "single"]

@@ -1,6 +1,5 @@
-"""The config tables beside the top-level keys, all listed here (:data:`TABLE_TYPES`), each a
-frozen dataclass validated on construction (:class:`~commpress.errors.ConfigError` names the
-key, the value and what is accepted); the subsystem that applies a table imports it from here."""
+"""The config tables beside the top-level keys (:data:`TABLE_TYPES`), each a frozen dataclass
+validated on construction; the subsystem that applies a table imports it from here."""
 
 from __future__ import annotations
 
@@ -37,12 +36,8 @@ __all__ = [
 ]
 
 
-#: DiLoCo's ``outer_lr`` values that follow the number M of replicas averaging (under a
-#: torchft Manager, each sync's participants), by name: ``sqrt_replicas``, sqrt(M), best on
-#: the race's transformer at a constant learning rate; ``sqrt_twice_replicas``, sqrt(2M)
-#: (2.0 for 2, 2.83 for 4) and 1.0 for a replica alone (nothing averaged: its own steps
-#: kept as they are), best there under warm-up + cosine decay. The larger race model
-#: wants 1.0 (docs/local_sgd.md "What sets the best outer lr").
+#: DiLoCo's ``outer_lr`` values that follow the number M of replicas averaging at a sync (which
+#: suits which run: docs/local_sgd.md "What sets the best outer lr").
 REPLICA_OUTER_LRS: dict[str, Callable[[int], float]] = {
     "sqrt_replicas": math.sqrt,
     "sqrt_twice_replicas": lambda m: math.sqrt(2 * m) if m > 1 else 1.0,
@@ -51,11 +46,9 @@ REPLICA_OUTER_LRS: dict[str, Callable[[int], float]] = {
 
 @dataclass(frozen=True)
 class LocalSGDConfig:
-    """Settings of the ``[local_sgd]`` table. The outer-step keys apply to ``"co2"`` and
-    ``"diloco"``, ``staleness_penalty`` and ``clip`` to ``"co2"``, ``nesterov``,
-    ``fragments``, ``sync_delay``, ``merge`` and ``merge_alpha`` to ``"diloco"``; a key left
-    unset takes its algorithm's default (:data:`OUTER_DEFAULTS`, :data:`STREAMING_DEFAULTS`,
-    :func:`resolve_merge`)."""
+    """The ``[local_sgd]`` table. The outer-step keys apply to ``"co2"`` and ``"diloco"``,
+    ``staleness_penalty`` and ``clip`` to ``"co2"``, the keys after them to ``"diloco"``; a key
+    left unset takes its algorithm's default (:meth:`value`)."""
 
     algorithm: Literal["local_sgd", "co2", "diloco"] = "local_sgd"
     period: Annotated[int, Bounds(ge=1)] = 4
@@ -74,7 +67,7 @@ class LocalSGDConfig:
     merge_alpha: float | None = None
 
     def __post_init__(self) -> None:
-        check_fields("local_sgd", self)  # types, every number finite, the declared ranges
+        check_fields("local_sgd", self)
         for key, algorithms in _KEYS_OF.items():
             if getattr(self, key) is not None and self.algorithm not in algorithms:
                 raise ConfigError(
@@ -105,22 +98,17 @@ class LocalSGDConfig:
         return {**OUTER_DEFAULTS.get(self.algorithm, {}), **STREAMING_DEFAULTS}.get(key)
 
 
-#: The outer step's defaults by algorithm: CO2's (the plain average, delayed), DiLoCo's
-#: (Nesterov SGD at lr 0.8, momentum 0.2: the quality suite's best at H 4-8 on charlm,
-#: shapes and the transformer, SGD and AdamW, docs/local_sgd.md "Settings measured"; the
-#: paper's 0.7 / 0.9, tuned for H = 500 on long runs, lost 21-43% there).
+#: The outer step's defaults by algorithm. DiLoCo's suit short periods, unlike the paper's 0.7 /
+#: 0.9 tuned for H = 500 (docs/local_sgd.md "Settings measured").
 OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "co2": {"outer_lr": 1.0, "outer_momentum": 0.0, "staleness_penalty": 1.0},
     "diloco": {"outer_lr": 0.8, "outer_momentum": 0.2, "nesterov": True},
 }
-#: DiLoCo's streaming keys, defaults: the whole model at once, landing at once (``merge``:
-#: :func:`resolve_merge`).
+#: DiLoCo's streaming keys' defaults: the whole model at once, landing at once.
 STREAMING_DEFAULTS: dict[str, Any] = {"fragments": 1, "sync_delay": 0, "merge": None, "merge_alpha": 0.0}
-#: How a fragment's average merges into local values that took ``sync_delay`` steps since
-#: its sync started: ``"eager"``, the local values move by the outer lr times their own
-#: pseudo-gradient when the sync starts, and become the new anchor plus the steps taken
-#: since when it lands; ``"mix"``, Streaming DiLoCo's ``merge_alpha * local + (1 -
-#: merge_alpha) * anchor``.
+#: How a fragment's average merges into local values that stepped on since its sync started:
+#: ``"eager"``, they take the outer step of their own pseudo-gradient at the start and become the
+#: new anchor plus the steps since; ``"mix"``, ``merge_alpha * local + (1 - merge_alpha) * anchor``.
 MERGES = ("eager", "mix")
 #: The algorithms each optional key of ``[local_sgd]`` applies to.
 _KEYS_OF: dict[str, tuple[str, ...]] = {
@@ -162,11 +150,9 @@ def check_diloco_settings(
 
 
 def resolve_merge(merge: str | None, merge_alpha: float | None) -> tuple[str, float]:
-    """The ``merge`` and ``merge_alpha`` that given (None: unset) values mean. Unset,
-    ``merge`` is ``"mix"`` when ``merge_alpha`` is given, else ``"eager"`` (measured
-    best: at H = 2 with ``sync_delay = 1`` it needs the steps of no delay, the mix at 0.5
-    1.15-1.35x them, docs/local_sgd.md "Overlap without losing steps");
-    ``merge_alpha`` applies to ``"mix"`` only (unset there: 0, the new anchor)."""
+    """The ``merge`` and ``merge_alpha`` that given (None: unset) values mean: unset, ``merge`` is
+    ``"mix"`` when ``merge_alpha`` is given, else ``"eager"`` (docs/local_sgd.md "Overlap without
+    losing steps"); ``merge_alpha`` applies to ``"mix"`` only (unset: 0, the new anchor)."""
     if merge is None:
         merge = "mix" if merge_alpha is not None else "eager"
     if merge not in MERGES:
@@ -181,9 +167,8 @@ def resolve_merge(merge: str | None, merge_alpha: float | None) -> tuple[str, fl
 
 def check_streaming(period: int | None, fragments: int, sync_delay: int) -> None:
     """Streaming DiLoCo's schedule: ``fragments`` > 1 or ``sync_delay`` > 0 need a constant
-    ``period`` (None: a varying one) that ``fragments`` divides, and ``sync_delay`` at most
-    ``period / fragments`` so a fragment's average lands before the next sync starts (at
-    the step it starts, with ``sync_delay = period / fragments``: landed first)."""
+    ``period`` (None: varying) that ``fragments`` divides, and ``sync_delay`` at most ``period /
+    fragments``, so a fragment's average lands before the next sync starts."""
     if fragments == 1 and sync_delay == 0:
         return
     if period is None:
@@ -222,9 +207,7 @@ FULL_PRECISION = 32
 
 @dataclass(frozen=True)
 class FSDPConfig:
-    """Settings of the FSDP hooks (the ``[fsdp]`` table). Defaults follow QSDP: 8-bit
-    weights and gradients, buckets of 1024 elements, norms/embeddings/biases and small
-    tensors in full precision."""
+    """The ``[fsdp]`` table: quantized FSDP collectives, with QSDP's defaults."""
 
     weight_bits: int = 8
     grad_bits: int = 8
@@ -249,15 +232,10 @@ class FSDPConfig:
 
 @dataclass(frozen=True)
 class BandwidthConfig:
-    """The ``[bandwidth]`` config table.
-
-    The plan's unit is a group of ranks that run one collective (a domain, or a cross
-    group; a collective goes at its slowest link). ``budget_ms`` > 0: every cross group
-    gets the least compression whose predicted transfer of one step fits the budget.
-    ``budget_ms`` = 0: every group's predicted time is at most ``1 + slowdown`` times the
-    fastest group's (``slowdown`` a fraction, 0.1 = 10 %). Ratios (wire bytes over the
-    uncompressed ones) stay within [``min_ratio``, ``max_ratio``].
-    """
+    """The ``[bandwidth]`` table. The plan's unit is a group of ranks running one collective (a
+    domain or a cross group). ``budget_ms`` > 0: each cross group gets the least compression whose
+    predicted step transfer fits it; 0: every group's predicted time is at most ``1 + slowdown``
+    times the fastest's; the wire-bytes ratio stays within [``min_ratio``, ``max_ratio``]."""
 
     adaptive: bool = False
     budget_ms: Annotated[float, Bounds(ge=0)] = 0.0
@@ -268,8 +246,7 @@ class BandwidthConfig:
     remeasure_every: Annotated[int, Bounds(ge=0)] = 0
     #: links at least this fast join ranks into one domain; 0 = automatic (largest gap)
     fast_gbps: Annotated[float, Bounds(ge=0)] = 0.0
-    #: domains join ranks on one host (and network namespace) or linked by fast links
-    #: ("auto"), only the former ("host") or only the latter ("bandwidth")
+    #: domains join ranks on one host (and network namespace), linked by fast links, or either ("auto")
     group_by: Literal["auto", "bandwidth", "host"] = "auto"
     #: declared domains (lists of ranks), used instead of the measured grouping
     domains: tuple[tuple[int, ...], ...] = ()
@@ -277,7 +254,7 @@ class BandwidthConfig:
     probe_ms: Annotated[float, Bounds(gt=0, le=10_000)] = 40.0
 
     def __post_init__(self) -> None:
-        check_fields("[bandwidth]", self, key="[bandwidth] {key}")  # types, every number finite, the declared ranges
+        check_fields("[bandwidth]", self, key="[bandwidth] {key}")
         _check("max_ratio", self.max_ratio, self.min_ratio <= self.max_ratio <= 1, f"a number in [min_ratio={self.min_ratio}, 1]")
         ranks = [r for d in self.domains for r in d]
         if self.domains and (sorted(ranks) != list(range(len(ranks))) or not all(self.domains)):
@@ -294,20 +271,17 @@ def _check(key: str, value: Any, ok: bool, accepted: str, table: str = "bandwidt
 
 @dataclass(frozen=True)
 class LayerwiseConfig:
-    """The ``[layerwise]`` config table: each tensor of the main method gets its own setting
-    (the method's knob, another method, or sent exactly / in fp16), chosen every ``every``
-    steps to minimise the compression error measured on the run's gradients within
-    ``budget``: ``"uniform"`` (the bytes the configured setting sends), an integer (bytes
-    per step and rank) or a number in (0, 1) (that fraction of the tensors' float32 bytes).
-    ``every`` 200: planning under 2% of a step, and no worse than 50 on the quality suite
-    (docs/choosing.md, measured)."""
+    """The ``[layerwise]`` table: each tensor of the main method gets its own setting (the method's
+    knob, another method, or exact / fp16), chosen every ``every`` steps (docs/choosing.md) to
+    minimise the compression error on the run's gradients within ``budget``: ``"uniform"`` (the
+    configured setting's bytes), bytes per step and rank, or a fraction of the float32 bytes."""
 
     enabled: bool = False
     budget: Literal["uniform"] | int | float = "uniform"
     every: Annotated[int, Bounds(ge=1, note="steps between plans")] = 200
 
     def __post_init__(self) -> None:
-        check_fields("[layerwise]", self, key="[layerwise] {key}")  # types, every number finite, the declared ranges
+        check_fields("[layerwise]", self, key="[layerwise] {key}")
         budget = self.budget
         if isinstance(budget, int):
             _check("budget", budget, budget >= 1, BUDGET_ACCEPTED, "layerwise")
@@ -321,11 +295,9 @@ BUDGET_ACCEPTED = "'uniform', an integer >= 1 (bytes per step and rank) or a num
 
 @dataclass(frozen=True)
 class OneBitAdamConfig:
-    """The ``[onebit_adam]`` table: 1-bit Adam on the user's AdamW, the momentum averaged
-    through the config's top-level ``method`` (``onebit``: signs and a scale) after a warm-up
-    of exact AdamW steps. ``warmup``: an integer (steps) or a number in (0, 1) (that fraction
-    of ``register(..., total_steps=N)``); the default 0.15 is the paper's share for
-    BERT-Large (23k of 152k steps)."""
+    """The ``[onebit_adam]`` table: 1-bit Adam on the user's AdamW, the momentum averaged through
+    the top-level ``method`` after ``warmup`` exact AdamW steps (a count, or a fraction of
+    ``register(..., total_steps=N)``; the default is the 1-bit Adam paper's share for BERT-Large)."""
 
     warmup: int | float = 0.15
 
@@ -354,8 +326,7 @@ WARMUP_ACCEPTED = "an integer >= 1 (exact AdamW steps) or a number in (0, 1) (a 
 
 @dataclass(frozen=True)
 class DionConfig:
-    """The ``[dion]`` table: Dion's low-rank orthonormal updates in place of Muon's step, at
-    ``rank`` (a number, at most each matrix's smaller side, or a fraction of it), the ranks
+    """The ``[dion]`` table: Dion's low-rank orthonormal updates in place of Muon's step, the ranks
     exchanging only the factors; Muon's lr, weight decay, lr adjustment and momentum carry over."""
 
     rank: Annotated[int, Bounds(ge=1)] | Annotated[float, Bounds(gt=0, lt=1, note="of each matrix's smaller side")] = 16
@@ -390,8 +361,7 @@ _LABELS = {
 
 
 def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> Table:
-    """The ``[name]`` table's dataclass from ``data`` (``belongs``: see
-    :func:`commpress.schema.check_kwargs`)."""
+    """The ``[name]`` table's dataclass from ``data`` (``belongs``: as for :func:`~commpress.schema.check_kwargs`)."""
     return parse_dataclass(_LABELS[name], TABLE_TYPES[name], data, belongs)
 
 

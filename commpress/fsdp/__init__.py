@@ -5,11 +5,8 @@ One call, on every rank, after sharding and before the first forward::
     import commpress.fsdp
     state = commpress.fsdp.apply(model, {"weight_bits": 8, "grad_bits": 8})
 
-For FSDP2 it quantizes every ``fully_shard``-ed module's parameter all-gather (QSDP: b-bit
-weights, full-precision master shards) and gradient reduce-scatter; for an FSDP1 root it
-registers :func:`quantized_hook`. ``config`` is an :class:`FSDPConfig`, the ``[fsdp]``
-table's keys as a dict, a full commpress config (dict or TOML path) with an ``[fsdp]``
-table, or None (defaults: 8-bit weights and gradients).
+FSDP2 gets quantized weight all-gathers (QSDP: master shards stay full precision) and gradient
+reduce-scatters; an FSDP1 root gets :func:`quantized_hook`.
 """
 
 from __future__ import annotations
@@ -53,13 +50,9 @@ def apply(
     recurse: bool = True,
     root: torch.nn.Module | None = None,
 ) -> FSDP2State | QuantizedState:
-    """Quantize ``model``'s FSDP communication as ``config`` says; returns the state
-    (``traffic()`` / ``traffic``, ``state_dict()``).
-
-    FSDP2: every ``fully_shard``-ed module in ``model`` (only ``model`` itself with
-    ``recurse=False``); ``exclude`` globs match names relative to ``root`` (default
-    ``model``). FSDP1: ``model`` must be the root ``FullyShardedDataParallel``.
-    """
+    """Quantize ``model``'s FSDP communication as ``config`` (anything :func:`load_fsdp_config`
+    reads) says. FSDP2: every ``fully_shard``-ed module (``recurse=False``: ``model`` alone),
+    ``exclude`` names relative to ``root``; FSDP1: ``model`` is the root."""
     cfg = load_fsdp_config(config)
     if isinstance(model, FullyShardedDataParallel):
         state = register_fsdp1(model, cfg)
@@ -70,8 +63,7 @@ def apply(
                 f"commpress.fsdp.apply found no sharded module in {type(model).__name__}: call it after "
                 "fully_shard(...) (FSDP2) or on the FullyShardedDataParallel root (FSDP1)"
             )
-    # every rank must quantize the same tensors the same way: agree before the first
-    # collective (the next forward); names only, an FSDP1 flat shard's size differs by rank
+    # names only: an FSDP1 flat shard's size differs by rank
     settings = {"fsdp": dataclasses.asdict(cfg), "model": [n for n, _ in model.named_parameters()]}
     agree_on_settings(settings, "commpress.fsdp.apply", "torch", None, detail=settings["fsdp"])
     return state

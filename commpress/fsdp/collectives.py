@@ -1,6 +1,5 @@
-"""Quantized reduce-scatter, all-reduce and all-gather over a :class:`Wire` payload, shared
-by the FSDP2 custom collectives and the FSDP1 comm hooks. Each counts the bytes this rank
-contributes (the collective's input) and the seconds spent encoding and decoding."""
+"""Quantized reduce-scatter, all-reduce and all-gather over a :class:`Wire` payload, for the
+FSDP2 collectives and FSDP1 hooks; each counts its input bytes and coding seconds."""
 
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ def quantized_reduce_scatter(
     op: dist.ReduceOp,
     traffic: Traffic,
 ) -> None:
-    """``output`` = reduction (``op`` AVG or SUM) over ranks of their row ``rank`` of ``rows``
-    (``[world, n]``): quantized ranges through an all-to-all of payloads (row ``r`` encoded
-    with ``seeds[r]``), raw ranges through the ordinary reduce-scatter."""
+    """``output`` = AVG or SUM over ranks of their row ``rank`` of ``rows`` (``[world, n]``, row ``r``
+    encoded with ``seeds[r]``) via an all-to-all; raw ranges via the ordinary reduce-scatter."""
     world = rows.shape[0]
     t0 = time.perf_counter()
     payloads = torch.empty(world, wire.nbytes, dtype=torch.uint8, device=rows.device)
@@ -51,8 +49,7 @@ def quantized_reduce_scatter(
 
 
 def quantized_all_reduce(wire: Wire, flat: torch.Tensor, group: dist.ProcessGroup, seed: int, traffic: Traffic) -> None:
-    """Replace ``flat`` (quantized ranges) by the average over ranks: every rank's payload is
-    all-gathered and accumulated. Raw ranges are averaged by an ordinary all-reduce."""
+    """Average ``flat`` over ranks by all-gathering payloads; raw ranges by an ordinary all-reduce."""
     world = group.size()
     t0 = time.perf_counter()
     payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=flat.device)
@@ -75,8 +72,7 @@ def quantized_all_reduce(wire: Wire, flat: torch.Tensor, group: dist.ProcessGrou
 def quantized_all_gather(
     wire: Wire, shard: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup, seed: int, traffic: Traffic
 ) -> None:
-    """``output`` (``world * n``) = every rank's dequantized ``shard``, this rank's included,
-    so all ranks hold the same values; raw ranges arrive bit-exact."""
+    """``output`` (``world * n``) = every rank's dequantized ``shard``, its own included."""
     world, n = group.size(), shard.numel()
     t0 = time.perf_counter()
     payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=shard.device)

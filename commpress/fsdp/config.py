@@ -19,8 +19,8 @@ _CONFIG_KEYS = {*TOP_LEVEL, *TABLE_TYPES}
 
 
 def load_fsdp_config(source: Any = None) -> FSDPConfig:
-    """An FSDPConfig from itself, a :class:`commpress.Config` (its ``[fsdp]`` table), a
-    dict holding an ``fsdp`` table or the table's keys, or the path of a TOML or JSON file."""
+    """An FSDPConfig from itself, a :class:`commpress.Config` or a dict or TOML/JSON path holding
+    an ``[fsdp]`` table, the table's keys as a dict, or None (defaults)."""
     if source is None:
         return FSDPConfig()
     if isinstance(source, FSDPConfig):

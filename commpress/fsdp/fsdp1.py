@@ -1,14 +1,11 @@
 """Comm hooks for FSDP1 (``FullyShardedDataParallel.register_comm_hook``).
 
-- :func:`quantized_hook` with :class:`QuantizedState`: b-bit stochastically quantized
-  gradients; sharded strategies get a quantized reduce-scatter (each rank receives the
-  average of its shard), ``NO_SHARD`` a quantized all-reduce.
-- :func:`low_precision_hook` with :class:`LowPrecisionState`: fp16/bf16 gradients that,
-  unlike PyTorch's ``fp16_compress_hook``, also run on CPU (no ``record_stream``).
+- :func:`quantized_hook`: b-bit stochastically quantized gradients (a reduce-scatter, or an
+  all-reduce for ``NO_SHARD``).
+- :func:`low_precision_hook`: fp16/bf16 gradients, unlike ``fp16_compress_hook`` also on CPU.
 
-FSDP1 hands a hook one flat gradient per FSDP unit, mixing every parameter of the unit, so
-``exclude`` globs do not apply here; units smaller than ``min_numel`` and ``grad_bits = 32``
-use PyTorch's default hooks, which is exactly plain FSDP. ``weight_bits`` is FSDP2-only.
+A hook gets one flat gradient per unit, mixing its parameters, so ``exclude`` does not apply;
+small units and ``grad_bits = 32`` use PyTorch's default hooks. ``weight_bits`` is FSDP2-only.
 """
 
 from __future__ import annotations
@@ -38,9 +35,8 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class _LazyState(default_hooks.DefaultState):
-    """PyTorch's FSDP hook state, built before or after ``init_process_group``: it takes
-    its process group (default: the world) when the first hook runs. It pickles without
-    its group (:mod:`commpress.comm.pickling`): the copy connects at its first hook."""
+    """PyTorch's FSDP hook state, connecting to its group at the first hook, so it may be built
+    before ``init_process_group`` and pickled (:mod:`commpress.comm.pickling`)."""
 
     __slots__ = ["_connected", "_group"]
 
@@ -49,7 +45,7 @@ class _LazyState(default_hooks.DefaultState):
         self._connected = False
 
     def connect(self) -> None:
-        """Resolve the process group (called by the hooks; idempotent)."""
+        """Resolve the process group (idempotent)."""
         if not self._connected:
             require_initialized(f"the FSDP1 hook state ({type(self).__name__})")
             default_hooks.DefaultState.__init__(self, self._group if self._group is not None else dist.group.WORLD)
@@ -61,9 +57,8 @@ class _LazyState(default_hooks.DefaultState):
 
 
 class QuantizedState(_LazyState):
-    """State of :func:`quantized_hook`: the config, the process group, a call counter that
-    seeds stochastic rounding (hooks run in the same order on every rank), and the bytes
-    this rank sent (``traffic``)."""
+    """State of :func:`quantized_hook`; its call counter seeds stochastic rounding (hooks run in
+    the same order on every rank)."""
 
     __slots__ = ["_wires", "config", "steps", "traffic"]
 
@@ -91,9 +86,7 @@ class QuantizedState(_LazyState):
         return self._wires[key]
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """The call counter, tagged with rank, world size and config (the same on every
-        rank; ``full=True``: every rank's part, a collective). Before the first hook runs
-        rank and world size are None (nothing differs per rank yet)."""
+        """The call counter as a checkpoint part (``full=True``: the whole job, a collective)."""
         if full:
             self.connect()
         group = self.process_group if self._connected else None
@@ -109,8 +102,7 @@ class QuantizedState(_LazyState):
 
 
 def quantized_hook(state: QuantizedState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
-    """Average ``grad`` over ranks with b-bit quantization: into ``output`` (this rank's
-    shard) for sharded strategies, in place for ``NO_SHARD``."""
+    """Average ``grad`` over ranks, b-bit quantized, into ``output`` (in place for ``NO_SHARD``)."""
     state.connect()
     step, state.steps = state.steps, state.steps + 1
     group, world = state.process_group, state.world_size
@@ -133,7 +125,7 @@ def quantized_hook(state: QuantizedState, grad: torch.Tensor, output: torch.Tens
 
 
 class LowPrecisionState(_LazyState):
-    """State of :func:`low_precision_hook`: the wire dtype (fp16 or bf16) and bytes sent."""
+    """State of :func:`low_precision_hook`: the wire dtype (fp16 or bf16)."""
 
     __slots__ = ["dtype", "traffic"]
 
@@ -153,8 +145,7 @@ class LowPrecisionState(_LazyState):
 
 
 def low_precision_hook(state: LowPrecisionState, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
-    """Average ``grad`` over ranks in ``state.dtype`` (pre- and post-divided like PyTorch's
-    default hooks); the result is cast back into ``output`` (or ``grad`` for ``NO_SHARD``)."""
+    """Average ``grad`` over ranks in ``state.dtype``, cast back into ``output`` (or ``grad``)."""
     state.connect()
     low = grad.to(state.dtype)
     state.traffic.add(nbytes=low.numel() * low.element_size(), collectives=1)

@@ -1,21 +1,11 @@
-"""Install commpress's quantized collectives on FSDP2 (``fully_shard``) modules.
+"""Install commpress's quantized collectives on FSDP2 (``fully_shard``) modules: each becomes a
+:class:`Unit` with a :class:`QuantizedAllGather` and a :class:`QuantizedReduceScatter`.
 
-Every ``fully_shard``-ed module (one parameter group) becomes a :class:`Unit` with a
-:class:`QuantizedAllGather` (weights) and a :class:`QuantizedReduceScatter` (gradients),
-set through FSDP2's public ``set_custom_all_gather`` / ``set_custom_reduce_scatter``.
-
-Weights (QSDP): each rank quantizes its flat shard (unbiased stochastic rounding per
-bucket), the payloads are all-gathered, and every rank writes the dequantized shards of all
-ranks, its own included, into the output: every rank computes with the same weights. The
-master shard FSDP keeps for the optimizer is never touched, so it stays full precision.
-Parameters kept in full precision travel as raw bytes inside the same payload, bit-exact.
-
-Gradients: FSDP2 hands the reduce-scatter its flat input, ``world`` rows, row ``r`` being
-the part of every gradient that rank ``r`` owns. Each rank quantizes every row with its own
-seed, an all-to-all delivers row ``r`` of every rank to rank ``r``, and rank ``r`` sums the
-dequantized rows (fused unpack + accumulate), divided by ``world`` for ``ReduceOp.AVG``.
-Parameters kept in full precision go through the ordinary reduce-scatter, so they match
-plain FSDP exactly.
+Weights (QSDP): each rank's stochastically quantized shard is all-gathered and every rank
+uses the dequantized shards, its own included, so all compute with the same weights; the
+master shard stays full precision. Gradients: each rank quantizes every row of the flat input
+with its own seed and an all-to-all delivers row ``r`` to rank ``r``, which sums them.
+Full-precision parameters travel raw, matching plain FSDP exactly.
 """
 
 from __future__ import annotations
@@ -49,7 +39,6 @@ from commpress.torch_compat import (
 
 __all__ = ["FSDP2State", "ParamShard", "QuantizedAllGather", "QuantizedReduceScatter", "Unit", "apply_fsdp2"]
 
-# seed stream tags of the two sides
 _WEIGHTS = 1
 _GRADS = 2
 _OPS = (dist.ReduceOp.AVG, dist.ReduceOp.SUM)
@@ -66,12 +55,7 @@ class ParamShard:
 
 @dataclass
 class Unit:
-    """The per-unit state both custom collectives share.
-
-    ``steps`` counts the unit's reduce-scatters: weights are gathered with a seed derived
-    from it, so the backward re-gather reproduces the forward's quantized weights exactly
-    (the master shard only changes after a reduce-scatter and optimizer step).
-    """
+    """The per-unit state both custom collectives share; ``steps`` counts its reduce-scatters."""
 
     index: int
     params: tuple[ParamShard, ...]
@@ -98,9 +82,8 @@ class Unit:
         return Segments(offset, tuple(ranges))
 
     def weight_seed(self, rank: int) -> int:
-        """The seed of ``rank``'s quantized weights in this unit's next all-gather: keyed by
-        the unit's reduce-scatter count, so the backward re-gather of unchanged weights
-        reproduces the forward's quantization exactly."""
+        """The seed of ``rank``'s weights in the next all-gather: keyed by the reduce-scatter count,
+        so the backward re-gather of unchanged weights reproduces the forward's exactly."""
         return derive_seed(self.config.seed, _WEIGHTS, self.index, self.steps, rank)
 
     def grad_seed(self, step: int, rank: int, dest: int) -> int:
@@ -108,16 +91,13 @@ class Unit:
         return derive_seed(self.config.seed, _GRADS, self.index, step, rank, dest)
 
     def wire(self, side: str, n: int, dtype: torch.dtype) -> Wire | None:
-        """The payload format of ``side`` ("weights" or "grads") for a flat shard of ``n``
-        elements; None when nothing is quantized or ``n`` is not this unit's full shard
-        (some parameters got no gradient, or a resharded-after-forward copy): those
-        collectives run uncompressed."""
+        """The payload of ``side`` ("weights" or "grads") for ``n`` elements; None (uncompressed)
+        when nothing is quantized or ``n`` is not the full shard (some parameters got no gradient)."""
         key = (side, n, dtype)
         if key not in self._wires:
             bits = self.config.weight_bits if side == "weights" else self.config.grad_bits
             segments = self.segments(bits)
             usable = n == self.shard_numel and segments.nq > 0
-            # weights carry raw ranges in the payload; gradients reduce them separately
             self._wires[key] = (
                 Wire(segments, bits, self.config.bucket_size, dtype, carry_raw=side == "weights") if usable else None
             )
@@ -125,8 +105,6 @@ class Unit:
 
 
 class _UnitCollective(FSDPDefaultAlloc):
-    """What both custom collectives hold: the unit whose layout and counters they use."""
-
     def __init__(self, unit: Unit) -> None:
         self.unit = unit
 
@@ -148,9 +126,7 @@ class QuantizedAllGather(_UnitCollective, FSDPAllGather):
         if wire is None:
             traffic.add(nbytes=n * input_tensor.element_size(), collectives=1)
             return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        # seeded by the unit's reduce-scatter count: the backward re-gather of unchanged
-        # weights reproduces the forward's quantization exactly; by the rank in the shard
-        # group: HSDP replicas (same master shard) gather the same quantized weights
+        # the rank in the shard group: HSDP replicas (same master shard) gather the same weights
         quantized_all_gather(wire, input_tensor, output_tensor, group, unit.weight_seed(group.rank()), traffic)
         return None
 
@@ -187,17 +163,15 @@ class QuantizedReduceScatter(_UnitCollective, FSDPReduceScatter):
 
 
 class FSDP2State(BoundToProcess):
-    """What :func:`apply_fsdp2` installed: one :class:`Unit` per sharded module, the bytes
-    each side sent, and the stochastic-rounding step counters (save them with a checkpoint
-    so a resumed run draws the same random numbers)."""
+    """What :func:`apply_fsdp2` installed, one :class:`Unit` per sharded module; checkpoint it so a
+    resumed run draws the same random numbers."""
 
     def __init__(self, config: FSDPConfig, units: list[Unit]) -> None:
         self.config = config
         self.units = units
 
     def traffic(self) -> dict[str, dict[str, float]]:
-        """Bytes this rank contributed, collectives and compression seconds, per side:
-        ``{"all_gather": {...}, "reduce_scatter": {...}}``."""
+        """This rank's :class:`Traffic` counts per side (``"all_gather"``, ``"reduce_scatter"``)."""
         out = {}
         for side, attr in (("all_gather", "gather_traffic"), ("reduce_scatter", "scatter_traffic")):
             snaps = [getattr(u, attr).snapshot() for u in self.units]
@@ -205,8 +179,7 @@ class FSDP2State(BoundToProcess):
         return out
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """The units' step counters, tagged with rank, world size and config (the same on
-        every rank; ``full=True``: every rank's part, a collective)."""
+        """The units' step counters as a checkpoint part (``full=True``: the whole job, a collective)."""
         steps = [u.steps for u in self.units]
         part = checkpoint.tag({"steps": steps}, dist.get_rank(), dist.get_world_size(), max(steps, default=0), self._config())
         return checkpoint.gather_job(allgather_object, part) if full else part
@@ -242,9 +215,8 @@ def apply_fsdp2(
     recurse: bool = True,
     root: torch.nn.Module | None = None,
 ) -> FSDP2State:
-    """Quantize the all-gather and reduce-scatter of ``module`` (and, with ``recurse``, of
-    every ``fully_shard``-ed module inside it). Parameter names for ``config.exclude``
-    are taken relative to ``root`` (default: ``module``)."""
+    """Quantize the collectives of ``module`` (with ``recurse``, of every ``fully_shard``-ed module
+    in it); ``config.exclude`` names are relative to ``root`` (default: ``module``)."""
     names = {id(p): n for n, p in (root if root is not None else module).named_parameters()}
     units: list[Unit] = []
     for where, fsdp_module in _fsdp_modules(module, recurse):

@@ -1,13 +1,9 @@
-"""The cross-group hook: HSDP whose all-reduce across replica groups goes through a
-commpress method.
+"""The cross-group hook: HSDP whose all-reduce across replica groups goes through a commpress method.
 
-The model is sharded with FSDP2 over ``mesh["shard"]`` inside each group (plain FSDP2
-there: reduce-scatter, all-gather); after each unit's reduce-scatter, FSDP2 hands the
-unit's gradient shard to the hook set with its public ``set_all_reduce_hook``, and the hook
-averages it in place over ``mesh["replicate"]`` through a
-:class:`~commpress.comm.averager.ParameterAverager` (the config's method, error feedback
-kept per shard). With method ``"none"`` it is plain HSDP. Each parameter's shard is its own
-slot with the shard's shape (its rows), so low-rank methods compress the shard's rows.
+Inside a group FSDP2 runs plainly over ``mesh["shard"]``; its ``set_all_reduce_hook`` hands each
+unit's gradient shard to a :class:`~commpress.comm.averager.ParameterAverager` over
+``mesh["replicate"]`` (method ``"none"``: plain HSDP). Each parameter's shard is its own slot,
+so low-rank methods compress the shard's rows.
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ __all__ = ["CrossGroupHook"]
 
 
 class CrossGroupHook(BoundToProcess):
-    """Sets the all-reduce hook of every ``fully_shard``-ed module in ``model``: each
-    gradient shard is averaged over the replica groups of ``groups`` with ``method``."""
+    """Sets the all-reduce hook of every ``fully_shard``-ed module in ``model``."""
 
     def __init__(self, model: torch.nn.Module, groups: ReplicaGroups, method: str, params: Mapping[str, Any]) -> None:
         self.averager = ParameterAverager(method, params, process_group=groups.replicate)
@@ -69,8 +64,7 @@ class CrossGroupHook(BoundToProcess):
         return self.averager.traffic
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """The averager's state (each shard's error feedback), tagged with this rank in its
-        replica group; per rank only (``full=True`` is refused: the other shards are elsewhere)."""
+        """The averager's state (this shard's error feedback); ``full=True`` is refused."""
         if full:
             raise ValueError(
                 "the cross-group hook: state_dict(full=True) cannot gather a sharded model's other shards: save every "

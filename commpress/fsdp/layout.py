@@ -1,13 +1,9 @@
-"""FSDP2's layout of a model's parameters, for code that runs without a process group.
+"""FSDP2's layout of a model's parameters, for simulated ranks without a process group.
 
-:func:`~commpress.fsdp.fsdp2.apply_fsdp2` reads the units from the ``fully_shard``-ed
-modules themselves. What it finds follows from the model alone: a unit per
-``fully_shard``-ed module (numbered in ``named_modules`` order, those left without
-parameters skipped) holding its modules' parameters in post-order (children before their
-parent), not entering nested units; each rank's flat shard is every parameter's dim-0 chunk
-(as ``torch.chunk`` cuts it) zero-padded to the first chunk's size, end to end. This module
-states those rules once, for the quality suite's simulated ranks;
-``tests/test_quality_qsdp.py`` checks them against ``apply_fsdp2`` on real FSDP2.
+A unit per ``fully_shard``-ed module with parameters, in ``named_modules`` order, holds its
+modules' parameters in post-order, not entering nested units; a rank's flat shard is every
+parameter's dim-0 ``torch.chunk`` zero-padded to the first chunk's size, end to end.
+``tests/test_quality_qsdp.py`` checks these rules against real FSDP2.
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ __all__ = ["PlannedUnit", "flat_shards", "plan_units", "shard_rows", "unshard"]
 
 
 class PlannedUnit(NamedTuple):
-    """A unit as :func:`~commpress.fsdp.fsdp2.apply_fsdp2` would make it, the positions of its
-    parameters in ``model.parameters()``, and whether it is the root module's."""
+    """A unit as :func:`~commpress.fsdp.fsdp2.apply_fsdp2` would make it, its parameters'
+    positions in ``model.parameters()``, and whether it is the root's."""
 
     unit: Unit
     positions: tuple[int, ...]
@@ -34,13 +30,12 @@ class PlannedUnit(NamedTuple):
 
 
 def shard_rows(t: torch.Tensor, world: int) -> int:
-    """Rows of one rank's shard of ``t``: FSDP2 chunks dim 0 as ``torch.chunk`` does."""
+    """Rows of one rank's shard of ``t`` (dim 0 cut as ``torch.chunk`` does)."""
     return -(-t.shape[0] // world)
 
 
 def plan_units(model: torch.nn.Module, sharded: Sequence[str], config: FSDPConfig, world: int) -> list[PlannedUnit]:
-    """The units after ``fully_shard`` on each module named in ``sharded`` (bottom-up) and
-    on ``model``, over ``world`` ranks."""
+    """The units after ``fully_shard`` on each module named in ``sharded`` and on ``model``."""
     modules = dict(model.named_modules())
     unknown = [name for name in sharded if name not in modules]
     if unknown:
@@ -80,9 +75,7 @@ def _managed_modules(module: torch.nn.Module, roots: set[torch.nn.Module]) -> li
 
 
 def flat_shards(tensors: Sequence[torch.Tensor], world: int) -> torch.Tensor:
-    """``[world, n]``: row ``r`` is rank ``r``'s flat shard (each tensor's dim-0 chunk ``r``,
-    zero-padded to the first chunk's size, concatenated): what FSDP2's all-gather gathers and
-    its reduce-scatter scatters."""
+    """``[world, n]``: row ``r`` is rank ``r``'s flat shard of ``tensors``."""
     parts = []
     for t in tensors:
         padded = t.new_zeros(shard_rows(t, world) * world, *t.shape[1:])

@@ -1,17 +1,12 @@
 """The bytes one rank sends for one FSDP flat shard: quantized parts and full-precision parts.
 
-A flat shard of ``n`` elements (FSDP's concatenation of per-parameter shards) is split into
-*quantized* ranges and *raw* ranges (excluded parameters). The quantized elements, taken in
-order, are encoded by the b-bit stochastic quantizer of :mod:`commpress.kernels` in buckets of
-``bucket_size`` elements; one payload is laid out as::
+A flat shard is split into *quantized* ranges, coded by :mod:`commpress.kernels` in buckets of
+``bucket_size``, and *raw* ranges (excluded parameters). One payload is::
 
     scales (float32 x nb) | mins (float32 x nb) | raw elements (shard dtype) | packed codes | pad
 
-padded to a multiple of 4 bytes so that rows of a gathered ``[world, nbytes]`` buffer can be
-viewed as float32 without copies. Per element that is ``bits/8`` bytes plus 8 bytes per bucket.
-Weight payloads carry the raw elements (one all-gather moves everything); gradient payloads
-leave them out (``carry_raw=False``) because raw gradients go through the ordinary
-reduce-scatter, which sums them exactly like plain FSDP.
+padded to 4 bytes so gathered ``[world, nbytes]`` rows view as float32 without copies. Gradient
+payloads leave raw elements out (``carry_raw=False``): the ordinary reduce-scatter sums them.
 """
 
 from __future__ import annotations
@@ -99,8 +94,7 @@ class Wire:
         return scales, mins, raw, packed
 
     def encode(self, x: torch.Tensor, seed: int, payload: torch.Tensor) -> None:
-        """Quantize the quantized ranges of flat ``x`` into ``payload`` (uint8[nbytes]); copy
-        the raw ranges too if the payload carries them."""
+        """Encode flat ``x`` into ``payload`` (uint8[nbytes])."""
         scales, mins, raw_part, packed = self._parts(payload)
         if self.segments.nq:
             p, lo, sc = quantize_pack(self.segments.take(x, "quantized"), self.bits, self.bucket_size, seed)
@@ -122,8 +116,7 @@ class Wire:
             self.segments.put(out, raw_part, "raw")
 
     def accumulate(self, payloads: torch.Tensor, out: torch.Tensor, average: bool) -> None:
-        """Sum (or average) the quantized ranges of ``payloads`` (``[world, nbytes]``) into
-        the quantized ranges of flat ``out``; raw ranges are left alone."""
+        """Sum (or average) the quantized ranges of ``payloads`` (``[world, nbytes]``) into ``out``."""
         if not self.segments.nq:
             return
         scales, mins, _, packed = self._parts(payloads)

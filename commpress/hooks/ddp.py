@@ -1,7 +1,6 @@
 """The DDP comm hook, following ``torch.distributed.algorithms.ddp_comm_hooks`` conventions."""
 
-# No `from __future__ import annotations` here: DDP inspects the hook's annotations
-# and needs the real GradBucket / Future types, not strings.
+# No `from __future__ import annotations`: DDP inspects the hook's annotations (real types, not strings).
 
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,10 +19,8 @@ __all__ = ["attach_ddp_hook", "ddp_hook", "register_ddp_hook"]
 
 
 def ddp_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average ``bucket`` with the compressor configured in ``state``.
-
-    Register it like PyTorch's own hooks: ``ddp_model.register_comm_hook(state, ddp_hook)``.
-    """
+    """Average ``bucket`` with the compressor configured in ``state``; register it like PyTorch's
+    own hooks: ``ddp_model.register_comm_hook(state, ddp_hook)``."""
     return state.reduce(bucket.index(), bucket.buffer(), bucket.parameters(), advance=bucket.is_last())
 
 
@@ -34,18 +31,8 @@ def register_ddp_hook(
     optimizer: torch.optim.Optimizer | None = None,
     manager: Any = None,
 ) -> CommState:
-    """Build a :class:`CommState` for ``model`` from ``config`` and register :func:`ddp_hook`
-    (the DDP part of :func:`commpress.register`, which applies every table of a config).
-
-    Call it on every rank, after wrapping the model in DDP and before the first backward.
-    ``optimizer``: needed by methods that apply momentum themselves (Top-k with
-    ``dgc = true``): the momentum of the ``torch.optim.SGD`` param groups holding their
-    parameters is handed over to them and those groups' momentum set to 0
-    (:func:`commpress.hooks.optimizer.hand_over_momentum`); ignored otherwise.
-    ``manager``: a ``torchft.Manager`` every collective goes through
-    (:class:`~commpress.hooks.state.CommState`'s ``manager=``; wrap the model with
-    :func:`~commpress.hooks.managed_ddp.managed_ddp`).
-    """
+    """Build a :class:`CommState` for ``model`` from ``config`` and register :func:`ddp_hook`: the
+    DDP part of :func:`commpress.register`, which explains the arguments and when to call it."""
     cfg = Config.load(config)
     check_part(cfg, "ddp_hook", ENTRY, managed=manager is not None)
     return attach_ddp_hook(model, cfg, process_group, optimizer, manager)[0]
@@ -58,9 +45,8 @@ def attach_ddp_hook(
     optimizer: torch.optim.Optimizer | None = None,
     manager: Any = None,
 ) -> tuple[CommState, Callable[[], None]]:
-    """:func:`register_ddp_hook` of a config the matrix has accepted, and the call that takes
-    it off again: DDP all-reduces as it does without a hook, the optimizer gets its momentum
-    back."""
+    """:func:`register_ddp_hook` of a config the matrix has accepted, and the call that takes it
+    off again (plain DDP all-reduce, the optimizer's momentum given back)."""
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"register_ddp_hook() expects a DistributedDataParallel model, got {type(model).__name__}")
     if manager is not None and type(model).__module__.startswith("torchft"):
@@ -73,7 +59,7 @@ def attach_ddp_hook(
     groups = state.groups
     compressor_of = lambda name: groups.compressors[groups.key_for(name)]  # noqa: E731
     give_back = hand_over_momentum(optimizer, model.module.named_parameters(), compressor_of, cfg.start_iter)
-    state.load_kernels()  # the kernels of the first steps compiled or loaded now, not on the training clock
+    state.load_kernels()  # compiled or loaded now, not on the training clock
     switch = register_removable_hook(model, state, ddp_hook)
 
     def remove() -> None:

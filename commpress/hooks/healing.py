@@ -1,13 +1,8 @@
-"""What a replica that heals in a step under a torchft Manager replays once it has a peer's
-state: the step's reductions, in the order they ran, on the results its backend recorded
-(:attr:`~commpress.comm.manager_backend.ManagerBackend.log`).
-
-A healing replica contributes nothing to the step it heals in; when the manager hands it a
-healthy peer's shared state (in ``should_commit()``), the hook replays the step's
-collectives on that state, so its shared state ends the step equal to its peers'. A step's
-``[layerwise]`` plan is replayed before its buckets; the plan in force, handed over at a
-step that does not plan, is already in the peer's state: nothing to replay.
-"""
+"""The replay of a step by a replica that heals in it under a torchft Manager: once handed a
+healthy peer's shared state (in ``should_commit()``), it replays the step's reductions on it, in
+order, on the results its backend recorded
+(:attr:`~commpress.comm.manager_backend.ManagerBackend.log`), so its shared state ends the step
+equal to its peers'. A plan handed over (not made this step) is already in the peer's state."""
 
 from __future__ import annotations
 
@@ -43,9 +38,8 @@ class HealLog:
         self._entries.append(None)
 
     def replay(self, composite: Compressor, layerwise: LayerwiseGroups | None, start_iter: int, log: Sequence[list[Any]]) -> None:
-        """Run every recorded reduction on its recorded results, on the state just loaded:
-        the plan with ``layerwise``, each bucket (from ``start_iter`` on) with ``composite``
-        on zeros (a healing replica's input counts as nothing)."""
+        """Run every recorded reduction on its recorded results, on the state just loaded; buckets
+        reduce zeros (a healing replica's input counts as nothing)."""
         for entry, results in zip(self._entries, log, strict=True):
             if entry is None:
                 continue

@@ -1,6 +1,5 @@
-"""How a hook state reads its own part out of a whole-job checkpoint
-(:func:`commpress.comm.checkpoint.own_part`): whether a saved part holds per-rank entries,
-and how the parts of a job of another world size combine into this rank's."""
+"""The questions :func:`commpress.comm.checkpoint.own_part` asks of a hook state reading its part
+of a whole-job checkpoint."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ __all__ = ["JobState"]
 
 
 class JobState:
-    """The whole-job checkpoint questions of a hook state with method ``groups`` (a
-    ``[layerwise]`` plan in ``layerwise``), rank ``rank`` of ``world_size``."""
+    """Whole-job checkpoint questions for a hook state's method ``groups`` and ``layerwise`` plan."""
 
     def __init__(self, groups: MethodGroups, layerwise: LayerwiseGroups | None, rank: int, world_size: int) -> None:
         self.groups, self.layerwise, self.rank, self.world_size = groups, layerwise, rank, world_size
@@ -30,9 +28,8 @@ class JobState:
         return bool(parked) or checkpoint.compressors_per_rank(self.groups.compressors, part["compressors"])
 
     def combine(self, shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scale: float) -> dict[str, Any]:
-        """This rank's part from the saved ``parts`` of a job of another world size (``scale``
-        as :func:`~commpress.comm.checkpoint.own_part` gives it); a bandwidth layer's plan,
-        measured for that job's links, is refused."""
+        """This rank's part from the saved ``parts`` of a job of another world size; a bandwidth
+        layer's plan, measured for that job's links, is refused."""
         if "adaptive" in shared:
             raise ConfigError(
                 f"this job has {self.world_size} ranks, the state was saved by {shared['world_size']}: the "

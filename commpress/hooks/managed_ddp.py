@@ -1,6 +1,4 @@
-"""The DDP model a run under a torchft ``Manager`` registers: torch's DDP over torchft's
-``ProcessGroupDummy`` (every collective goes through the manager, see
-:class:`~commpress.hooks.state.CommState`'s ``manager=``), with buckets never rebuilt."""
+"""The DDP model a run under a torchft ``Manager`` registers."""
 
 from __future__ import annotations
 
@@ -14,24 +12,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["managed_ddp"]
 
-#: PyTorch's reducer says this once per process, at the first forward of a DDP built with
-#: ``find_unused_parameters=True`` that uses all its parameters: a C++ warning written to
-#: stderr, out of reach of Python's ``warnings`` filters
+#: PyTorch's once-per-process notice for a DDP with ``find_unused_parameters=True`` that uses all
+#: its parameters: a C++ warning on stderr, out of reach of Python's ``warnings`` filters
 _UNUSED_NOTICE = b"find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters"
 _notice_spent = False
 
 
 def managed_ddp(module: torch.nn.Module, **kwargs: Any) -> DistributedDataParallel:
-    """``module`` in torch's DDP, ready for :func:`commpress.register` with ``manager=``: over
-    torchft's ``ProcessGroupDummy`` (the collectives go through the manager) and with
-    buckets never rebuilt (a rejoining replica's buckets must match its peers'), as
-    torchft's own ``DistributedDataParallel`` builds it; that one registers its all-reduce
-    hook when built, and DDP takes one hook only.
-
-    ``find_unused_parameters=True`` is what keeps the buckets (DDP rebuilds them after the
-    first step only without it), as in torchft's wrapper, not a claim that the model has
-    unused parameters; so PyTorch's one-time notice that it found none says nothing here and
-    is kept off stderr (:func:`_spend_unused_notice`)."""
+    """``module`` in torch's DDP as torchft's ``DistributedDataParallel`` builds it, without the
+    all-reduce hook that one registers (DDP takes one hook only): over ``ProcessGroupDummy``, with
+    ``find_unused_parameters=True`` so the buckets are never rebuilt (a rejoining replica's must
+    match its peers'), and PyTorch's notice that no parameter was unused kept off stderr."""
     from torchft.process_group import ProcessGroupDummy
 
     _spend_unused_notice()
@@ -39,12 +30,8 @@ def managed_ddp(module: torch.nn.Module, **kwargs: Any) -> DistributedDataParall
 
 
 def _spend_unused_notice() -> None:
-    """Let PyTorch's find-unused-parameters notice (:data:`_UNUSED_NOTICE`, printed once per
-    process) fire on a throwaway one-parameter DDP with stderr captured, then write back
-    everything else captured meanwhile (another thread's lines), so that line alone is
-    dropped. Once per process; a later DDP of the process with ``find_unused_parameters=True``
-    does not print it either (PyTorch's once is the process's). Without a stderr to capture
-    (fd 2 closed) the notice is left as it is."""
+    """Fire :data:`_UNUSED_NOTICE` on a throwaway DDP with fd 2 captured, then write back every
+    other captured line (another thread's), so that notice alone is dropped for the process."""
     global _notice_spent
     if _notice_spent:
         return
@@ -72,8 +59,7 @@ def _spend_unused_notice() -> None:
 
 
 class _Probe(torch.nn.Module):
-    """One parameter, used: what fires the notice. Made without drawing from torch's random
-    generator (a ``Linear`` would), so the caller's random stream is left as it was."""
+    """One used parameter, made without drawing from torch's random generator (a ``Linear`` would)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -1,5 +1,4 @@
-"""What the DDP hooks refuse in a model at registration: sparse gradients, parameter dtypes
-a group's method does not take, override globs that match no parameter."""
+"""What the DDP hooks refuse in a model at registration."""
 
 from __future__ import annotations
 
@@ -42,8 +41,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _dtype_advice(method: str, dtype: torch.dtype, names: list[str], config: Config) -> str:
-    """Which parameters of ``dtype`` ``method`` refuses, and advice that works: the
-    methods that take the dtype, through an override, or converting the model."""
+    """Which parameters of ``dtype`` ``method`` refuses, and a fix: an override to a method that
+    takes the dtype, or converting them."""
     shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
     accepted = ", ".join(_dtype_name(d) for d in compressor_class(method).dtypes)
     found = f"{len(names)} parameter{'s' if len(names) > 1 else ''} of dtype {_dtype_name(dtype)} ({shown})"

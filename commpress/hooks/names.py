@@ -1,5 +1,4 @@
-"""Which name each parameter in a DDP bucket bears: the key of its compressors' state and
-what overrides and per-tensor settings follow."""
+"""The name each parameter of a DDP bucket bears: what overrides and state keys follow."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ __all__ = ["BucketNames"]
 
 
 class BucketNames:
-    """The model's names (``named``: parameter id -> name), or, without a model, names by
-    order of first appearance (the same on every rank); in a state restored from a pickle,
-    the names the pickled state gave (``bind``: (name, shape) in bucket order)."""
+    """The model's names (``named``: id -> name), else names by order of first appearance (the same
+    on every rank), or in an unpickled state the pickled order's (``bind``: (name, shape))."""
 
     def __init__(self, named: dict[int, str] | None = None, bind: list[tuple[str, tuple[int, ...]]] | None = None) -> None:
         self.named: dict[int, str] = dict(named or {})
@@ -53,8 +51,7 @@ class BucketNames:
         return name
 
     def check_picklable(self) -> None:
-        """Refuse to pickle names that came from a model before any bucket was seen: a copy
-        could not yet tell which parameter bears which name."""
+        """Refuse to pickle a model's names before any bucket: a copy could not map them yet."""
         if self.named and not self.order and self.bind is None:
             raise TypeError(
                 "a CommState built with model= pickles only after its first reduction: until then its copy could not "

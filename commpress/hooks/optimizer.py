@@ -1,13 +1,6 @@
-"""The hand-over of an optimizer's momentum to the compressors that apply it themselves.
-
-A compressor that applies momentum before it compresses
-(:attr:`~commpress.compressors.base.Compressor.applies_momentum`: DGC's momentum
-correction, :mod:`commpress.compressors.dgc`) needs the optimizer to run without it:
-:func:`hand_over_momentum` gives each such compressor the momentum of the
-``torch.optim.SGD`` param groups holding its parameters, sets those groups' momentum to 0,
-and guards the optimizer against getting it back. The DDP hook's ``register`` and the
-quality benchmarks call it with the optimizer they are given.
-"""
+"""The hand-over of an optimizer's momentum to the compressors that apply it before they
+compress (:attr:`~commpress.compressors.base.Compressor.applies_momentum`: DGC's momentum
+correction, :mod:`commpress.compressors.dgc`), so the optimizer runs without it."""
 
 from __future__ import annotations
 
@@ -38,18 +31,12 @@ def hand_over_momentum(
     compressor_of: Callable[[str], Compressor],
     start_iter: int = 0,
 ) -> Callable[[], None]:
-    """Give each compressor that applies momentum itself the momentum of the SGD param
-    groups holding its parameters, and set those groups' momentum to 0 (recorded under
-    :data:`HANDED_OVER`). Returns the call that gives it back (the groups' momentum
-    restored, the guard removed).
-
-    ``compressor_of(name)`` is the compressor of the parameter called ``name``. A no-op
-    when no compressor applies momentum itself. Raises :class:`ConfigError`, before
-    changing anything, for what DGC cannot take over: no optimizer, one that is not
-    ``torch.optim.SGD``, Nesterov or dampening, a param group with momentum that mixes DGC
-    parameters with others, a configured momentum that differs, ``start_iter > 0``. A
-    later ``optimizer.step()`` raises if a handed-over group has momentum again.
-    """
+    """Give each compressor that applies momentum itself the momentum of the SGD param groups
+    holding its parameters and set theirs to 0 (recorded under :data:`HANDED_OVER`; a step with it
+    back is refused); returns the call that gives it back. Raises :class:`ConfigError`, changing
+    nothing, for what DGC cannot take over: no optimizer or not ``torch.optim.SGD``, Nesterov or
+    dampening, a group mixing DGC parameters with others, a momentum configured otherwise,
+    ``start_iter > 0``."""
     owners: dict[int, tuple[str, Compressor]] = {}
     for name, p in named_parameters:
         c = compressor_of(name)
@@ -101,8 +88,7 @@ def _holder(hybrid: HybridOptimizer, owners: dict[int, tuple[str, Compressor]], 
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer | None, start_iter: int, where: str) -> None:
-    """Refuse an optimizer (or a start) whose momentum DGC cannot take over (``where``:
-    the compressor, as messages name it)."""
+    """Refuse an optimizer (or a start) whose momentum DGC cannot take over."""
     if start_iter:
         raise ConfigError(
             f"start_iter = {start_iter} is not accepted with {where}: the plain steps before it would run without "

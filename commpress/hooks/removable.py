@@ -1,12 +1,6 @@
-"""DDP comm hooks that can be taken off again.
-
-DDP keeps the comm hook it is given for good (it has no call that removes one), so
-commpress registers its hooks through a :class:`CommHookSwitch`: once switched off, a
-bucket goes to ``allreduce_hook``, the all-reduce PyTorch writes for DDP's own default, on
-the model's process group, and nothing goes through commpress. The function DDP is given
-carries the hook's own name: DDP's logging data (``_get_ddp_logging_data()["comm_hook"]``)
-name a comm hook by its ``__qualname__``.
-"""
+"""DDP comm hooks that can be taken off again: DDP cannot remove a comm hook, so commpress
+registers its hooks through a :class:`CommHookSwitch`, under the hook's own ``__qualname__``, by
+which DDP's logging data (``_get_ddp_logging_data()["comm_hook"]``) names it."""
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations.
 

@@ -1,10 +1,6 @@
-"""CommState: a config's method groups plus a backend, the state object of commpress hooks.
-
-The same class runs on a fixed process group and under a torchft ``Manager`` (``manager=``),
-whose backend (:class:`~commpress.comm.manager_backend.ManagerBackend`) makes each step a
-transaction: a step it does not commit leaves the compressors' state as if it never ran, the
-step counter is the manager's committed steps, and a replica that heals in a step replays it
-on the peer's state it is handed (:mod:`commpress.hooks.healing`)."""
+"""CommState: a config's method groups plus a backend, the state object of commpress hooks. Under
+a torchft ``Manager`` each step is a transaction: one not committed leaves the state as if it
+never ran, and a replica that heals in it replays it (:mod:`commpress.hooks.healing`)."""
 
 from __future__ import annotations
 
@@ -37,25 +33,17 @@ from commpress.layerwise.plan import LayerPlan
 
 __all__ = ["ENTRY", "CommState"]
 
-#: how the matrix's refusals name the DDP hook's front doors, the same from either
+#: how the matrix's refusals name the DDP hook's entry points
 ENTRY = "the DDP hook's state (CommState, register_ddp_hook)"
 
 
 class CommState(OnBackend):
-    """Everything a commpress hook needs: the resolved config, its method groups, the
-    backend, and the step counter; under a torchft ``manager`` its shared state is
-    registered with the manager under ``key``.
+    """Everything a commpress hook needs: the resolved config, its method groups, the backend and
+    the step counter; under a torchft ``manager`` its shared state is registered under ``key``.
 
-    Like PyTorch's ``PowerSGDState`` it may be built before ``init_process_group``
-    (Lightning builds hook states first): it then connects at the first reduction, where
-    every rank compares a hash of the resolved config before any collective whose shape
-    depends on it (:class:`ConfigError` if any differs). A step's state changes (error
-    feedback, warm starts, the step counter) are committed together when the next step
-    starts, or discarded if any bucket's average was non-finite (GradScaler then skips the
-    step). :meth:`state_dict` is this rank's part, ``state_dict(full=True)`` the whole
-    job's (:mod:`commpress.comm.checkpoint`). A state pickles like ``PowerSGDState``:
-    without its process group, reconnecting to the default group at first use.
-    """
+    Like PyTorch's ``PowerSGDState`` it may be built before ``init_process_group`` (Lightning
+    builds hook states first) and pickles without its process group: it connects at the first
+    reduction, where ranks compare a hash of the resolved config."""
 
     def __init__(
         self,
@@ -72,10 +60,8 @@ class CommState(OnBackend):
 
     @classmethod
     def of_part(cls, config: Config, model: torch.nn.Module | None = None, **kwargs: Any) -> CommState:
-        """The state of a config :mod:`commpress.config.matrix` has accepted already (the DDP
-        part of :func:`commpress.register`, 1-bit Adam and Dion under a manager); ``kwargs``:
-        the constructor's ``process_group``, ``manager``, ``key``, and ``groups``, method
-        groups built by the caller (Dion's, whose matrices' group runs no registered method)."""
+        """The state of a config :mod:`commpress.config.matrix` has already accepted; ``kwargs``: the
+        constructor's ``process_group``, ``manager``, ``key``, and ``groups`` built by the caller (Dion)."""
         state = cls.__new__(cls)
         state._build(config, model, **kwargs)
         return state
@@ -137,11 +123,9 @@ class CommState(OnBackend):
         self._joined = False  # shared state taken from a peer: per-rank state dropped at its commit
         self._settling = threading.RLock()  # a manager reads the shared state from its quorum thread
 
-    # ---- set-up ------------------------------------------------------------------------
-
     def connect(self) -> None:
-        """Agree on the config across ranks, then open the backend (and the bandwidth
-        layer). Called by the first reduction; call it yourself to fail early."""
+        """Agree on the config across ranks and open the backend (and the bandwidth layer); the
+        first reduction calls it, call it yourself to fail early."""
         if self._backend is None:
             agree_on_config(self.config, "the DDP hook state (CommState)", self.config.backend, self._process_group)
             self._backend = make_backend(self.config.backend, self._process_group, self.groups.rounds)
@@ -155,10 +139,8 @@ class CommState(OnBackend):
             self.load_state_dict(saved)
 
     def load_kernels(self) -> None:
-        """Load the kernels of the first steps now (compiled, or read from numba's cache):
-        every group once, on values shaped like the model's parameters it covers, by fresh
-        compressors in a simulated world (:mod:`commpress.comm.warm`: nothing is sent, no
-        state, step or traffic count changes). Needs ``model=``; :func:`commpress.register` calls it."""
+        """Compile or load the first steps' kernels now, in a simulated world
+        (:mod:`commpress.comm.warm`: nothing sent, no state changed); needs ``model=``."""
         if self._model is not None:
             load_model_kernels(self.groups, self._model.named_parameters(), self.config.start_iter)
 
@@ -169,22 +151,18 @@ class CommState(OnBackend):
 
     @property
     def steps(self) -> int:
-        """Steps taken: under a torchft Manager the committed ones since registration, the
-        same on every replica."""
+        """Steps taken; under a torchft Manager the committed ones, the same on every replica."""
         return self._backend.step_of(self.step) if self._backend is not None else self.step
 
     @property
     def plan(self) -> LayerPlan | None:
-        """The ``[layerwise]`` plan in force: each tensor's setting and bytes (None before
-        the first plan, or without the table)."""
+        """The ``[layerwise]`` plan in force (None before the first plan or without the table)."""
         return self.layerwise.plan if self.layerwise is not None else None
 
     @property
     def compressors(self):
         """Each method group's compressor, by group key (``"main"``, ``"override0"``, ...)."""
         return self.groups.compressors
-
-    # ---- reducing ----------------------------------------------------------------------
 
     def reduce(
         self,
@@ -193,12 +171,8 @@ class CommState(OnBackend):
         params: Sequence[torch.Tensor] | None = None,
         advance: bool = True,
     ) -> torch.futures.Future:
-        """Average the flat gradient ``buffer`` of bucket ``index`` across ranks.
-
-        ``params`` are the parameters whose gradients the buffer holds, in order (their
-        names select overrides and key the compressors' state). The future completes with
-        ``buffer``, averaged in place. ``advance`` marks the last bucket of the step.
-        """
+        """Average the flat gradient ``buffer`` of bucket ``index`` across ranks, in place; ``params``
+        (its gradients' parameters, in order) name its slots, ``advance`` marks the step's last bucket."""
         first_bucket = not self._step_open
         if first_bucket:
             self.end_step()
@@ -241,10 +215,8 @@ class CommState(OnBackend):
         return fut.then(functools.partial(self._record_finite, buffer))
 
     def _replan(self, device: torch.device) -> None:
-        """The layer-wise plan at the first bucket of a step, if due (per link under the
-        bandwidth layer: over its cross groups), exchanged on the buckets' ``device``; else
-        the plan in force handed to a replica that heals in this step (its buckets'
-        collectives follow the plan). A failure the backend survives fails the step only."""
+        """At a step's first bucket, make the layer-wise plan if due, else hand the plan in force
+        to a replica healing in this step; a failure the backend survives fails the step only."""
         backend = self.adaptive.backend if self.adaptive is not None else self._backend
         try:
             planned = self.layerwise.replan(backend, self.step, device)
@@ -258,8 +230,7 @@ class CommState(OnBackend):
             self._heal.plan(self.step, device) if planned else self._heal.handed_over()
 
     def _record_finite(self, buffer: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
-        """The hook's result, ``buffer``; notes whether its average is finite (what the
-        reduction returned where it knows, else one pass over the buffer)."""
+        """The hook's result, ``buffer``, noting whether its average is finite."""
         try:
             known = fut.value()
             flag = host.finite(buffer) if known is None else torch.tensor(known)
@@ -273,13 +244,9 @@ class CommState(OnBackend):
         return buffer
 
     def end_step(self) -> None:
-        """Commit the finished step's state changes, or discard them (and the step) if any
-        bucket's average was non-finite. Runs by itself when the next step starts.
-
-        Waits for reductions still in flight (their callbacks run on communication
-        threads); a step whose last bucket never started (an exception during backward)
-        is discarded, as if it had not happened. A step its backend did not commit (under a
-        torchft Manager) is discarded too."""
+        """Commit the finished step's state changes, or discard them (and the step) if a bucket's
+        average was non-finite (GradScaler then skips the step), its last bucket never started or
+        its backend did not commit it. Waits for reductions in flight; runs by itself at the next step."""
         with self._settling:
             ran, self._ran = self._ran, False
             committed = not ran or self._backend.committed()
@@ -304,13 +271,9 @@ class CommState(OnBackend):
             if not finite:
                 self.step -= 1
 
-    # ---- checkpoints -------------------------------------------------------------------
-
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """This rank's part: step counter and every compressor's committed state, tagged
-        with rank, world size and config (plain data: ``torch.load(..., weights_only=True)``
-        reads it). ``full=True``: every rank's part (a collective: call it on every rank,
-        then save it from rank 0 alone)."""
+        """This rank's committed state, tagged with rank, world size and config, as plain data
+        (``weights_only=True`` loads it); ``full=True``: every rank's (a collective)."""
         self.end_step()
         part: dict[str, Any] = {"compressors": self.groups.state_dict()}
         if self.adaptive is not None:
@@ -323,11 +286,8 @@ class CommState(OnBackend):
         return checkpoint.gather_job(backend.allgather_object, part) if full else part
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`: this rank's own part, or its part of a whole-job
-        state (also from a job of another world size: see :mod:`commpress.comm.checkpoint`).
-        The config must be the one the state was saved with; another rank's part with
-        per-rank entries is refused. Before the process group exists the state waits for
-        the first reduction."""
+        """Restore :meth:`state_dict`, this rank's or a whole job's of any world size, saved with the
+        same config (:mod:`commpress.comm.checkpoint`); before connecting it waits for the first reduction."""
         what = "CommState.load_state_dict"
         checkpoint.check_state(state, what)
         if self._backend is None:
@@ -345,11 +305,8 @@ class CommState(OnBackend):
         self.groups.load_state_dict(part["compressors"])
         self._check_resume = True
 
-    # ---- live recovery (under a torchft Manager) ----------------------------------------
-
     def shared_state_dict(self) -> dict[str, Any]:
-        """The committed state every replica shares (:meth:`state_dict` without the per-rank
-        entries): what the manager sends a healing replica."""
+        """:meth:`state_dict` without per-rank entries: what the manager sends a healing replica."""
         with self._settling:
             state = self.state_dict()
         shared = {**state, "compressors": self.groups.shared(state["compressors"])}
@@ -358,9 +315,8 @@ class CommState(OnBackend):
         return shared
 
     def load_shared(self, state: Mapping[str, Any]) -> None:
-        """Take a healthy peer's shared state (the manager calls it in ``should_commit``),
-        then replay this step's collectives on it, so the state this step commits is the
-        peers'. A replay that fails fails the step here (it is then not committed)."""
+        """Take a healthy peer's shared state (in ``should_commit``) and replay this step's
+        collectives on it, so the step commits the peers' state; a failed replay fails the step."""
         with self._settling:
             ran = self._ran
             self.load_state_dict(state)  # drops what this step staged on the stale state
@@ -377,8 +333,6 @@ class CommState(OnBackend):
                 return
             self._ran = True
             self._flags.add(torch.tensor(True))  # committed with the step, if the manager commits it
-
-    # ---- pickling (PyTorch's hook states pickle without their process group) -------------
 
     def __getstate__(self) -> dict[str, Any]:
         check_default_group(self._process_group, "the DDP hook state (CommState)")

@@ -1,5 +1,4 @@
-"""The open step's flag per bucket, whether its average is finite, and its reductions in
-flight, whose completion callbacks run on communication threads."""
+"""The open step's finiteness flags, one per bucket, and its reductions in flight."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""The compressors' hot-path kernels: one front end per op, a CUDA and a CPU implementation.
+"""The compressors' hot-path kernels: one front end per op, with a CUDA and a CPU implementation.
 
-Every function takes torch tensors, checks its arguments and dispatches on their device:
-CUDA tensors run the CuPy kernels of :mod:`commpress.kernels.cuda` (compiled from its
-``.cu`` sources) on torch's current stream; CPU tensors run the compiled numba loops of
-:mod:`commpress.kernels.cpu` (one fused pass per span, spread over torch's thread count).
-Both produce the same bits for the same inputs and seed, so a CPU rank and a GPU rank can
-exchange payloads. Only :mod:`commpress.kernels.cuda` imports CuPy, and only when a CUDA
-tensor arrives; numba is imported when the first CPU tensor (or seed) arrives.
+Each function checks its arguments and dispatches on the tensors' device to the CuPy kernels of
+:mod:`commpress.kernels.cuda` or the numba loops of :mod:`commpress.kernels.cpu` (each imported on
+first use). Both give the same bits for the same inputs and seed, so CPU and GPU ranks interoperate.
 """
 
 from .bitpack import pack_bits, packed_size, unpack_bits

@@ -56,9 +56,8 @@ def check_count(name: str, value: int, low: int = 0) -> None:
 
 
 def check_spans(spans: Sequence[tuple[int, int]] | np.ndarray, numel: int) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and lengths (int64) of ``spans`` (``(offset, length)`` pairs of ints, or an
-    int64 array of shape ``[T, 2]``, which a caller with many spans builds once), each
-    checked to lie in ``range(numel)``: ValueError naming the first that does not."""
+    """Offsets and lengths (int64) of ``spans``, int pairs or an int64 ``[T, 2]`` array (which a
+    caller with many spans builds once); ValueError naming the first outside ``range(numel)``."""
     if isinstance(spans, np.ndarray):
         if spans.dtype != np.int64 or spans.ndim != 2 or spans.shape[1] != 2:
             raise ValueError(f"spans as an array must be int64 of shape [T, 2], got {spans.dtype} {spans.shape}")
@@ -77,8 +76,7 @@ def check_spans(spans: Sequence[tuple[int, int]] | np.ndarray, numel: int) -> tu
 
 
 def check_bucket(name: str, t: torch.Tensor, spans: Sequence[tuple[int, int]] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets and lengths of ``spans`` (:func:`check_spans`) once ``t`` is found to be a flat
-    contiguous float buffer: the bucket every front end over spans reads or writes."""
+    """:func:`check_spans` of ``spans`` once ``t`` is found to be a flat contiguous float buffer."""
     check_float(name, t)
     if t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"{name} must be a flat contiguous buffer, got shape {tuple(t.shape)}")
@@ -88,9 +86,8 @@ def check_bucket(name: str, t: torch.Tensor, spans: Sequence[tuple[int, int]] | 
 def check_gathered(
     packed: torch.Tensor, scales: torch.Tensor, spans: Sequence[tuple[int, int]] | np.ndarray, out: torch.Tensor
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Offsets, lengths and world size for decoding every rank's codes of a bucket into ``out``:
-    ``packed`` uint8 of shape [world >= 1, bytes], ``scales`` float32, ``out`` a bucket
-    (:func:`check_bucket`). The exact shapes depend on the code: the caller checks them."""
+    """Offsets, lengths and world size for decoding every rank's codes (``packed`` uint8[world,
+    bytes], ``scales`` float32) into bucket ``out``; the caller checks its code's exact shapes."""
     check_dtype("packed", packed, torch.uint8)
     check_dtype("scales", scales, torch.float32)
     offsets, lengths = check_bucket("out", out, spans)

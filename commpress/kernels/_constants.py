@@ -1,8 +1,6 @@
-"""Numbers the front ends and both implementations share: the SplitMix64 constants of the
-counter-based generator, the size of packed codes, the summation layout of the span
-statistics and the sizes of Top-k's sampled threshold. A module of its own so the CPU and
-CUDA implementations can use them without importing the front ends that dispatch to them;
-the functions are plain arithmetic that numba compiles as they are."""
+"""Numbers shared by the front ends and both implementations: SplitMix64's constants, packed
+sizes, the span statistics' summation layout and Top-k's threshold sizes. Kept apart so the
+implementations need not import the front ends; numba compiles the functions as they are."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ GAMMA = 0x9E3779B97F4A7C15
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 SEED_BASIS = 0x6A09E667F3BCC908  # where derive_seed starts folding (sqrt(2) fraction bits)
-# span_stats sums squares in lanes: a chunk of STATS_ROWS rows of STATS_LANES elements, lane j
-# of a chunk summing its rows' element j in order (see commpress/kernels/stats.py)
+# span_stats' summation layout: chunks of STATS_ROWS rows of STATS_LANES lanes (kernels/stats.py)
 STATS_LANES = 256
 STATS_ROWS = 64
 

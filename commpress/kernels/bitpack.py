@@ -1,9 +1,5 @@
-"""Pack small integer codes into bytes and back (1, 2, 4 or 8 bits per code).
-
-Layout (little-endian inside a byte): code ``j`` of a byte sits at bits ``j*b .. j*b+b-1``;
-codes are stored in order, ``ceil(n*b/8)`` bytes, the unused high bits of the last byte are
-zero. Only the low ``b`` bits of each code are stored.
-"""
+"""Pack 1-, 2-, 4- or 8-bit codes into ``ceil(n*b/8)`` bytes and back, little-endian: code ``j`` of a
+byte at bits ``j*b .. j*b+b-1``, only each code's low ``b`` bits stored, the spare bits zero."""
 
 from __future__ import annotations
 

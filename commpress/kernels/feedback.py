@@ -1,9 +1,7 @@
 """Error-feedback arithmetic: ``acc = grad + error`` and ``error = acc - decoded``.
 
-Each is one IEEE float32 add or subtract per element, so a single torch elementwise op is
-already a fused kernel on every device and gives the same bits on CPU and CUDA; no custom
-kernel is needed. Non-finite values propagate: the caller (the compressor) decides what to
-do with a NaN gradient before it reaches the error buffer.
+One float32 add or subtract per element: a torch elementwise op is already fused and gives the
+same bits on CPU and CUDA, so no custom kernel. NaNs propagate; the compressor handles them.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""Lossless entropy coding of byte payloads: Huffman codes per chunk, for the wire.
+"""Lossless Huffman coding of byte payloads for the wire, one code per chunk.
 
-Packed codes whose symbols are far from equally likely carry fewer bits than their width
-(TernGrad's 2-bit codes hold about 1.2 bits a value). Coding each byte by its frequency
-comes within about 2% of that entropy, as deflate's Huffman stage does, at 4x its speed
-coding and as fast decoding (docs/quantization.md, "Entropy-coded codes"). The payload is
-cut into chunks of ``CHUNK`` bytes, each with its own code (so parts of a payload with
-other statistics, another tensor's codes, get their own), coded in parallel over torch's
-threads. A host operation: the coded size depends on the data, so a CUDA payload is
-coded on the host.
+Packed codes whose symbols are far from equally likely (TernGrad's 2-bit codes) carry fewer bits
+than their width; coding each byte by its frequency recovers most of that (docs/quantization.md,
+"Entropy-coded codes"). Each chunk of ``CHUNK`` bytes gets its own code, so parts with other
+statistics are coded apart, in parallel. A host operation: the coded size depends on the data.
 
-The frame, for a payload of ``n`` bytes in ``k = ceil(n / CHUNK)`` chunks: ``n`` (int64,
-little-endian, as every number here), each chunk's 256 code lengths as 4-bit values (low
-nibble first, 128 bytes a chunk), each chunk's body size (int32), then the bodies.
+Frame for ``n`` bytes in ``ceil(n / CHUNK)`` chunks, little-endian: ``n`` (int64), each chunk's
+256 code lengths as 4-bit values (low nibble first, 128 bytes), each body's size (int32), the bodies.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ from . import _checks
 
 __all__ = ["CHUNK", "huffman_decode", "huffman_encode"]
 
-#: Payload bytes per chunk: 512 Ki values of 2-bit codes, each chunk's code 132 bytes.
+#: Payload bytes per chunk (512 Ki 2-bit codes); each chunk adds ``_HEADER`` bytes.
 CHUNK = 1 << 17
 _HEADER = 128 + 4  # a chunk's lengths and body size
 _SIZE = 8  # the payload's size
@@ -45,8 +40,7 @@ def huffman_encode(payload: torch.Tensor) -> torch.Tensor:
 
 
 def huffman_decode(frame: torch.Tensor, size: int) -> torch.Tensor:
-    """The ``size`` payload bytes of a frame :func:`huffman_encode` gave (uint8, 1-D, on the
-    host); RuntimeError if ``frame`` is not such a frame."""
+    """The ``size`` payload bytes of a :func:`huffman_encode` frame, on the host; RuntimeError if it is not one."""
     _checks.check_dtype("frame", frame, torch.uint8)
     _checks.check_count("size", size)
     from .cpu import huffman as cpu

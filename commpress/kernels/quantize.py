@@ -1,14 +1,10 @@
 """b-bit uniform quantization with stochastic rounding, one (min, scale) per bucket of B elements.
 
-For bucket ``j`` with ``lo = min``, ``hi = max`` (each plus 0.0, so a zero is always +0) and
-``scale = (hi - lo) / (2**b - 1)``, element ``i`` gets code
-``q = floor((x_i - lo) / scale + u_i)`` clamped to ``[0, 2**b - 1]``, with ``u = uniform(seed,
-n)``; so ``E[lo + q * scale] = x_i`` (unbiased). A NaN ``q`` (NaN in the bucket, or ``0 / 0``)
-becomes 0, and a bucket whose scale is 0 gets all-zero codes. Every step is one IEEE float32
-operation (no fused multiply-add), which the CUDA kernels repeat exactly.
-
-Decoding is ``lo + q * scale`` (multiply, then add); the accumulating decode sums the ranks in
-rank order in float32 and divides by the number of ranks.
+Bucket ``j`` has ``lo = min + 0.0``, ``hi = max + 0.0`` (a zero is always +0) and
+``scale = (hi - lo) / (2**b - 1)``. Element ``i`` gets ``q = floor((x_i - lo) / scale + u_i)``
+clamped to ``[0, 2**b - 1]`` with ``u = uniform(seed, n)``, so ``E[lo + q * scale] = x_i``. A NaN
+``q`` becomes 0; a bucket of scale 0 gets zero codes. Each step is one float32 operation, without
+fused multiply-add. Decoding is ``lo + q * scale``; the ranks' decodes add up in rank order in float32.
 """
 
 from __future__ import annotations
@@ -31,11 +27,8 @@ def _check_layout(bits: int, bucket_size: int) -> None:
 
 
 def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize flat ``x`` to ``bits``-bit codes per bucket of ``bucket_size``; pack them.
-
-    Returns ``(packed uint8[ceil(n*bits/8)], mins float32[nb], scales float32[nb])`` with
-    ``nb = ceil(n / bucket_size)``. ``x`` may be float32, float16 or bfloat16.
-    """
+    """Quantize flat ``x`` per bucket and pack the codes: ``(packed, mins, scales)``, packed as
+    uint8[ceil(n*bits/8)], mins and scales as float32[ceil(n / bucket_size)]."""
     _checks.check_float("x", x)
     _check_layout(bits, bucket_size)
     seed = check_seed(seed)
@@ -102,11 +95,8 @@ def unpack_accumulate(
     out: torch.Tensor,
     average: bool = True,
 ) -> torch.Tensor:
-    """``out = sum_r decode(rank r) (/ world)``, summed in rank order in float32; returns ``out``.
-
-    ``packed`` uint8[world, ceil(n*bits/8)], ``mins``/``scales`` float32[world, nb]; ``out``
-    (float32/float16/bfloat16, ``n`` elements) is overwritten.
-    """
+    """Overwrite ``out`` (``n`` elements) with every rank's decode summed in rank order in float32
+    (``/ world`` when ``average``); ``packed``, ``mins`` and ``scales`` have one row per rank."""
     if packed.dim() != 2:
         raise ValueError(f"packed must be 2-D [world, bytes], got shape {tuple(packed.shape)}")
     world = packed.shape[0]

@@ -1,21 +1,12 @@
 """1-bit sign codes with one float32 scale per tensor (the ``onebit`` compressor), over a bucket's spans.
 
-Encode, one pass per span ``(offset, numel)`` of a flat buffer: ``a = x`` (``x + error`` in
-float32 with error feedback, also stored in ``acc``), its sign as one bit (1 where ``a < 0``:
-+0, -0 and NaN count as +), packed 8 per byte little-endian like
-:func:`commpress.kernels.pack_bits` (``ceil(n/8)`` bytes per span, spans end to end), and the
-scale ``float32(sum|a| / n)``: the float64 sum in :func:`commpress.kernels.span_stats`' order
-(chunks of rows of lanes), divided in float64, rounded once to float32. |a| is exact in
-float64 and no such sum overflows, so a scale is NaN where the span holds a NaN, +Inf where it
-holds an Inf (none NaN), finite otherwise; a span of no elements has scale 0.
-
-Decode, one pass per span: ``out`` = the sum over ranks, in rank order, of ``+-scale_r``
-(float32, starting from rank 0's value), divided by the world if it is > 1, rounded into
-``out``'s dtype; with a ``residual``, that rank's own value is subtracted from it (float32):
-``residual = a - scale * sign(a)``, the error feedback, in the same pass.
-
-Both implementations follow these steps one IEEE operation at a time, so a CPU rank and a
-GPU rank give the same bits.
+Encode, per span of a flat buffer: ``a = x`` (with error feedback ``x + error`` in float32, also
+stored in ``acc``); one bit per element, 1 where ``a < 0`` (+0, -0 and NaN count as +), packed like
+:func:`commpress.kernels.pack_bits`, spans end to end; the scale ``float32(sum|a| / n)``, the
+float64 sum in :func:`commpress.kernels.span_stats`' order (NaN where the span holds a NaN, +Inf
+where it holds an Inf, 0 when empty). Decode: ``out`` = the float32 sum of ``+-scale_r`` in rank
+order, / world if > 1; with ``residual``, this rank's own value is subtracted from it in the same
+pass (the error feedback ``a - scale * sign(a)``).
 """
 
 from __future__ import annotations
@@ -34,13 +25,8 @@ __all__ = ["sign_pack_many", "sign_unpack_accumulate_many"]
 def sign_pack_many(
     x: torch.Tensor, spans: Sequence[tuple[int, int]], error: torch.Tensor | None = None, acc: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed signs of every span of ``x`` (``uint8[sum ceil(n/8)]``) and their scales
-    (float32[T]), on ``x``'s device, as the module describes.
-
-    ``x`` is a flat contiguous float32, float16 or bfloat16 buffer. ``error`` and ``acc``
-    (float32, ``x``'s size, contiguous; ``acc`` may be ``error``) come together: the spans
-    of ``acc`` receive ``x + error``, which is what is encoded.
-    """
+    """Packed signs (uint8) and scales (float32[T]) of every span of flat ``x``; with ``error`` and
+    ``acc`` (float32; ``acc`` may be ``error``), ``acc``'s spans receive ``x + error``, which is encoded."""
     offsets, lengths = _checks.check_bucket("x", x, spans)
     if (error is None) != (acc is None):
         raise ValueError("error and acc come together: pass both (error feedback) or neither")
@@ -70,13 +56,8 @@ def sign_unpack_accumulate_many(
     residual: torch.Tensor | None = None,
     rank: int = 0,
 ) -> torch.Tensor:
-    """Decode every rank's codes of every span into ``out`` (written inside the spans only),
-    and with ``residual`` subtract ``rank``'s own decoded values from it; returns ``out``.
-
-    ``packed`` is uint8[world, sum ceil(n/8)] (every rank's :func:`sign_pack_many` payload),
-    ``scales`` float32[world, T]; ``out`` a flat contiguous float32, float16 or bfloat16
-    buffer; ``residual`` float32 of ``out``'s size (usually the ``acc`` the codes came from).
-    """
+    """Decode every rank's :func:`sign_pack_many` payload into ``out`` inside the spans; with ``residual``
+    (usually the encoding's ``acc``) subtract ``rank``'s own decoded values from it. Returns ``out``."""
     offsets, lengths, world = _checks.check_gathered(packed, scales, spans, out)
     _checks.check_shape("packed", packed, (world, int(((lengths + 7) // 8).sum())))
     _checks.check_shape("scales", scales, (world, len(offsets)))

@@ -1,19 +1,12 @@
 """Per-tensor statistics of a bucket in one pass: the largest magnitude and the sum of squares.
 
-TernGrad needs both for every tensor of a bucket (its scale is max|g|, its clip bound a
-multiple of the root mean square). One pass over the bucket reads each element once,
-where ``aminmax`` and a norm per tensor read it twice; and the sum is defined to the bit,
-so the CPU and CUDA kernels agree.
-
-The order of the sum: a tensor of ``n`` elements is cut into chunks of
-``STATS_ROWS x STATS_LANES`` elements (rows of ``STATS_LANES``, the last ones short);
-in float64, lane ``j`` of a chunk sums element ``j`` of its rows in row order, lane ``j``
-of the tensor sums its chunks' lanes in chunk order, and the total sums the lanes in lane
-order. Squares of float32 values are exact in float64 and no sum of them can overflow, so
-the total is finite exactly when the tensor is. The largest magnitude is order-free: the
-maximum of ``bits & 0x7FFFFFFF`` over the elements, as a float32 (NaN if the tensor holds
-one: a NaN's bits exceed +inf's). A NaN's payload is not specified: CUDA's conversions and
-arithmetic return their own canonical NaN, the CPU's keep the input's.
+TernGrad needs both per tensor (its scale is max|g|, its clip bound a multiple of the RMS). The sum
+is defined to the bit, so CPU and CUDA agree: a tensor is cut into chunks of ``STATS_ROWS`` rows of
+``STATS_LANES`` elements; in float64, lane ``j`` of a chunk sums element ``j`` of its rows in order,
+the tensor's lane ``j`` its chunks' lanes in order, and the total the lanes in order. Squares of
+float32 values are exact in float64 and cannot overflow, so the total is finite exactly when the
+tensor is. The largest magnitude is the maximum of ``bits & 0x7FFFFFFF`` as a float32 (NaN if the
+tensor holds one; its payload is unspecified: CUDA's canonical NaN, or the CPU's input NaN).
 """
 
 from __future__ import annotations
@@ -29,12 +22,8 @@ __all__ = ["span_stats"]
 
 
 def span_stats(x: torch.Tensor, spans: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every span ``(offset, numel)`` of the flat buffer ``x``: its largest magnitude
-    (float32[T], NaN if it holds one) and its sum of squares (float64[T], in the order the
-    module describes), on ``x``'s device.
-
-    ``x`` may be float32, float16 or bfloat16 (whose values float32 holds exactly).
-    """
+    """For every span ``(offset, numel)`` of flat ``x``: its largest magnitude (float32[T]) and sum
+    of squares (float64[T]), on ``x``'s device."""
     offsets, lengths = _checks.check_bucket("x", x, spans)
     if x.is_cuda:
         return _launch.span_stats(x, offsets, lengths)

@@ -1,14 +1,10 @@
 """TernGrad's stochastic ternary quantization: 2-bit codes, one float32 scale per tensor.
 
-Code 0 is 0, code 1 is +scale, code 2 is -scale (code 3 decodes to 0). Element ``i`` is kept
-when ``u_i < |x_i| / scale`` with ``u = uniform(seed, n)``, so its expected decoded value is
-``x_i`` whenever ``|x_i| <= scale``. Both sides of the comparison are exact float32 values
-(one IEEE division), so the CUDA kernel makes the same decision bit for bit. NaN elements,
-and every element when ``scale`` is 0, NaN or negative, get code 0.
-
-With a clip ``bound``, ``x`` is first clamped to ``[-bound, bound]`` in float32 (TernGrad's
-gradient clipping): fused into the CPU pass as ``min(|x|, bound)``, a ``torch.clamp`` before
-the CUDA kernel. Clamping is exact, so the bits agree.
+Codes 0, 1, 2 decode to 0, +scale, -scale (3 to 0). Element ``i`` is kept when
+``u_i < |x_i| / scale`` (``u = uniform(seed, n)``), so its expected value is ``x_i`` where
+``|x_i| <= scale``; both sides are exact float32 values, so CUDA decides the same bit for bit.
+NaN elements, and all elements when ``scale`` is not > 0, get code 0. A clip ``bound`` first
+clamps ``x`` to ``[-bound, bound]`` (TernGrad's gradient clipping; exact, so the bits agree).
 """
 
 from __future__ import annotations
@@ -25,13 +21,8 @@ __all__ = ["ternary_quantize_pack", "ternary_unpack_accumulate"]
 
 
 def ternary_quantize_pack(x: torch.Tensor, scale: torch.Tensor, seed: int, bound: torch.Tensor | None = None) -> torch.Tensor:
-    """Stochastic ternary codes of ``x`` (flattened), packed four per byte: ``uint8[ceil(n/4)]``.
-
-    ``scale`` is a float32 0-d tensor (usually ``x.abs().max()``); ``x`` may be float32,
-    float16 or bfloat16 (computed in float32). ``bound`` (float32, one value, >= 0; checked
-    on the CPU only, where reading it costs no device sync) clamps ``x`` to
-    ``[-bound, bound]`` first.
-    """
+    """Ternary codes of flattened ``x``, four per byte. ``scale`` (usually ``x.abs().max()``) and ``bound``
+    hold one float32 each; ``bound`` >= 0 is checked on the CPU only (no device sync)."""
     _checks.check_float("x", x)
     _check_scalar("scale", scale)
     _checks.check_same_device(x=x, scale=scale)
@@ -66,11 +57,8 @@ def _check_scalar(name: str, t: torch.Tensor) -> None:
 
 
 def ternary_unpack_accumulate(packed: torch.Tensor, scales: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
-    """``out = sum_r scales[r] * decode(packed[r]) / world``, summed in rank order in float32.
-
-    ``packed`` is ``uint8[world, ceil(n/4)]`` (every rank's payload), ``scales`` float32[world];
-    ``out`` (float32, float16 or bfloat16, ``n`` elements) is overwritten and returned.
-    """
+    """Overwrite ``out`` (``n`` elements) with ``sum_r scales[r] * decode(packed[r]) / world``,
+    summed in rank order in float32; ``packed`` is uint8[world, ceil(n/4)]. Returns ``out``."""
     _checks.check_dtype("packed", packed, torch.uint8)
     _checks.check_dtype("scales", scales, torch.float32)
     _checks.check_float("out", out)

@@ -1,10 +1,7 @@
 """TernGrad over all tensors of a bucket in one call: the per-tensor ops of :mod:`.ternary`, batched.
 
-A bucket holds many tensors, most of them small (biases, norms): one call per tensor costs
-more in Python and dispatch than the work inside it. These functions take the bucket and
-the tensors' ``(offset, numel)`` spans and are defined as the per-tensor functions applied
-to each span, so the bits are the same: on the CPU one compiled pass covers every span (CUDA
-loops over the per-tensor functions).
+A bucket holds many small tensors (biases, norms), for which a call each costs more than its work;
+these give the per-tensor ops' bits for every ``(offset, numel)`` span in one compiled CPU pass.
 """
 
 from __future__ import annotations
@@ -29,11 +26,8 @@ def ternary_quantize_pack_many(
     seeds: Sequence[int],
     bounds: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``torch.cat([ternary_quantize_pack(x[o:o+n], scales[t], seeds[t], bounds[t]) for t, (o, n) ...])``.
-
-    ``x`` is a flat contiguous buffer, ``spans`` the tensors' ``(offset, numel)`` in it,
-    ``scales`` float32[T], ``bounds`` float32[T] (>= 0; +inf: no clipping) or None.
-    """
+    """``torch.cat([ternary_quantize_pack(x[o:o+n], scales[t], seeds[t], bounds[t]) for t, (o, n) ...])``
+    for flat ``x``; ``bounds`` (>= 0, inf: no clipping) may be None."""
     offsets, lengths = _checks.check_bucket("x", x, spans)
     count = len(offsets)
     _checks.check_dtype("scales", scales, torch.float32)
@@ -65,19 +59,15 @@ def ternary_quantize_pack_many(
 def ternary_unpack_accumulate_many(
     packed: torch.Tensor, scales: torch.Tensor, spans: Sequence[tuple[int, int]], out: torch.Tensor
 ) -> torch.Tensor:
-    """For every span ``t = (o, n)``: ``ternary_unpack_accumulate(packed[:, b_t : b_t + ceil(n/4)],
-    scales[:, t], n, out[o:o+n])`` with ``b_t`` the bytes of the spans before it; returns ``out``.
-
-    ``packed`` is uint8[world, total bytes] (every rank's payloads of all spans, end to end),
-    ``scales`` float32[world, T]; ``out`` a flat contiguous buffer, written inside the spans only.
-    """
+    """:func:`ternary_unpack_accumulate` of every span ``(o, n)`` into ``out[o:o+n]``, each rank's row of
+    ``packed`` holding the spans' payloads end to end; ``out`` is written inside the spans and returned."""
     offsets, lengths, world = _checks.check_gathered(packed, scales, spans, out)
     nbytes = [packed_size(int(n), 2) for n in lengths]
     _checks.check_shape("packed", packed, (world, sum(nbytes)))
     _checks.check_shape("scales", scales, (world, len(offsets)))
     _checks.check_same_device(packed=packed, scales=scales, out=out)
     if out.is_cuda:
-        # per tensor: its rows of every rank and its scale of every rank, stacked (dense, as the kernel reads them)
+        # per tensor: every rank's bytes and scale, stacked dense (as the kernel reads them)
         rows = [row.split(nbytes) for row in packed.unbind(0)]
         per_rank_scales = [row.unbind() for row in scales.unbind(0)]
         for t, (o, n) in enumerate(zip(offsets.tolist(), lengths.tolist())):

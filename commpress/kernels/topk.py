@@ -1,12 +1,10 @@
 """Top-k sparsification by a sampled threshold, and the matching scatter-add decode.
 
-:func:`topk_select` returns exactly the ``k`` entries of largest magnitude, ties broken toward
-the lower index, in increasing index order. The sampled threshold only makes it cheap: a
-random sample estimates a magnitude that slightly more than ``k`` entries exceed, one pass
-keeps those candidates, and the exact k-th magnitude among the candidates settles the set.
-If the estimate was too high (fewer than ``k`` candidates), the threshold is lowered and the
-pass repeated. So the result does not depend on the seed or on the device, only the time
-does. NaN magnitudes count as larger than any number (as in ``torch.topk``).
+:func:`topk_select` returns exactly the ``k`` entries of largest magnitude (NaN largest, as in
+``torch.topk``; ties to the lower index) in increasing index order. A random sample estimates a
+threshold slightly more than ``k`` entries reach, one pass keeps those candidates, and the exact
+k-th magnitude among them settles the set (too few: a lower threshold, another pass), so the seed
+and the device change only the time.
 """
 
 from __future__ import annotations
@@ -28,12 +26,8 @@ __all__ = ["scatter_add_decode", "topk_select", "topk_select_many"]
 
 
 def default_sample(n: int) -> int:
-    """How many entries of an ``n``-element tensor the threshold estimate looks at:
-    ``n / 256`` within [4096, 32768]. 4096 already put about 51 entries above the
-    threshold at a ratio of 1%; each sampled entry is a random read, which on a bucket of
-    many mid-sized tensors cost more than the tighter threshold saved (32,768 per tensor
-    made a GPT-2 bucket's selection 50% slower), while one tensor of millions repays a
-    larger sample with fewer candidates. The result does not depend on it."""
+    """Entries of an ``n``-element tensor the estimate reads: ``n / 256`` within [4096, 32768]. Each is
+    a random read, so mid-sized tensors want few, while huge ones repay more with fewer candidates."""
     return min(1 << 15, max(1 << 12, n >> 8))
 
 
@@ -41,10 +35,8 @@ _SLACK = 1.25  # aim the threshold at 25% more candidates than k, plus 4 sigma o
 
 
 def _device(flat: torch.Tensor) -> ModuleType:
-    """The implementation for ``flat``'s device. Both give ``exact_threshold(flat, k)``,
-    ``sample_threshold(flat, seed, sample, rank)``, ``select_candidates(flat, threshold,
-    expect)`` (increasing indices not below the threshold, and their values where the
-    implementation collects them) and ``take_top(flat, candidates, values, k)``."""
+    """The implementation for ``flat``'s device: ``exact_threshold``, ``sample_threshold``, ``take_top``
+    and ``select_candidates`` (increasing indices, with their values where collected)."""
     if flat.is_cuda:
         return _launch
     from .cpu import topk as cpu
@@ -55,14 +47,9 @@ def _device(flat: torch.Tensor) -> ModuleType:
 def topk_select(
     acc: torch.Tensor, k: int, exact: bool = False, sample: int | None = None, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Select the ``k`` largest-magnitude entries of flat ``acc`` and zero them in ``acc``.
-
-    Returns ``(values, indices)``: ``values`` in acc's dtype, ``indices`` int32, both of length
-    ``k``, in increasing index order. ``acc`` becomes the residual (error-feedback buffer).
-    ``exact=True`` skips the sampled estimate (a selection over the whole tensor); ``sample`` is how many
-    entries the estimate looks at (None: :func:`default_sample`) and ``seed`` where it
-    looks; neither changes the result.
-    """
+    """Select the ``k`` largest-magnitude entries of flat ``acc``, zeroing them (``acc`` becomes the
+    residual): ``(values, int32 indices)`` in increasing index order. ``exact=True`` skips the sampled
+    estimate; ``sample`` (None: :func:`default_sample`) and ``seed`` steer it, never the result."""
     _checks.check_float("acc", acc)
     _checks.check_count("k", k)
     if sample is not None:
@@ -99,9 +86,7 @@ def topk_select(
 def _select_converted(
     flat: torch.Tensor, k: int, exact: bool, sample: int | None, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_select` of a half-precision CPU tensor: the selection runs on a float32
-    copy (float32 holds its magnitudes exactly, so the chosen entries are the same), the
-    values are read from ``flat`` and zeroed there."""
+    """:func:`topk_select` of a half-precision CPU tensor via a float32 copy (exact, so the same entries)."""
     _, chosen = topk_select(flat.float(), k, exact=exact, sample=sample, seed=seed)
     where = chosen.long()
     values = flat.index_select(0, where)
@@ -118,19 +103,10 @@ def topk_select_many(
     grad: torch.Tensor | None = None,
     error: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_select` of every tensor of a bucket in one call.
-
-    ``acc`` is the flat buffer, ``spans`` the tensors' ``(offset, numel)`` in it, ``counts``,
-    ``seeds`` and ``exact`` the per-tensor ``k``, ``seed`` and ``exact``. With ``grad`` and
-    ``error`` (laid out like ``acc``), every span of ``acc`` is first set to
-    ``add_error(grad, error)`` there (error feedback's accumulation; ``acc`` outside the
-    spans is left as it is). Returns the values and int32 indices *into acc* of all tensors
-    end to end: exactly ``torch.cat`` of the per-tensor results, indices shifted by the
-    offsets. On the CPU one compiled call covers the tensors (per-tensor calls cost more
-    than the selection in a bucket of many small tensors) and adds ``grad + error`` in the
-    same pass as the threshold test, so the sum is not read back from memory; a tensor
-    larger than a thread's share keeps the per-tensor call, which splits it over the threads.
-    """
+    """:func:`topk_select` of every span of bucket ``acc`` in one call: ``torch.cat`` of the per-span
+    results, indices *into acc*. With ``grad`` and ``error``, each span is first set to their sum. On
+    the CPU one compiled call covers the small tensors (a call each costs more than their selection),
+    adding the sum in the threshold pass; a tensor above a thread's share is split over the threads."""
     _checks.check_float("acc", acc)
     if acc.dim() != 1 or not acc.is_contiguous():
         raise ValueError(f"acc must be a flat contiguous buffer, got shape {tuple(acc.shape)}")
@@ -201,8 +177,7 @@ def topk_select_many(
 def _select_summed(
     part: torch.Tensor, grad: torch.Tensor, error: torch.Tensor, k: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``topk_select(part, k, seed=seed)`` after ``part = grad + error`` (float32, compiled CPU
-    path), the sum taken by the threads in the pass that finds the candidates."""
+    """``topk_select(part, k, seed=seed)`` after ``part = grad + error``, summed in the candidates' pass."""
     from .cpu import topk as cpu
 
     n = part.numel()
@@ -221,14 +196,9 @@ def _select_summed(
 def scatter_add_decode(
     values: torch.Tensor, indices: torch.Tensor, n: int, out: torch.Tensor, average: bool = True
 ) -> torch.Tensor:
-    """``out = sum_r scatter(values[r] at indices[r]) (/ world)``, summed in rank order in float32.
-
-    ``values`` is float[world, k], ``indices`` int32[world, k] (distinct within a rank, as
-    :func:`topk_select` gives them; indices shared by ranks add up). ``out`` (``n`` elements,
-    float32/float16/bfloat16) is overwritten and returned. Indices outside ``[0, n)`` raise
-    ValueError on the CPU; on CUDA, where reading their range would wait for the device at
-    every decode, the kernel skips them.
-    """
+    """Overwrite ``out`` (``n`` elements) with ``sum_r scatter(values[r] at indices[r]) (/ world)``,
+    in rank order in float32; indices are distinct within a rank and add up across ranks. Indices
+    outside ``[0, n)`` raise ValueError on the CPU; CUDA skips them (checking would sync every decode)."""
     _checks.check_float("values", values)
     _checks.check_dtype("indices", indices, torch.int32)
     _checks.check_float("out", out)

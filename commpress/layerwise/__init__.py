@@ -1,4 +1,3 @@
-"""Per-tensor settings under a byte budget (``[layerwise]``, L-GreCo): each tensor's error
-under every candidate setting measured (``measure``), the least total error within the
-budget solved (``knapsack``), the plan kept and priced (``plan``), and the DDP hook's
-method groups following it (``groups``)."""
+"""Per-tensor settings under a byte budget (``[layerwise]``, L-GreCo): candidates' errors
+measured (``measure``), the knapsack solved (``knapsack``), the plan as data (``plan``), and the
+DDP hook's method groups following it (``groups``)."""

@@ -1,32 +1,17 @@
-"""Layer-wise compression: each tensor of the main method gets the setting that the
-measured errors and a byte budget choose (``[layerwise] enabled = true``).
+"""Layer-wise compression (``[layerwise] enabled = true``, L-GreCo): each tensor of the main
+method gets the setting that measured errors and a byte budget choose.
 
-Every ``every`` steps from ``start_iter`` on, each rank measures, while it reduces the
-step's buckets, what every candidate setting (:mod:`commpress.layerwise.measure`)
-would lose on every tensor of the main method: the error of compressing gradient plus
-residual. At the first bucket of the next step the ranks sum their errors (one small
-all-reduce through the backend), solve the multiple-choice knapsack
-(:func:`commpress.layerwise.knapsack.solve`: least summed error within the budget), check
-that every rank holds the same plan (a second all-reduce of its digest) and switch to it.
+Every ``every`` steps from ``start_iter`` on, each rank measures while reducing what every
+candidate setting (:mod:`commpress.layerwise.measure`) would lose on each tensor; at the next
+step's first bucket the ranks sum their errors, solve the knapsack, check by a digest that they
+hold one plan, and switch. Every candidate is a method group of its own (``main``, then
+``main@<setting>``), built up front so the backend's channels are known when it opens; a tensor
+changing group takes its state along (:meth:`~commpress.compressors.base.Compressor.adapt_state`
+within a method, else what it owes is added to its next gradient).
 
-The plan is applied through :class:`~commpress.compressors.composite.Composite`: every
-candidate setting is a method group of its own (``main`` the configured one, then
-``main@<setting>``), built up front so that the backend's channels (the sum of the groups'
-rounds) are known when it opens; a plan only says which group each tensor belongs to.
-When a tensor changes group its state goes with it: to a compressor of the same method its
-entries move by name (converted by :meth:`~commpress.compressors.base.Compressor.adapt_state`,
-as the bandwidth layer does); to another method, what it owes (Top-k's residual, the
-low-rank error) is added to its next gradient, so error feedback loses nothing.
-
-Under the bandwidth layer (``[bandwidth] adaptive = true``) a plan is made per link: the
-errors are measured on what crosses it (this rank's shard of each bucket, after the
-reduction inside its domain), summed and compared over the ranks of its cross group only
-(the ``"cross"`` scope of the hierarchical backend), and the budget is counted on those
-tensors. ``"uniform"`` is then the bytes of the setting the bandwidth plan gives the
-group (``main``): a new setting after a re-measurement ends the plan made for the old
-one (every tensor back to ``main``, its state carried) until the next measured step. A
-link the bandwidth plan leaves uncompressed (``none``) sends exactly: nothing is
-measured or planned there.
+Under the bandwidth layer (``[bandwidth] adaptive = true``) a plan is made per link: errors are
+measured on what crosses it and summed over its cross group, and ``"uniform"`` is the bytes of
+the setting the bandwidth plan gives ``main``.
 """
 
 from __future__ import annotations
@@ -85,7 +70,7 @@ class LayerwiseGroups(MethodGroups):
         super().__init__(config, model, last_layer)
         self.settings: LayerwiseConfig = config.section("layerwise")
         bandwidth = config.section("bandwidth")
-        #: one plan per link of the bandwidth layer (module docstring), not one for every rank
+        #: one plan per link of the bandwidth layer (module docstring)
         self.per_link = bandwidth is not None and bandwidth.adaptive
         settings = candidates(*self.specs[MAIN])
         #: group key -> setting, every candidate (``main`` the one in force: configured, or the bandwidth plan's)
@@ -101,7 +86,7 @@ class LayerwiseGroups(MethodGroups):
         self._measured: dict[str, _Measured] = {}  # committed: the next plan's input
         self._staged: dict[str, _Measured] = {}  # measured in the step in progress
         self._states: dict[str, dict[str, Any]] | None = None  # committed compressor states, while measuring
-        #: plans follow the step index, and a dropped step undoes its plan (module docstring)
+        #: plans follow the step index, and a dropped step undoes its plan
         self.by_step = False
         #: every planned tensor of the model: name -> (shape, element size)
         self.tensors = {
@@ -113,8 +98,6 @@ class LayerwiseGroups(MethodGroups):
         #: what measuring and planning have cost this rank
         self.cost = PlanningCost()
 
-    # ---- which group ---------------------------------------------------------------------
-
     def planned(self, name: str) -> bool:
         """Whether the plan sets the tensor called ``name`` (the main method's tensors)."""
         return super().key_for(name) == MAIN
@@ -124,16 +107,14 @@ class LayerwiseGroups(MethodGroups):
         return self.assigned.get(name, MAIN) if key == MAIN else key
 
     def measuring(self, step: int) -> bool:
-        """Whether ``step``'s gradients are measured for the next plan (never while the
-        bandwidth layer sends this link exactly)."""
+        """Whether ``step``'s gradients are measured for the next plan (never on a link sent exactly)."""
         start = self.config.start_iter
         exact = self.compressors[MAIN].name == EXACT
         return step >= start and (step - start) % self.settings.every == 0 and not exact
 
     def replace(self, key: str, compressor: Compressor, spec: Setting) -> None:
-        """The bandwidth layer's new setting for ``key``; for ``main`` (this link's budget)
-        the plan made for the old one ends: every tensor back to ``main``, its state
-        carried, and a measurement waiting for a plan is dropped."""
+        """The bandwidth layer's new setting for ``key``; a new ``main`` ends the plan made for the
+        old one: every tensor back to ``main``, its state carried, a waiting measurement dropped."""
         super().replace(key, compressor, spec)
         if key != MAIN:
             return
@@ -143,8 +124,6 @@ class LayerwiseGroups(MethodGroups):
         self._move({n: (k, MAIN) for n, k in sorted(self.assigned.items()) if k != MAIN})
         self.assigned, self.plan, self._measured = {}, None, {}
         self.composite = _Planned(self)
-
-    # ---- reducing ------------------------------------------------------------------------
 
     def prepare(self, bucket: Bucket, ctx: Context) -> None:
         """Before a bucket is reduced: add what moved tensors owe to their gradients, and
@@ -191,8 +170,6 @@ class LayerwiseGroups(MethodGroups):
             for key, state in undo[1].items():
                 self.compressors[key].load_state_dict(state)
 
-    # ---- planning ------------------------------------------------------------------------
-
     @property
     def waiting(self) -> bool:
         """Whether a measured step waits for its plan (made at the next step's first bucket)."""
@@ -211,10 +188,8 @@ class LayerwiseGroups(MethodGroups):
         self._undo = (self.plan_state(), {key: self.compressors[key].state_dict() for key in self.candidates})
 
     def replan(self, backend: Backend, step: int, device: torch.device) -> bool:
-        """At the first bucket of ``step``: plan from the last measured step, if one is
-        waiting (two small collectives on ``device``, the bucket's; nothing may be in
-        flight); whether it planned. Per link, ``backend`` is the bandwidth layer's: the
-        plan is made over this rank's cross group."""
+        """At the first bucket of ``step``: plan if a measurement waits (nothing may be in flight);
+        whether it planned. Per link, ``backend`` is the bandwidth layer's, planning over the cross group."""
         if not self.due(step):
             return False
         if not backend.can_block:
@@ -234,10 +209,9 @@ class LayerwiseGroups(MethodGroups):
         return True
 
     def planning(self, step: int, device: torch.device, ranks: tuple[int, ...] = ()) -> Reduction:
-        """The plan as a reduction: sum the ranks' errors, solve, compare digests, switch;
-        the collectives on ``device`` (the buckets': an NCCL-only group takes no host
-        tensor). ``ranks``: those that take part when they are not every rank (for the plan's record).
-        With :attr:`by_step`, every planned tensor, with zero errors where none were measured."""
+        """The plan as a reduction: sum the ranks' errors, solve, compare digests, switch; on ``device``,
+        the buckets' (an NCCL-only group takes no host tensor). ``ranks``: the participants, when not
+        every rank. With :attr:`by_step` every tensor is planned, unmeasured ones at zero error."""
         if self.by_step:
             unknown = sorted(set(self._measured) - set(self.tensors))
             if unknown:
@@ -260,11 +234,9 @@ class LayerwiseGroups(MethodGroups):
         self.apply(plan)
 
     def sharing(self, healing: bool, device: torch.device) -> Reduction:
-        """The plan in force handed to a replica that heals in this step, whose own is
-        stale (with :attr:`by_step`, at a step that does not plan): each planned tensor's
-        group, the maximum over the participants (a healing replica's counts as nothing).
-        The healing replica reduces its buckets with it (kept as :meth:`hold` keeps a plan);
-        the participants, whose plans must agree, keep theirs. On ``device``, the buckets'."""
+        """Hand the plan in force to a replica healing in this step, whose own is stale: each tensor's
+        group, the maximum over the participants (a healer's counts as nothing; kept as :meth:`hold`
+        keeps a plan); the participants, whose plans must agree, keep theirs."""
         keys, names = list(self.candidates), sorted(self.tensors)
         mine = torch.tensor([float(keys.index(self.key_for(n))) for n in names], dtype=torch.float64, device=device)
         seen = yield AllReduce(mine.clone(), op="max")
@@ -329,8 +301,6 @@ class LayerwiseGroups(MethodGroups):
         for k in touched:
             self.compressors[k].load_state_dict(states[k])
 
-    # ---- checkpoints ---------------------------------------------------------------------
-
     def plan_state(self) -> dict[str, Any]:
         """The plan in force (the same on every rank), and this rank's carries and
         measurement waiting for the next plan (per rank)."""
@@ -365,15 +335,13 @@ class LayerwiseGroups(MethodGroups):
 
     @staticmethod
     def combine_plan_states(shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scale: float) -> dict[str, Any]:
-        """One rank's plan state from a job of another world size: the plan of old rank 0,
-        the carries it takes over summed and scaled (as error feedback is); a waiting
-        measurement is dropped (the plan in force stays until the next measured step)."""
+        """One rank's plan state from a job of another world size: old rank 0's plan, the carries
+        it takes over summed and scaled as error feedback is, and no waiting measurement."""
         return {"plan": shared["plan"], "carry": sum_entries([p["carry"] for p in parts], scale), "measured": {}}
 
 
 class _Planned(Composite):
-    """The composite of a :class:`LayerwiseGroups`: its groups' parts, after
-    :meth:`LayerwiseGroups.prepare`."""
+    """A :class:`LayerwiseGroups`' composite: its groups' parts, after :meth:`LayerwiseGroups.prepare`."""
 
     def __init__(self, groups: LayerwiseGroups) -> None:
         super().__init__(groups.key_for, groups.compressors)

@@ -1,12 +1,7 @@
-"""The multiple-choice knapsack of a layer-wise plan: one setting per tensor, the least
-summed error within a byte budget.
-
-Solved exactly by dynamic programming over bytes counted in whole *units*: a cost is
-rounded up to units and the budget down, so every plan it returns fits the budget in
-bytes, and it is the optimum among the plans whose rounded costs fit. With a unit of one
-byte (small budgets, the tests) it is the exact optimum. A pure function of its inputs:
-every rank that solves the same numbers gets the same choice (ties go to the lower index).
-"""
+"""The multiple-choice knapsack of a layer-wise plan: one setting per tensor, the least summed
+error within a byte budget, by dynamic programming over *units* of bytes (costs rounded up, the
+budget down: every plan fits, optimal up to that rounding). Ranks solving the same numbers get the
+same choice."""
 
 from __future__ import annotations
 
@@ -24,11 +19,8 @@ UNITS = 4096
 def solve(
     costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], budget: float, units: int = UNITS
 ) -> list[int] | None:
-    """For each item ``t``, the index of its chosen option, minimising
-    ``sum(errors[t][c_t])`` with ``sum(costs[t][c_t]) <= budget``; None when no choice fits.
-
-    ``units``: the budget's resolution (costs and budget measured in ``ceil(budget /
-    units)`` bytes)."""
+    """For each item ``t`` the chosen option's index, minimising ``sum(errors[t][c_t])`` with
+    ``sum(costs[t][c_t]) <= budget`` (``units``: the budget's resolution); None when none fits."""
     if len(costs) != len(errors) or any(len(c) != len(e) or not c for c, e in zip(costs, errors)):
         raise ValueError("solve: every item needs one error per cost, and at least one option")
     if budget < 0 or not math.isfinite(budget):

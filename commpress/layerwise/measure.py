@@ -1,14 +1,7 @@
-"""The settings a layer-wise plan chooses from, and what each loses on one tensor.
-
-Both are the method's own: its ladder (:meth:`~commpress.compressors.base.Compressor.ladder`:
-its knob around the configured setting, then other methods' settings) and each setting's
-error model (:meth:`~commpress.compressors.base.Compressor.error_model`). The error of a
-setting on a tensor is the squared L2 distance between what the tensor owes (its gradient
-plus, with error feedback, what its method carries:
-:meth:`~commpress.compressors.base.Compressor.owed`) and what the setting would send of it,
-on this rank. Here: the refusal of a method without a ladder, and the rows a tensor's
-errors are measured on.
-"""
+"""The settings a layer-wise plan chooses from (the method's
+:meth:`~commpress.compressors.base.Compressor.ladder`), and what each loses on a tensor (its
+:meth:`~commpress.compressors.base.Compressor.error_model`): the squared L2 distance, on this
+rank, between what the tensor owes (gradient plus error feedback's carry) and what it would send."""
 
 from __future__ import annotations
 
@@ -39,10 +32,8 @@ def candidates(method: str, params: Mapping[str, Any]) -> list[Setting]:
 
 
 def tensor_errors(compressors: Sequence[Compressor], shape: tuple[int, ...], acc: torch.Tensor) -> list[float]:
-    """The error of each of ``compressors`` (one per candidate setting) on the tensor of
-    ``shape`` that owes ``acc`` (flat, float32); a tensor of more than :data:`SAMPLE`
-    elements is measured on a strided sample of its rows (:func:`sample_rows`), but for
-    the low-rank settings. An empty tensor loses nothing."""
+    """The error of each of ``compressors`` (one per candidate) on the tensor of ``shape`` that
+    owes ``acc``, measured on :func:`sample_rows`; an empty tensor loses nothing."""
     acc = acc.detach().to(torch.float32).reshape(-1)
     if not acc.numel():
         return [0.0] * len(compressors)
@@ -61,16 +52,11 @@ _MIN_ROWS = 16  # a sample keeps at least this many rows, else the whole tensor 
 
 
 def sample_rows(acc: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, float, float | None]:
-    """What a tensor's errors are measured on: every t-th row of ``acc`` as a matrix of
-    ``shape[0]`` rows, t the smallest stride that keeps about :data:`SAMPLE` elements; the
-    factor from the sample's errors to the tensor's: the tensor's energy over the sample's
-    (a ratio estimate: rows of unequal scale do not bias every candidate of the tensor
-    alike); and that energy of the whole tensor, found on the way. The whole tensor
-    (factor 1, energy None: its errors find it) when it is small, 1-D, or would keep fewer
-    than 16 rows. The same rows on every rank. Low-rank errors are not sampled (the top
-    singular values of fewer rows take a larger share of the tail): they read them off the
-    whole matrix. Measuring stays a few hundred ms per plan on a 6M-parameter model
-    (docs/benchmarks.md)."""
+    """What a tensor's errors are measured on: every t-th row of ``acc`` as a ``shape[0]``-row
+    matrix, t the smallest stride keeping about :data:`SAMPLE` elements (the same rows on every
+    rank); the factor from the sample's errors to the tensor's, its energy over the sample's (a
+    ratio estimate: rows of unequal scale do not bias every candidate alike); the whole tensor's
+    energy. A small, 1-D or few-row tensor is measured whole (factor 1, energy None)."""
     numel = acc.numel()
     stride = -(-numel // SAMPLE)
     if len(shape) < 2 or stride <= 1 or shape[0] // stride < _MIN_ROWS:

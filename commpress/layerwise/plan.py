@@ -25,9 +25,8 @@ def label(setting: Setting) -> str:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Each planned tensor's setting (its group key and label) and bytes per step, the
-    budget, the summed measured error, the step the plan took effect, and the ranks that
-    hold it (a cross group of the bandwidth layer; empty: every rank)."""
+    """Each planned tensor's group key, label and bytes per step, the budget, the summed error, the
+    step the plan took effect, and the ranks holding it (a bandwidth cross group; empty: all)."""
 
     step: int
     keys: dict[str, str]
@@ -77,10 +76,9 @@ class LayerPlan:
 
 @dataclass
 class PlanningCost:
-    """What layer-wise planning has cost this rank so far, in wall seconds: measuring the
-    candidates' errors on measured steps, and making plans (the two collectives, waiting
-    for the other ranks included, the solve and the switch). A diagnostic for ``commpress
-    bench``, like the traffic counters: not training state, so not in ``state_dict()``."""
+    """What layer-wise planning has cost this rank, in wall seconds: measuring on measured steps,
+    and making plans (the collectives and their waits, the solve, the switch). A diagnostic for
+    ``commpress bench``, not training state, so not in ``state_dict()``."""
 
     measured_steps: int = 0
     measure_seconds: float = 0.0

@@ -1,9 +1,7 @@
-"""Local SGD, CO2 and DiLoCo: each rank takes local optimizer steps and the ranks average
-their models from time to time (a constant period or the Quadratic Synchronization Rule),
-through one step of an outer optimizer (any ``torch.optim.Optimizer``) on the averaged
-pseudo-gradient; CO2 overlaps that averaging with the next round's computation, Streaming
-DiLoCo syncs fragments overlapped with a few inner steps. Each runs on a fixed process
-group or under a torchft Manager alike (:mod:`commpress.local_sgd.transaction`)."""
+"""Local SGD, CO2 and DiLoCo: each rank steps its own model, and from time to time (a constant
+period or QSR) the ranks average the pseudo-gradient for an outer optimizer to step the shared
+anchor. CO2 overlaps the averaging with the next round; Streaming DiLoCo syncs fragments overlapped
+with inner steps. All run on a process group or under a torchft Manager."""
 
 from commpress.local_sgd.co2 import CO2, ClippedSGD
 from commpress.local_sgd.config import LocalSGDConfig, from_config

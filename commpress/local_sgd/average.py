@@ -1,5 +1,4 @@
-"""A pseudo-gradient being averaged over ranks, and the check every average passes before
-it reaches the anchor."""
+"""A pseudo-gradient being averaged over ranks, and the finiteness check every average passes."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ _NON_FINITE, _FAILED, _FINE = 0, 1, 2
 
 @dataclass
 class Average:
-    """A pseudo-gradient being averaged over ranks, in place in ``buffer``, started in
-    round ``round``."""
+    """A pseudo-gradient averaging in place in ``buffer``, started in round ``round``."""
 
     future: torch.futures.Future
     buffer: torch.Tensor
@@ -30,9 +28,8 @@ class Average:
 
 @dataclass
 class InFlight:
-    """A fragment's average and the step count at which it lands; ``replace``: the local
-    values then take the anchor's whatever the merge (the final syncs of finish); ``start``:
-    the local values after the eager move (``merge = "eager"`` with a delay)."""
+    """A fragment's average landing at step ``due``; ``replace``: the local values then take the
+    anchor's whatever the merge (finish's syncs); ``start``: the local values after an eager move."""
 
     average: Average
     fragment: Fragment
@@ -42,13 +39,10 @@ class InFlight:
 
 
 def check_finite(average: torch.Tensor, name: str, round_index: int, shard_group: Any = None, failed: bool = False) -> None:
-    """Refuse a non-finite average before it reaches the anchor (or CO2's momentum): every
-    rank holds the same average, so every rank raises, and the state stays as it was. A
-    sharded model's ranks (``shard_group``, the ranks holding the other shards) agree first,
-    so a shard's inf stops its whole group, not its own rank alone. A rank whose average
-    ``failed`` (its collective raised: a lost replica under a torchft Manager) votes too,
-    so its shards' ranks never wait for it: they raise a RuntimeError, and the caller
-    re-raises the failure; an inf anywhere outranks a failure."""
+    """Raise on a non-finite average before it reaches the anchor: every rank holds the same
+    average, so every rank raises and the state stays unchanged. A sharded model's ranks
+    (``shard_group``) vote first, so one shard's inf stops its whole group; a rank whose
+    collective ``failed`` votes too, so the other shards' ranks raise instead of waiting."""
     status = _FAILED if failed else (_FINE if host.flags(host.finite(average))[0] else _NON_FINITE)
     if shard_group is not None:
         flag = torch.tensor([status], dtype=torch.int32, device=average.device)  # NCCL takes CUDA tensors only

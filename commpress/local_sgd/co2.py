@@ -8,11 +8,7 @@ At the end of round t (local model x_t, round anchor a_t), on every rank::
     m    = clamp(beta * m + D / Lambda, -clip, clip)
     a_{t+1} = a_t - outer_lr * m         local models continue from a_{t+1}
 
-The staleness penalty Lambda scales the pseudo-gradient D before the outer optimizer's
-step; that optimizer is torch's SGD with momentum beta, or :class:`ClippedSGD` when the
-momentum is clipped (or any ``torch.optim.Optimizer`` given). What differs from Local SGD
-is the timing: the average lands a round late, and the local model restarts from the
-anchor at once. ``docs/local_sgd.md`` gives the equations, Lambda and the defaults.
+``docs/local_sgd.md`` gives the equations, the staleness penalty Lambda and the defaults.
 """
 
 from __future__ import annotations
@@ -67,26 +63,12 @@ class ClippedSGD(torch.optim.Optimizer):
 
 
 class CO2(Trainer):
-    """CO2 with ``period`` local steps per round, outer learning rate ``outer_lr``, outer
-    momentum ``outer_momentum`` (beta), ``staleness_penalty`` (a constant Lambda >= 1, or
-    ``"adaptive"``: Lambda grows with the gap between the local models and the stale
-    average) and element-wise outer momentum clipping to ``[-clip, clip]`` (None: off).
-    ``outer_optimizer`` replaces the outer SGD (then leave ``outer_lr``, ``outer_momentum``
-    and ``clip`` unset); arguments left None take the ``[local_sgd]`` table's defaults for
-    ``algorithm = "co2"`` (the plain average, one round late).
-
-    ``wait_seconds`` records how long each sync point waited for the background average
-    (near zero when the link keeps up with one round of compute); ``penalties`` each Lambda.
-    Call :meth:`finish` at the end of training to apply the last average.
-
-    Under a torchft Manager every sync is one manager step that spans a round: not
-    committed (a peer lost, a failed collective, a non-finite average), the outer step and
-    the compressor's staged state are dropped, and so is the round's pseudo-gradient (the
-    local model has restarted from the anchor already), as torchft's own DiLoCo drops a
-    failed sync's steps. A (re)joining replica contributes nothing to its first sync, waits
-    for its average at once and takes a healthy peer's state; it restarts from that anchor
-    and applies the sync's average at the round's end, as its peers do.
-    """
+    """CO2 with ``period`` local steps per round, outer lr ``outer_lr``, outer momentum
+    ``outer_momentum`` (beta), ``staleness_penalty`` (a constant Lambda >= 1, or ``"adaptive"``:
+    growing with the gap between the local models and the stale average) and the outer momentum
+    clipped to ``[-clip, clip]`` (None: off); ``outer_optimizer`` replaces the outer SGD and those
+    three. ``penalties`` records each Lambda. Under a torchft Manager a sync that does not commit
+    drops its outer step and the round's pseudo-gradient (the model restarted from the anchor)."""
 
     name = "CO2"
     algorithm = "co2"
@@ -147,9 +129,8 @@ class CO2(Trainer):
         return {**outer, "staleness_penalty": self.staleness_penalty}
 
     def start_due(self, final: bool = False) -> None:
-        """At the end of a round (``final``: of a round in progress): apply the previous
-        round's average, restart from the anchor, then start this round's sync in the
-        background; a healing replica lands it at once."""
+        """At a round's end (``final``: of one in progress): apply the previous round's average,
+        restart from the anchor, start this round's sync; a healing replica lands it at once."""
         if not (self.clock.in_round if final else self.clock.round_ends):
             return
         local = self.flat.read()
@@ -167,15 +148,13 @@ class CO2(Trainer):
         self.clock.round_done()
 
     def apply_due(self, final: bool = False) -> None:
-        """Nothing lands during training (a round's average is applied at the next round's
-        end); ``final``: wait for the last average and apply it."""
+        """Nothing lands here during training; ``final``: wait for the last average and apply it."""
         if final and self._pending is not None:
             self._apply(self.flat.read())
             self.flat.write(self.anchor)
 
     def _apply(self, local: torch.Tensor) -> None:
-        """The outer step from the stale average if its sync counts: asked now, or already
-        (a healing replica at its sync's start, a save)."""
+        """The outer step from the stale average if its sync counts (asked now, or at a heal or save)."""
         pending, self._pending = self._pending, None
         assert pending is not None
         verdict = None if self._landed is not None else self.transaction.ask(lambda: self._wait(pending))
@@ -196,8 +175,7 @@ class CO2(Trainer):
             self._landed = (self._keep_or_drop(*verdict),)
 
     def _keep_or_drop(self, average: torch.Tensor | None, finite: bool, committed: bool) -> torch.Tensor | None:
-        """Keep or drop the compressor's staged state; the average to apply (None: none; a
-        non-finite one is dropped as a failed one: the model restarted from the anchor)."""
+        """Settle the compressor's staged state; the average to apply (None: dropped, as is a non-finite one)."""
         counts = committed and average is not None
         self.transaction.settle(counts)
         return average if counts else None
@@ -223,8 +201,7 @@ class CO2(Trainer):
         return max(1.0, mean_gap / step) if step > 0 else 1.0
 
     def _syncs_part(self) -> dict[str, Any]:
-        """The average in flight, asked first whether it counts (as a healing replica does):
-        saved if it does, and applied at the next round's end as it would have been."""
+        """The average in flight, asked first whether it counts: saved if so, applied at the next round's end."""
         if self._pending is not None and self._landed is None:
             self._decide_now()
         if self._landed is not None and self._landed[0] is None:  # dropped: nothing to apply

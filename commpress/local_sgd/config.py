@@ -1,5 +1,5 @@
-"""The ``[local_sgd]`` config table: Local SGD (constant period or QSR), CO2 or DiLoCo,
-averaging through the config's top-level ``method`` (e.g. ``bf16``)::
+"""Local SGD, CO2 or DiLoCo trainers from the ``[local_sgd]`` config table, averaging through the
+config's top-level ``method``::
 
     method = "none"            # the compressor of the averaging all-reduce
     [local_sgd]
@@ -51,12 +51,9 @@ def from_config(
     manager: Any = None,
     key: str | None = None,
 ) -> Trainer:
-    """A :class:`LocalSGD`, :class:`CO2` or :class:`DiLoCo` for ``model`` from a config with a ``[local_sgd]``
-    table; its top-level ``method`` and ``params`` choose the averaging compressor. ``mesh``:
-    the 2-D mesh of a model sharded over ``mesh["shard"]`` (:mod:`commpress.comm.mesh`): each
-    rank averages its shard over ``mesh["replicate"]``. ``manager``: a ``torchft.Manager``
-    every sync goes through, its shared state registered under ``key``. The averaging's
-    kernels are loaded here, not inside the first sync, which the peers wait for."""
+    """The trainer a config's ``[local_sgd]`` table describes for ``model``. ``mesh``: a 2-D mesh
+    (:mod:`commpress.comm.mesh`), each rank averaging its shard over ``mesh["replicate"]``;
+    ``manager``: a ``torchft.Manager`` every sync goes through, its shared state under ``key``."""
     cfg = Config.load(config)
     if cfg.section("local_sgd") is None:
         raise ConfigError("the config has no [local_sgd] table")
@@ -75,8 +72,7 @@ def build_trainer(
     manager: Any = None,
     key: str | None = None,
 ) -> Trainer:
-    """:func:`from_config` of a config the matrix has accepted (the Local SGD part of
-    :func:`commpress.register`)."""
+    """:func:`from_config` of a config the matrix has accepted (:func:`commpress.register`'s part)."""
     section = cfg.section("local_sgd")
     assert section is not None
     managed = manager is not None
@@ -104,8 +100,7 @@ def trainer_for(
     total_steps: int | None = None,
     key: str | None = None,
 ) -> Trainer:
-    """The :class:`LocalSGD`, :class:`CO2` or :class:`DiLoCo` that the ``[local_sgd]``
-    table ``section`` describes, averaging through ``averager``."""
+    """The trainer the ``[local_sgd]`` table ``section`` describes, averaging through ``averager``."""
     common = {"averager": averager, "average_buffers": section.average_buffers, "total_steps": total_steps, "key": key}
     if section.algorithm == "local_sgd":
         return LocalSGD(model, optimizer, period_policy(section), **common)

@@ -1,14 +1,7 @@
 """Keeps a DDP model's steps local during Local SGD: a comm hook that returns each bucket's
-local gradient unchanged, and DDP's broadcast of rank 0's buffers before each forward off.
-
-A hook rather than ``no_sync()``: it is registered once, so the user's training loop stays
-as it is, and it also covers the steps ``no_sync`` would miss (``no_sync`` must wrap every
-forward and backward). Parameters are averaged by Local SGD itself, not through DDP. The
-buffer broadcast is a collective in every forward: every step waits for the slowest rank
-and a round trip, the per-step coupling Local SGD exists to remove (docs/local_sgd.md
-measures it). Buffers stay each rank's own between averagings, as parameters do (and as
-FSDP2 keeps them); ``average_buffers`` averages the floating-point ones with the model.
-"""
+local gradient unchanged (registered once, where ``no_sync()`` must wrap every step), and DDP's
+broadcast of rank 0's buffers before each forward off: a collective every step, the coupling
+Local SGD exists to remove (docs/local_sgd.md). Buffers stay each rank's own, as parameters do."""
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations.
 
@@ -30,9 +23,7 @@ def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.future
 
 
 class LocalSteps:
-    """``model``'s gradients kept local (:func:`local_gradients_hook`) and its buffers not
-    broadcast before each forward, until :meth:`remove` puts DDP's all-reduce and the
-    model's own buffer setting back."""
+    """``model``'s gradients kept local and its buffers not broadcast, until :meth:`remove`."""
 
     def __init__(self, model: DistributedDataParallel) -> None:
         self.model = model
@@ -42,15 +33,12 @@ class LocalSteps:
         setattr(model, self.attribute, False)
 
     def remove(self) -> None:
-        """DDP all-reduces gradients and syncs buffers as it was built to again."""
+        """Put DDP's gradient all-reduce and the model's own buffer setting back."""
         self.switch.remove()
         setattr(self.model, self.attribute, self.synced_buffers)
 
 
 def skip_gradient_allreduce(model: DistributedDataParallel) -> LocalSteps:
-    """Keep ``model``'s steps local (register before its first backward); the
-    :class:`LocalSteps` it returns turns DDP's all-reduce and buffer sync back on.
-
-    DDP takes one comm hook per model, so a model that already has one is refused by DDP.
-    """
+    """Keep ``model``'s steps local (call before its first backward); DDP refuses a model that
+    already has a comm hook."""
     return LocalSteps(model)

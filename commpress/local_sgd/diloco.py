@@ -1,18 +1,13 @@
 """DiLoCo (Douillard et al., 2023) and Streaming DiLoCo (Douillard et al., 2025): Local SGD
-whose outer optimizer is SGD with Nesterov momentum on the averaged pseudo-gradient (or any
-``torch.optim.Optimizer``), optionally synced fragment by fragment, each fragment's average
-landing ``sync_delay`` inner steps after it started and merged into the local values: eagerly
-(``merge = "eager"``) or mixed with ``merge_alpha``.
+whose outer optimizer is Nesterov SGD on the averaged pseudo-gradient, optionally synced
+fragment by fragment, each average landing ``sync_delay`` (tau) inner steps after it started.
 
-The schedule, with period H and F fragments: a round is H / F steps and ends with the sync
-of fragment ``rounds % F``, so each fragment is synced once every H steps, fragment f at
-steps ``(f + 1) * H / F + k * H``; its average lands ``sync_delay`` (tau) steps later.
-``merge = "eager"``: when the sync starts the local values of the fragment move to
-``anchor + outer_lr * (local - anchor)`` (as far as the outer step will move the anchor, on
-their own pseudo-gradient), and when it lands they become ``new anchor + (local - those
-values)``: the tau steps are kept, taken near where the average goes. ``"mix"``: ``local =
-alpha * local + (1 - alpha) * anchor`` (alpha 0: the anchor).
-``docs/local_sgd.md`` has the equations and the defaults.
+With period H and F fragments a round is H / F steps and ends with the sync of fragment
+``rounds % F``, so each fragment syncs once every H steps. ``merge = "eager"``: when a sync
+starts, the fragment's local values move to ``anchor + outer_lr * (local - anchor)`` (where the
+outer step will move the anchor), and when it lands they become ``new anchor + (local - those
+values)``, keeping the tau steps. ``"mix"`` (the paper's): ``local = alpha * local + (1 -
+alpha) * anchor``. ``docs/local_sgd.md`` has the equations and the defaults.
 """
 
 from __future__ import annotations
@@ -35,26 +30,12 @@ __all__ = ["DiLoCo"]
 
 
 class DiLoCo(LocalSGD):
-    """DiLoCo with ``period`` (H) inner steps per outer step and an outer optimizer over the
-    anchor: ``outer_optimizer`` builds it from the anchor's tensors (one flat tensor per
-    fragment; e.g. ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
-    nesterov=True)``, any ``torch.optim.Optimizer``), or, left None, SGD with ``outer_lr``
-    (or a rule of the ranks averaging: ``"sqrt_replicas"``, ``"sqrt_twice_replicas"``,
-    :data:`~commpress.config.tables.REPLICA_OUTER_LRS`), ``outer_momentum`` and
-    ``nesterov``.
-    ``fragments`` (F), ``sync_delay`` (tau) and ``merge`` make it Streaming DiLoCo, which
-    needs a constant H divisible by F and tau < H / F: a landed average becomes the new
-    anchor plus the tau steps taken since its sync started, from local values moved eagerly
-    by the outer lr on their own pseudo-gradient (``"eager"``, the default unless
-    ``merge_alpha`` is given), or a mix, ``merge_alpha`` (alpha) of the local values
-    (``"mix"``, the paper's). Arguments left None take the ``[local_sgd]`` table's defaults
-    for ``algorithm = "diloco"`` (``docs/local_sgd.md`` has them, with the runs that chose them).
-
-    ``averager`` compresses the pseudo-gradients (any commpress method, its error
-    feedback kept per fragment across rounds). Call :meth:`finish` at the end of training:
-    it lands what is in flight and syncs every fragment changed since, so every rank ends
-    with the same model.
-    """
+    """DiLoCo with ``period`` (H) inner steps per outer step. ``outer_optimizer`` builds the outer
+    optimizer from the anchor's tensors (one per fragment); left None, it is SGD with ``outer_lr``
+    (a number, or a rule of :data:`~commpress.config.tables.REPLICA_OUTER_LRS`),
+    ``outer_momentum`` and ``nesterov``. ``fragments`` (F), ``sync_delay`` (tau) and ``merge``
+    (``"eager"`` unless ``merge_alpha`` is given) make it Streaming DiLoCo, which needs a constant
+    H divisible by F and tau < H / F. ``averager``'s error feedback is kept per fragment."""
 
     name = "DiLoCo"
     algorithm = "diloco"
@@ -116,11 +97,8 @@ class DiLoCo(LocalSGD):
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
 
     def _follow_participants(self) -> None:
-        """``outer_lr`` naming a rule of :data:`REPLICA_OUTER_LRS`: the outer lr becomes the
-        rule's value for M, the ranks (replica groups) that average: known once the averager
-        has connected, and under a torchft Manager this sync's participants (a healing
-        replica's input counts as zero and it is not among them; every replica of the quorum
-        sees the same M, so their outer steps stay bit for bit equal)."""
+        """With a rule of :data:`REPLICA_OUTER_LRS`, the outer lr for M, the ranks (replica groups)
+        averaging: under a torchft Manager this sync's, the same on every replica of the quorum."""
         if self.outer_lr_setting not in REPLICA_OUTER_LRS:
             return
         self.outer_lr = REPLICA_OUTER_LRS[self.outer_lr_setting](self.averager.world_size)
@@ -138,8 +116,7 @@ class DiLoCo(LocalSGD):
         return {"outer_period": repr(self.outer_period), **outer, **streaming}
 
     def _eager_move(self, fragment: Fragment, anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor | None:
-        """``merge = "eager"``: a delayed sync moves the local values to ``anchor + outer_lr *
-        (local - anchor)`` when it starts."""
+        """``merge = "eager"``: where a delayed sync moves the local values when it starts."""
         return torch.lerp(anchor, local, self._outer_lr(fragment.index)) if self.merge == "eager" else None
 
     def _outer_lr(self, index: int) -> float:
@@ -159,10 +136,8 @@ class DiLoCo(LocalSGD):
         self.fresh[flight.fragment.index] = -1
 
     def _skip_sync(self, flight: InFlight) -> None:
-        """A sync that does not count leaves the fragment's local values as if it had not
-        run: the steps taken since the fragment's last sync are kept (the next sync sends
-        them), and an eager move made when it started is taken back, ``start - anchor``
-        divided by the outer lr (an outer lr of 0 moved nothing: back to the anchor)."""
+        """As :meth:`LocalSGD._skip_sync`, and an eager move made at the sync's start is undone
+        (``start - anchor`` divided by the outer lr; an outer lr of 0 moved nothing: the anchor)."""
         if flight.start is None:
             return
         fragment = flight.fragment

@@ -68,8 +68,7 @@ class FlatModel:
 
     @torch.no_grad()
     def read(self, out: torch.Tensor | None = None, tensors: range | None = None) -> torch.Tensor:
-        """The model's current values, flat (into ``out`` if given); ``tensors``: only
-        those (by position), contiguous from the first one's offset."""
+        """The model's values, flat (into ``out``); ``tensors``: only those, from the first one's offset."""
         which, start, numel = self._span(tensors)
         if out is None:
             out = torch.empty(numel, dtype=self.dtype, device=self.device)

@@ -1,14 +1,6 @@
-"""Streaming DiLoCo's fragments: the flat model cut into F contiguous pieces, by parameter
-order and never inside a tensor, each as close as the tensor boundaries allow to 1/F of the
-bytes.
-
-Fragment ``f`` ends at the tensor boundary nearest to ``(f + 1) / F`` of the elements (the
-later boundary on a tie), kept strictly after the previous one so no fragment is empty; a
-tensor larger than ``1 / F`` of the model therefore makes its fragment larger and leaves
-the others smaller. Fragments are synced one after another, fragment ``f`` at the end of
-every ``H / F``-th step's round ``r`` with ``r % F == f``, so every rank issues them in the
-same order: the order comes from the step counter alone.
-"""
+"""Streaming DiLoCo's fragments: the flat model cut into F contiguous pieces of whole tensors,
+fragment ``f`` ending at the tensor boundary nearest ``(f + 1) / F`` of the elements (the later
+one on a tie), none empty, so a tensor over ``1 / F`` of the model enlarges its fragment."""
 
 from __future__ import annotations
 
@@ -48,10 +40,9 @@ class Fragment:
 def split(
     slots: tuple[ParamSlot, ...], fragments: int, who: str = "DiLoCo", sizes: Sequence[int] | None = None
 ) -> tuple[Fragment, ...]:
-    """``slots`` (a flat model's, in order) cut into ``fragments`` contiguous fragments of
-    nearly equal size (the module docstring); ``who`` names the caller in errors. ``sizes``:
-    the tensors' sizes to cut by, if not their slots' (a shard's slots, cut as the whole
-    tensors are, so every shard cuts at the same tensors)."""
+    """``slots`` (a flat model's, in order) cut into ``fragments`` fragments; ``who`` names the
+    caller in errors. ``sizes``: the whole tensors' sizes to cut a shard's slots by, so every
+    shard cuts at the same tensors."""
     if not 1 <= fragments <= len(slots):
         raise ConfigError(
             f"{who}: fragments = {fragments!r} is not accepted for a model of {len(slots)} tensors; expected an integer "
@@ -62,8 +53,7 @@ def split(
     cuts, previous = [], 0
     for f in range(1, fragments):
         target = total * f / fragments
-        # the tensor boundary nearest the target, after the previous cut, leaving a tensor
-        # for each later fragment
+        # the boundary nearest the target, after the previous cut, leaving a tensor per later fragment
         lo, hi = previous + 1, len(slots) - (fragments - f)
         cut = min(range(lo, hi + 1), key=lambda i: (abs(ends[i - 1] - target), -i))
         cuts.append(cut)

@@ -1,9 +1,5 @@
-"""Local SGD: every rank takes optimizer steps on its own, and the ranks average their
-models when the period policy says so (a constant H, or QSR): the whole model's
-pseudo-gradient at every round's end, the anchor becoming the average. The machinery of a
-sync that starts at a round's end and lands some steps later, fragment by fragment, is
-here too: :class:`~commpress.local_sgd.DiLoCo` is this trainer with its own outer
-optimizer, fragments and delay."""
+"""Local SGD, and the syncs that start at a round's end and land some steps later, fragment by
+fragment, on which :class:`~commpress.local_sgd.DiLoCo` builds."""
 
 from __future__ import annotations
 
@@ -21,14 +17,11 @@ __all__ = ["LocalSGD"]
 
 
 class LocalSGD(Trainer):
-    """Local SGD: at the end of every round the whole model's pseudo-gradient is averaged
-    and lands at once; the outer optimizer (SGD at lr 1, no momentum) makes the anchor the
-    average and the local model takes it. The arguments are :class:`Trainer`'s.
-    :class:`~commpress.local_sgd.DiLoCo` syncs the same way with its own outer optimizer,
-    fragment by fragment, each landing ``sync_delay`` steps after it started."""
+    """Local SGD: at every round's end the whole model's pseudo-gradient is averaged and lands at
+    once, the outer SGD (lr 1, no momentum) making the anchor the average and the local model
+    taking it. The arguments are :class:`Trainer`'s."""
 
-    #: Streaming DiLoCo's settings, fixed here: the whole model syncs at a round's end,
-    #: lands at once, and the local model takes the anchor
+    #: Streaming DiLoCo's settings, fixed: the whole model syncs and lands at once, into the anchor
     fragment_count = 1
     sync_delay = 0
     merge = "mix"
@@ -42,18 +35,14 @@ class LocalSGD(Trainer):
         self._outcomes: list[str] = []
 
     def _outer_params(self) -> list[torch.Tensor]:
-        """The anchor of each fragment; cuts ``fragments`` here, where the flat model is first
-        known (cut by the whole tensors' sizes, so every shard of a sharded model syncs the
-        same tensors together)."""
+        """The anchor of each fragment, cut here, where the flat model is first known."""
         self.fragments = split(self.flat.slots, self.fragment_count, self.name, self.flat.whole_numel)
         return [self.anchor[f.where] for f in self.fragments]
 
     def start_due(self, final: bool = False) -> None:
-        """At the end of a round: land what is in flight (a round shorter than ``sync_delay``,
-        QSR's last, lands the previous first), then start the sync of fragment ``syncs %
-        fragments``. ``final``: land what is in flight, then sync every fragment whose local
-        values differ from the anchor (finish); under a torchft Manager every fragment, each
-        landing at once (replicas cannot know which fragments their peers changed)."""
+        """At a round's end: land what is in flight, then start fragment ``syncs % fragments``.
+        ``final``: land it all, then sync every fragment changed since its last sync (under a torchft
+        Manager every fragment, each landing at once: replicas cannot know what their peers changed)."""
         if final:
             self._apply_syncs_due(until=None)
             fixed = self.backend.fixed_members
@@ -72,9 +61,7 @@ class LocalSGD(Trainer):
         self._start_fragment(self.fragments[self.syncs % len(self.fragments)], self.clock.step + self.sync_delay)
 
     def apply_due(self, final: bool = False) -> None:
-        """Land the averages due by this step (``final``: all in flight), then end the round
-        if this step ended it (``final``: if steps were taken in it). A failed average (a
-        peer lost, a non-finite value) raises on a fixed group before the round is counted."""
+        """Land the averages due by this step (``final``: all), then end the round if it ended."""
         self._apply_syncs_due(until=None if final else self.clock.step)
         self._end_round(final)
 
@@ -103,23 +90,20 @@ class LocalSGD(Trainer):
         return None
 
     def _start(self, anchor: torch.Tensor, local: torch.Tensor, bucket: Callable[[torch.Tensor], Any]) -> Average:
-        """Start averaging ``anchor - local`` (computed into ``local``), as ``bucket`` wraps it;
-        the compressor's state changes stay staged until the sync lands."""
+        """Start averaging ``anchor - local`` (into ``local``), its compressor state staged until it lands."""
         torch.sub(anchor, local, out=local)
         return Average(self.averager.start(bucket(local), commit=False), local, self.clock.rounds)
 
     def _land_one(self, flight: InFlight) -> None:
-        """Land a sync: the outer step and the merge, or the sync skipped (:meth:`_skip_sync`).
-        Whether it counts is asked now, or was when the state was saved."""
+        """Land a sync: the outer step and the merge, or :meth:`_skip_sync` if it does not count."""
         verdict = None if self._outcomes else self.transaction.ask(lambda: self._wait(flight.average))
         with self.transaction.lock:  # the compressor's state and the anchor change together for a reading peer
             self._apply_outcome(flight, self._outcomes.pop(0) if verdict is None else self._outcome_of(flight, *verdict))
 
     def _outcome_of(self, flight: InFlight, average: torch.Tensor | None, finite: bool, committed: bool) -> str:
-        """Keep or drop the compressor's staged state; how the sync lands: ``"apply"``,
-        ``"replace"`` (applied, the local values taking the anchor's: a healed replica's
-        model is its peer's, no steps of its own to keep), ``"anchor"`` (not counted, and a
-        peer's model or values that may hold the inf) or ``"skip"``."""
+        """Settle the compressor's staged state; how the sync lands: ``"apply"``, ``"replace"``
+        (a healed replica has no steps of its own to keep: the local values take the anchor's),
+        ``"anchor"`` (not counted, and a peer's model or values that may hold the inf) or ``"skip"``."""
         landed = average is not None
         healed = self.transaction.settle(committed and landed)
         if committed and landed:
@@ -147,8 +131,7 @@ class LocalSGD(Trainer):
         self._to_anchor(flight.fragment)
 
     def _skip_sync(self, flight: InFlight) -> None:
-        """A sync that does not count leaves the fragment's local values as they are: the
-        steps taken since its last sync are kept, and the next sync sends them."""
+        """A sync that does not count keeps the fragment's local steps: the next sync sends them."""
 
     def _to_anchor(self, fragment: Fragment) -> None:
         """The fragment's local values become its anchor's."""
@@ -156,8 +139,8 @@ class LocalSGD(Trainer):
         self.fresh[fragment.index] = self.clock.step
 
     def _syncs_part(self) -> dict[str, Any]:
-        """Each fragment's last sync step and the averages in flight with their outcomes, so
-        a restored run lands the same values at the same steps without asking again."""
+        """Each fragment's last sync step and the syncs in flight with their outcomes, so a restored
+        run lands the same values at the same steps without asking again."""
         for flight in self._in_flight[len(self._outcomes) :]:
             verdict = self.transaction.ask(lambda f=flight: self._wait(f.average))
             with self.transaction.lock:

@@ -1,5 +1,4 @@
-"""The outer optimizer of a Local SGD trainer: what builds it, how the ranks compare a
-user's, and the built-in arguments refused beside one."""
+"""The outer optimizer of a Local SGD trainer: its builder, and the checks on a user's one."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def check_outer_arguments(name: str, outer_optimizer: OuterOptimizer | None, built_in: Mapping[str, Any]) -> None:
-    """Refuse the arguments of the built-in outer SGD (``built_in``, None where unset)
-    next to a given ``outer_optimizer``: its own arguments set those."""
+    """Refuse the built-in outer SGD's arguments (``built_in``, None where unset) beside ``outer_optimizer``."""
     given = [key for key, value in built_in.items() if value is not None]
     if outer_optimizer is not None and given:
         raise ConfigError(

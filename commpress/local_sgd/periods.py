@@ -1,6 +1,5 @@
-"""How many local steps a round of Local SGD lasts: a constant, or the Quadratic
-Synchronization Rule (QSR, Gu et al., ICLR 2024), which lengthens rounds as the learning
-rate decays (H grows like 1/lr^2), so late training communicates far less."""
+"""How many local steps a round of Local SGD lasts: a constant, or the Quadratic Synchronization
+Rule (QSR, Gu et al., ICLR 2024), which lengthens rounds as the learning rate decays (H ~ 1/lr^2)."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class Period(ABC):
 
     @abstractmethod
     def next(self, step: int, lr: float, remaining: int | None = None) -> int:
-        """H for the round that starts at ``step`` (steps taken so far), whose first step
-        uses learning rate ``lr``; ``remaining`` is the number of steps left, if known."""
+        """H for the round starting at ``step``, whose first step uses ``lr``; ``remaining``: steps left."""
 
 
 class Constant(Period):

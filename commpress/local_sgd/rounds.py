@@ -19,9 +19,8 @@ def as_period(period: int | Period) -> Period:
 
 
 class RoundClock:
-    """Counts steps and rounds. A round's length H is chosen lazily, at the first step of the
-    round, from the learning rate that step uses (so an LR scheduler stepped after the
-    optimizer, or an LR set by hand before the step, are both seen correctly)."""
+    """Counts steps and rounds. H is chosen at a round's first step, from the lr that step uses, so
+    a scheduler stepped after the optimizer and an lr set by hand before the step are both seen."""
 
     def __init__(self, period: int | Period, total_steps: int | None = None, name: str = "local SGD") -> None:
         if total_steps is not None and total_steps < 1:

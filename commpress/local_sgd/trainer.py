@@ -1,17 +1,7 @@
-"""What every Local SGD trainer is: every rank takes optimizer steps on its own, and at the
-end of a round (a constant H, or QSR) the pseudo-gradient ``anchor - local`` is averaged
-over ranks and the outer optimizer, a ``torch.optim.Optimizer`` over the anchor, steps the
-anchor with it. :class:`~commpress.local_sgd.LocalSGD`, :class:`~commpress.local_sgd.DiLoCo`
-and :class:`~commpress.local_sgd.CO2` say when a sync starts and lands, and which outer
-optimizer steps it.
-
-Every sync is one step of the averager's backend's transaction
-(:mod:`commpress.local_sgd.transaction`): on a fixed process group it always counts. Under
-a torchft ``Manager`` (an averager built with ``manager=``) a sync that does not count (a
-peer lost, a failed collective, a non-finite average) is skipped as if it had not run, and
-a (re)joining replica heals at its first sync from a healthy peer's shared state
-(:meth:`Trainer.shared_state_dict`; the user registers the model and the inner optimizer,
-as in torchft's examples). ``docs/fault_tolerance.md`` tells the whole story."""
+"""The base of every Local SGD trainer: ranks step on their own, and at a round's end the
+pseudo-gradient ``anchor - local`` is averaged for an outer optimizer to step the anchor with.
+Each sync is one step of the backend's transaction (:mod:`commpress.local_sgd.transaction`);
+``docs/fault_tolerance.md`` tells how replicas heal under a torchft ``Manager``."""
 
 from __future__ import annotations
 
@@ -43,36 +33,20 @@ __all__ = ["Trainer"]
 
 
 class Trainer(BoundToProcess):
-    """What every Local SGD trainer (:class:`~commpress.local_sgd.LocalSGD`,
-    :class:`~commpress.local_sgd.DiLoCo`, :class:`~commpress.local_sgd.CO2`) is: call
-    :meth:`step` in place of ``optimizer.step()``, or call :meth:`register_optimizer_hooks`
-    once and keep calling ``optimizer.step()`` (what :func:`commpress.register` does); a
-    subclass says when a round's sync starts (:meth:`start_due`) and lands (:meth:`apply_due`).
+    """The base of :class:`~commpress.local_sgd.LocalSGD`, :class:`~commpress.local_sgd.DiLoCo`
+    and :class:`~commpress.local_sgd.CO2`: call :meth:`step` in place of ``optimizer.step()``, or
+    :meth:`register_optimizer_hooks` once (what :func:`commpress.register` does).
 
-    ``period``: an int (a round of ``period`` steps) or a :class:`Period` such as
-    :class:`QSR` (None: the ``[local_sgd]`` table's default). ``averager``: a
-    :class:`~commpress.comm.averager.ParameterAverager` (built with ``manager=``: under a
-    torchft Manager), or a compressor name (``"none"``, ``"bf16"``, ...) for the averaging
-    all-reduce. ``average_buffers`` also averages floating-point buffers (BatchNorm
-    statistics). ``total_steps`` lets QSR cap the last round at the last step. ``key`` names
-    the shared state a healing replica receives under a manager (default
-    ``"commpress_<algorithm>"``).
+    ``period``: an int or a :class:`Period` such as :class:`QSR`. ``averager``: a
+    :class:`~commpress.comm.averager.ParameterAverager` (built with ``manager=`` under a torchft
+    Manager) or a compressor name. ``average_buffers`` also averages float buffers (BatchNorm
+    statistics); ``key`` names the shared state; arguments left None take the ``[local_sgd]``
+    defaults. A non-finite average raises ``FloatingPointError`` on every rank, changing nothing.
 
-    ``wait_seconds`` records how long each averaging blocked the caller. A non-finite
-    average raises ``FloatingPointError`` on every rank and changes nothing (under a torchft
-    Manager the sync does not count).
-
-    With DDP, a comm hook that keeps gradients local is registered here (construct before
-    the first backward); a plain module gets rank 0's values at construction. The optimizer
-    state (momenta, Adam moments) stays local: only the model is averaged. The ranks agree
-    on the settings in one exchange at construction.
-
-    With an averager whose backend cannot block (ranks of a
-    :class:`commpress.comm.SimulatedWorld`, all in one thread) the set-up agreement and
-    broadcast are left out: build every rank's trainer from one config and identical
-    models. Such ranks take their steps one after another through :meth:`local_step`
-    (every rank) and then :meth:`apply_due` (every rank); :meth:`finish` likewise as
-    ``start_due(final=True)``, then ``apply_due(final=True)``.
+    A DDP model's gradients stay local from construction (before its first backward); a plain
+    module takes rank 0's values then, except on ranks that cannot block (a
+    :class:`commpress.comm.SimulatedWorld`): build those from identical models and run
+    :meth:`local_step`, then :meth:`apply_due`, on every rank.
     """
 
     name = "local SGD"
@@ -160,18 +134,14 @@ class Trainer(BoundToProcess):
 
     @property
     def job_step(self) -> int:
-        """The job's step: the inner steps taken, the same on every replica group that syncs
-        with this one. Under a torchft Manager a (re)joining replica takes its peer's count
-        when it heals (with the steps it took since that sync started, ``sync_delay``), so
-        ``while trainer.job_step < total_steps:`` ends every replica at the same step, as a
-        loop over a fixed number of batches per process does not (a restarted replica would
-        run them all)."""
+        """The job's step: inner steps taken, the same on every replica group (a healer takes its
+        peer's), so ``while trainer.job_step < total_steps:`` ends every replica at the same step,
+        as a fixed batch count per process does not (a restarted replica would run them all)."""
         return self.clock.step
 
     @property
     def syncs(self) -> int:
-        """Syncs counted: the backend's step (under a torchft Manager the committed ones since
-        the trainer was made, the same on every replica whenever it joined)."""
+        """Syncs counted: the backend's step (the same on every replica, whenever it joined)."""
         return self.backend.step_of(self.clock.rounds)
 
     @property
@@ -191,9 +161,8 @@ class Trainer(BoundToProcess):
         return loss
 
     def local_step(self, closure: Callable[[], float] | None = None) -> Any:
-        """:meth:`step` up to the averages it starts, without landing those due: ranks run
-        one after another in one thread (a :class:`commpress.comm.SimulatedWorld`) call
-        ``local_step`` on every rank, then :meth:`apply_due` on every rank."""
+        """:meth:`step` without landing the averages due, for ranks run in one thread (class docstring;
+        :meth:`finish` is then ``start_due(final=True)``, then ``apply_due(final=True)``)."""
         self._begin_step()
         loss = self.optimizer.step() if closure is None else self.optimizer.step(closure)
         self.clock.end_step()
@@ -201,10 +170,8 @@ class Trainer(BoundToProcess):
         return loss
 
     def register_optimizer_hooks(self) -> None:
-        """Run the rounds from ``optimizer.step()`` itself, through its step pre- and
-        post-hooks (as torchft runs DiLoCo), so the training loop keeps calling
-        ``optimizer.step()``. A step the optimizer does not take (GradScaler skips it on
-        inf) is not counted. :meth:`step` is refused from then on."""
+        """Run the rounds from ``optimizer.step()``'s hooks (as torchft runs DiLoCo), so the loop keeps
+        calling it; a step GradScaler skips is not counted, and :meth:`step` is refused."""
         if not self._hooks:
             self._hooks = [
                 self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._begin_step()),
@@ -212,9 +179,7 @@ class Trainer(BoundToProcess):
             ]
 
     def remove_hooks(self) -> None:
-        """Take this trainer's hooks off the optimizer and the DDP model: ``optimizer.step()``
-        is a plain step again and DDP all-reduces gradients (call :meth:`finish` first for
-        one model on every rank)."""
+        """Take this trainer's hooks off the optimizer and the DDP model (after :meth:`finish`)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -232,15 +197,13 @@ class Trainer(BoundToProcess):
         self.apply_due()
 
     def _check_ranks(self) -> None:
-        """After a load, fixed ranks compare step and settings at the first sync (under a
-        torchft Manager membership is the manager's business)."""
+        """After a load, fixed ranks compare step and settings at the first sync."""
         if self._check_resume and self.averager.can_block and self.backend.fixed_members:
             checkpoint.check_resume(self.backend, self.clock.step, digest_of(self.settings), self.name)
         self._check_resume = False
 
     def _begin_sync(self) -> None:
-        """A sync begins: the ranks' check after a load, the backend's step (a quorum under a
-        torchft Manager), and what follows the participants."""
+        """A sync begins: the ranks' check after a load, the backend's step, what follows the participants."""
         self._check_ranks()
         self.transaction.begin(self.clock)
         self._follow_participants()
@@ -277,8 +240,7 @@ class Trainer(BoundToProcess):
         return average.buffer
 
     def outer_step(self, index: int, average: torch.Tensor) -> None:
-        """The outer optimizer's step of ``outer_params[index]`` with the averaged
-        pseudo-gradient ``average`` as its gradient; the other tensors have none."""
+        """The outer optimizer's step of ``outer_params[index]`` alone, with ``average`` as its gradient."""
         param = self.outer_params[index]
         param.grad = average
         try:
@@ -287,18 +249,15 @@ class Trainer(BoundToProcess):
             param.grad = None
 
     def finish(self) -> None:
-        """End of training: land what is in flight and sync every fragment changed since the
-        last sync (CO2: apply the last average), so every rank ends with the same model; under
-        a torchft Manager a WARNING if the last sync had fewer replica groups than before."""
+        """End of training: land and sync what is left, so every rank ends with the same model."""
         self.start_due(final=True)
         self.apply_due(final=True)
         self.transaction.warn_if_fewer(self.clock.step)
 
     @contextlib.contextmanager
     def averaged(self) -> Iterator[None]:
-        """The model at its last sync (the anchor: the same on every rank) in place of this
-        rank's own parameters for the block, which are put back after it: evaluate or save
-        the job's model mid-run, on any rank, without a sync or a collective."""
+        """The anchor (the model at its last sync, the same on every rank) in place of this rank's
+        parameters for the block: evaluate or save the job's model mid-run without a collective."""
         own = self.flat.read()
         self.flat.write(self.anchor)
         try:
@@ -307,9 +266,8 @@ class Trainer(BoundToProcess):
             self.flat.write(own)
 
     def shared_state_dict(self) -> dict[str, Any]:
-        """What every replica shares and a healing one receives under a torchft Manager: the
-        anchor, the outer optimizer's state, the compressor's state without its per-rank
-        entries (error feedback starts from zero there), and the step count."""
+        """What a healing replica receives under a torchft Manager: the anchor, the outer state, the
+        compressor's state without per-rank entries (error feedback restarts at zero), the clock."""
         with self.transaction.lock:
             compressor = self.averager.compressor
             return {
@@ -320,8 +278,7 @@ class Trainer(BoundToProcess):
             }
 
     def load_shared(self, state: Mapping[str, Any]) -> None:
-        """Take a healthy peer's shared state (the manager calls it in ``should_commit``),
-        then replay the syncs in flight on the received compressor state."""
+        """Take a healthy peer's shared state (in ``should_commit``) and replay the syncs in flight on it."""
         with self.transaction.lock:
             self.transaction.healed = True
             self.anchor.copy_(state["anchor"])
@@ -332,11 +289,9 @@ class Trainer(BoundToProcess):
             self.transaction.replay(self.anchor.dtype, self.anchor.device)
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """Step and round counters, H, the anchor, the outer optimizer's state, the syncs in
-        flight (with how each lands) and the averager's state (save the model and the
-        optimizer alongside, as usual), tagged with this rank, the world size and the
-        settings; ``full=True``: every rank's (a collective; see
-        :meth:`commpress.CommState.state_dict`)."""
+        """The clock, anchor, outer and averager states and the syncs in flight (save the model and
+        optimizer alongside), tagged with rank, world size and settings; ``full=True``: every
+        rank's (a collective; see :meth:`commpress.CommState.state_dict`)."""
         backend = self.backend
         if full and not backend.fixed_members:
             raise RuntimeError(
@@ -353,8 +308,7 @@ class Trainer(BoundToProcess):
         return checkpoint.gather_job(backend.allgather_object, part) if full else part
 
     def _part(self) -> dict[str, Any]:
-        """The syncs in flight (asked first whether each counts, as landing it would), then
-        counters, anchor, the outer optimizer's state and the averager's state."""
+        """The syncs in flight (asked first whether each counts, as landing would), then the rest."""
         syncs = self._syncs_part()
         return {
             "clock": self.clock.state_dict(),
@@ -365,8 +319,7 @@ class Trainer(BoundToProcess):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore this rank's part, or its part of a whole-job state (see
-        :mod:`commpress.comm.checkpoint`); the settings must be the saved ones."""
+        """Restore this rank's part, or its part of a whole-job state; the settings must be the saved ones."""
         what = f"{self.name}: load_state_dict"
         if self.flat.shard_group is not None:  # its anchor, momentum and error feedback are this shard's rows
             checkpoint.check_same_mesh(state, self.settings["shard_shapes"], self.averager.world_size, what)

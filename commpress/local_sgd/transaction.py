@@ -1,17 +1,9 @@
 """A Local SGD trainer's sync as one step of its backend's transaction
-(:class:`~commpress.comm.backend.Backend`): it opens the step, keeps what a replay of the
-step's reduction needs, asks at the landing whether the step counts, and gives a healing
-replica its peer's step count.
-
-On a fixed process group every step counts and a failure is raised. Under a torchft
-``Manager`` (:class:`~commpress.comm.manager_backend.ManagerBackend`) opening a step asks
-for a quorum; the compressors' step is the manager's (so replicas that joined at different
-times use the same seeds); a failed collective or a non-finite average makes the step not
-count (``should_commit()`` is False) and the run goes on; a (re)joining replica receives a
-healthy peer's shared state in ``should_commit()``, replays the reductions in flight on it
-(:meth:`SyncTransaction.replay`) and takes its peer's step count (:func:`peer_clock`), so a
-loop driven by the job's step ends every replica at the same step.
-"""
+(:class:`~commpress.comm.backend.Backend`): open the step, keep what a replay needs, ask at the
+landing whether it counts. Under a torchft ``Manager`` the compressors' step is the manager's
+(so replicas that joined at different times use the same seeds), a failed or non-finite sync
+does not count, and a (re)joining replica takes a healthy peer's state in ``should_commit()``,
+replays the reductions in flight on it and takes its peer's step count (:func:`peer_clock`)."""
 
 from __future__ import annotations
 
@@ -57,8 +49,8 @@ class SyncTransaction:
         self._past_end = False  # warned that a sync began past total_steps
 
     def begin(self, clock: RoundClock) -> None:
-        """A sync begins: a peer may read the shared state, the step opens (a quorum under a
-        manager); a replica syncing past the job's end under a manager is warned once."""
+        """A sync begins: a peer may read the shared state and the step opens; a replica syncing
+        past the job's end under a manager is warned once."""
         self.backend.allow_state_reads(True)
         self._at_quorum = clock.state_dict()
         self.backend.open_step()
@@ -75,15 +67,13 @@ class SyncTransaction:
             )
 
     def keep_for_replay(self, bucket: Callable[[torch.Tensor], Any], numel: int) -> None:
-        """A sync of ``numel`` values put in ``bucket`` starts: its compressors' step is the
-        backend's, and what a replay of it needs is kept until it lands."""
+        """A sync of ``numel`` values in ``bucket`` starts: it takes the backend's step, its replay is kept."""
         self.averager.calls = self.backend.step_of(self.averager.calls)
         self._replays.append((bucket, numel, self.averager.next_context()))
 
     def ask(self, wait: Callable[[], torch.Tensor]) -> Verdict:
-        """Wait for the oldest sync in flight (``wait`` gives its checked average) and end its
-        step. A failure the backend does not survive drops the staged compressor state and
-        is raised."""
+        """Wait for the oldest sync's checked average (``wait``) and end its step; a failure the
+        backend does not survive drops the staged compressor state and is raised."""
         self._replays.pop(0)
         values: torch.Tensor | None = None
         finite = True
@@ -99,16 +89,14 @@ class SyncTransaction:
         return values, finite, committed
 
     def settle(self, counts: bool) -> bool:
-        """Keep the staged compressor state if the sync ``counts``, else drop it; whether the
-        sync healed this replica (cleared)."""
+        """Keep (``counts``) or drop the staged compressor state; whether the sync healed this replica."""
         self.averager.settle(counts)
         healed, self.healed = self.healed, False
         return healed
 
     def replay(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Run the reductions in flight on the results the backend recorded while this
-        replica heals (its input zeros), on the compressor state just loaded: it then stages
-        what its peers staged."""
+        """Run the reductions in flight, input zeros, on the results the backend recorded while
+        this replica heals and on the compressor state just loaded, staging what its peers staged."""
         for (bucket, numel, ctx), results in zip(self._replays, self.backend.log or []):
             zeros = torch.zeros(numel, dtype=dtype, device=device)
             replay(self.averager.groups.composite.reduce(bucket(zeros), ctx), results)
@@ -122,8 +110,7 @@ class SyncTransaction:
         clock.load_state_dict(peer_clock(self._at_quorum, clock.state_dict(), peer))
 
     def warn_if_fewer(self, step: int) -> None:
-        """At finish: a WARNING if the last sync had fewer participants than this replica
-        has synced with (a replica group lost before the end, or stopped at another step)."""
+        """At finish: warn if the last sync had fewer participants than this replica has synced with."""
         last = self.backend.world_size
         if last < self.most:
             log.warning(
@@ -139,11 +126,9 @@ class SyncTransaction:
 
 
 def peer_clock(at: Mapping[str, Any] | None, now: Mapping[str, Any], peer: Mapping[str, Any]) -> dict[str, Any]:
-    """The step count a healing replica takes: ``peer``'s, read when the peer answered the
-    quorum, plus what this replica's clock did between ``at`` (its clock at its quorum) and
-    ``now`` (a delayed sync heals when it lands, ``sync_delay`` steps later: those steps, the
-    round ended and the one begun). Healing in the quorum's own step, it is the peer's as it
-    is (QSR's rounds too)."""
+    """The step count a healing replica takes: ``peer``'s, read at the quorum, plus what this
+    replica's clock did between ``at`` (its clock at the quorum) and ``now`` (a delayed sync heals
+    when it lands, ``sync_delay`` steps later); healing at the quorum's own step, the peer's."""
     if at is None or now == at:
         return dict(peer)
     shift = int(peer["step"]) - at["step"]

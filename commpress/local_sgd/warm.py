@@ -10,8 +10,7 @@ __all__ = ["load_trainer_kernels"]
 
 
 def load_trainer_kernels(trainer: Trainer) -> None:
-    """Run ``trainer``'s averaging method once, by fresh compressors in a simulated world,
-    on values shaped like the tensors its syncs send (the flat model's, so every DiLoCo
-    fragment's too); its averager, anchor, outer optimizer and counters stay as they were."""
+    """Run ``trainer``'s averaging once, by fresh compressors in a simulated world, on tensors
+    shaped like the flat model's (so every DiLoCo fragment's too), leaving ``trainer`` unchanged."""
     flat = trainer.flat
     load_kernels(trainer.averager.groups, [(s.name, s.shape) for s in flat.slots], flat.dtype, flat.device)

@@ -1,7 +1,5 @@
-"""What takes part in the optimizer's step: 1-bit Adam (the momentum averaged compressed
-once AdamW's variance is frozen), also under a torchft Manager; Dion in place of Muon's
-step (low-rank orthonormal updates from averaged factors); the hybrid optimizer (Muon +
-AdamW stepping one iteration)."""
+"""What takes part in the optimizer's step: 1-bit Adam (also under a torchft Manager), Dion in
+place of Muon's step, and the hybrid optimizer (Muon + AdamW stepping one iteration)."""
 
 from commpress.optim.dion import Dion
 from commpress.optim.hybrid import HybridOptimizer

@@ -1,16 +1,12 @@
-"""Dion (Ahn et al., 2025) in place of Muon's step: the orthonormal update of each matrix's
-momentum computed at low rank from factors the data-parallel ranks average, so a step
-sends ``(m + n) r`` numbers per m x n matrix instead of its gradient.
+"""Dion (Ahn et al., 2025) in place of Muon's step: each matrix's orthonormal update from a
+low-rank power iteration whose factors the ranks average, ``(m + n) r`` numbers per m x n
+matrix instead of its gradient.
 
-The user keeps ``register(ddp_model, cfg, optimizer=[muon, adamw])`` and the loop
-``loss.backward(); muon.step(); adamw.step()``; the other parameters are averaged with the
-config's top-level ``method`` for AdamW. Dion's power iteration
-(:class:`~commpress.compressors.dion.DionCompressor`) runs at ``muon.step()``, or in the
-backward under a torchft Manager (:mod:`commpress.optim.dion_iteration`); the step
-pre-hook applies ``p = p (1 - lr wd) - lr' P Q^T`` with Muon's lr, weight decay and lr
-adjustment (``lr'``), and hides the gradients so Muon's own step skips them; the
-post-hook gives them back. Muon's momentum is Dion's mu; its Newton-Schulz settings and
-``nesterov`` have no part in Dion, which needs no orthogonalization of a full matrix.
+The user keeps ``register(ddp_model, cfg, optimizer=[muon, adamw])`` and their loop; the
+other parameters are averaged with the config's ``method`` for AdamW. The step pre-hook
+applies ``p = p (1 - lr wd) - lr' P Q^T`` with Muon's lr, weight decay and lr adjustment,
+and hides the gradients so Muon's own step skips them. Muon's momentum is Dion's mu; its
+Newton-Schulz settings and ``nesterov`` have no part in Dion.
 """
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.

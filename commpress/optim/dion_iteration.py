@@ -2,18 +2,13 @@
 
 On a fixed group (:class:`AtTheStep`) the DDP hook leaves Muon's gradients local (one
 finiteness flag per bucket, so a GradScaler skips a step on every rank alike) and averages
-the rest with the config's method; at ``muon.step()`` the iteration runs on the gradients
-as they stand then (unscaled, clipped), every Muon matrix in one batched pass.
+the rest with the config's method; the iteration runs at ``muon.step()`` on the gradients as
+they stand then (unscaled, clipped), every matrix in one batched pass.
 
-Under a torchft ``Manager`` (:class:`InTheBackward`) its ``OptimizerWrapper`` asks
-``should_commit()`` before ``muon.step()``, so every collective of the step must run in
-the backward, where a failure can still un-commit it. There the DDP hook runs the iteration
-per bucket through a :class:`~commpress.hooks.state.CommState` under the manager whose
-group of Muon's matrices is Dion (the rest: the method), so each matrix's gradient becomes
-its update direction; the state (each replica's momenta, the shared Q) is committed with the
-step and dropped with it, and a (re)joining replica takes Q from a peer, adds nothing to the
-factors and applies its peers' direction. The iteration reads the gradients as the backward
-leaves them, before any clipping or unscaling.
+Under a torchft ``Manager`` (:class:`InTheBackward`) ``should_commit()`` comes before
+``muon.step()``, so the iteration runs in the backward, where a failure can still un-commit
+the step: a :class:`~commpress.hooks.state.CommState` under the manager whose group of Muon's
+matrices is Dion turns each gradient into its direction, and heals a (re)joining replica.
 """
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.

@@ -1,12 +1,9 @@
-"""Several optimizers that take one training iteration together: Muon on the hidden
-matrices and AdamW on the rest (the nanochat / modded-nanogpt split), or any sequence of
-torch optimizers over disjoint parameters.
+"""Several torch optimizers over disjoint parameters taking one iteration together, such as Muon
+on the hidden matrices and AdamW on the rest (the nanochat / modded-nanogpt split).
 
 ``commpress.register(model, cfg, optimizer=[muon, adamw])`` wraps the list in a
-:class:`HybridOptimizer`. The tables that run at the optimizer's step (``[local_sgd]``)
-need to know when an iteration ends: here it ends when every optimizer has taken its
-step, in whatever order the loop calls them, so the loop stays ``muon.step();
-adamw.step()`` (or ``hybrid.step()``).
+:class:`HybridOptimizer`, whose iteration ends once every optimizer has stepped, in any order:
+tables that run at the step (``[local_sgd]``) work while the loop stays ``muon.step(); adamw.step()``.
 """
 
 from __future__ import annotations
@@ -32,10 +29,8 @@ def describe(optimizer: torch.optim.Optimizer) -> str:
 
 
 def check_step_hooks(optimizer: Any, needs: str) -> None:
-    """Refuse an optimizer without torch's step hook tables, which ``needs`` (the sentence's
-    subject) runs from: a wrapper that skips ``torch.optim.Optimizer.__init__``
-    (Accelerate's AcceleratedOptimizer, for one). A :class:`HybridOptimizer` has its own
-    and checked its optimizers when it was made."""
+    """Refuse an optimizer without torch's step hook tables, which ``needs`` (the message's subject)
+    runs from: a wrapper that skips ``torch.optim.Optimizer.__init__``, such as Accelerate's."""
     if not isinstance(optimizer, HybridOptimizer) and not hasattr(optimizer, "_optimizer_step_post_hooks"):
         raise TypeError(
             f"{needs} runs at the optimizer's step hooks, which this {type(optimizer).__name__} does not hold "
@@ -45,8 +40,7 @@ def check_step_hooks(optimizer: Any, needs: str) -> None:
 
 
 def as_optimizer(optimizer: Any) -> Any:
-    """What ``register(..., optimizer=)`` was given, as one optimizer: a list or tuple of
-    several becomes a :class:`HybridOptimizer`, a list of one its element."""
+    """``register(..., optimizer=)``'s value as one optimizer: several become a :class:`HybridOptimizer`."""
     if isinstance(optimizer, (list, tuple)):
         return optimizer[0] if len(optimizer) == 1 else HybridOptimizer(optimizer)
     return optimizer
@@ -55,13 +49,9 @@ def as_optimizer(optimizer: Any) -> Any:
 class HybridOptimizer:
     """``optimizers`` stepping disjoint parameters as one iteration.
 
-    :meth:`step` steps each in order; :meth:`state_dict` holds each one's state.
-    :meth:`register_step_pre_hook` runs its hook before the iteration's first step and
-    :meth:`register_step_post_hook` after its last: once every optimizer has stepped once,
-    whichever order the loop calls them in. An optimizer that steps twice before another
-    has stepped raises (the iteration would have no end) while a hook is registered; with
-    none (``reg.remove()`` took commpress's off) each optimizer steps freely.
-    ``param_groups`` lists every optimizer's groups, the first optimizer's first.
+    Step hooks run before its first step and after its last, in whatever order the loop steps them;
+    while one is registered, an optimizer stepping twice before the others raises, as the
+    iteration would never end.
     """
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:

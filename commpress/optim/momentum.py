@@ -1,19 +1,12 @@
 """Where 1-bit Adam averages its ranks' momenta, the one thing its two settings do apart.
 
-On a fixed group (:class:`AtTheStep`) the DDP hook averages the warm-up's gradients
-exactly and afterwards sends only a finiteness flag; at ``optimizer.step()`` every rank
-forms its local momentum ``beta1 * m + (1 - beta1) * g`` from the gradient as it stands
-then (unscaled, clipped) and the ranks average it as one flat vector.
-
-Under a torchft ``Manager`` (:class:`InTheBackward`) the loop is torchft's: its
-``OptimizerWrapper`` asks ``should_commit()`` before ``optimizer.step()``, so every
-collective of the step must run in the backward, where a failure can still un-commit it.
-There the hook turns each bucket's gradient into this replica's momentum and averages it
-through a :class:`~commpress.hooks.state.CommState` under the manager whose ``start_iter``
-is the warm-up (exact before it); the state keeps the method's error feedback, committed
-with the step and dropped with it, and heals a (re)joining replica, which adds nothing to
-the averages (its optimizer state is stale until the manager hands it a peer's at
-``should_commit()``) and then applies the participants' average, ending equal to its peers.
+On a fixed group (:class:`AtTheStep`) the DDP hook averages the warm-up's gradients exactly, then
+sends only a finiteness flag; at ``optimizer.step()`` the ranks average their momenta, formed from
+the gradients as they stand then (unscaled, clipped). Under a torchft ``Manager``
+(:class:`InTheBackward`) ``should_commit()`` comes before ``optimizer.step()``, so the average runs
+in the backward, where a failure can still un-commit the step, through a
+:class:`~commpress.hooks.state.CommState` under the manager; a healing replica adds nothing to the
+average (its optimizer state is stale until ``should_commit()``) and then applies the participants'.
 """
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
@@ -57,9 +50,8 @@ def _mean(tensor: torch.Tensor, world_size: int) -> Reduction:
 
 
 def spread_non_finite(tensor: torch.Tensor, index: torch.Tensor | None = None) -> Reduction:
-    """Every rank's ``tensor`` (its elements at ``index``, if given) becomes NaN if any rank's
-    holds inf or NaN, so a GradScaler skips the step on every rank while the gradients stay
-    local (1-bit Adam after the freeze, Dion's matrices)."""
+    """Make every rank's ``tensor`` (at ``index``, if given) NaN if any rank's is not finite, so a
+    GradScaler skips the step everywhere while the gradients stay local."""
     local = tensor if index is None else tensor.index_select(0, index)
     flag = torch.zeros(1, dtype=torch.float32, device=tensor.device)
     if not bool(torch.isfinite(local).all()):
@@ -73,9 +65,8 @@ def spread_non_finite(tensor: torch.Tensor, index: torch.Tensor | None = None) -
 
 
 class AtTheStep(BoundToProcess):
-    """The momenta averaged by ``averager`` (any commpress method) as one flat float32
-    vector at ``optimizer.step()``; ``steps`` counts the optimizer steps taken (a step a
-    GradScaler skips is not taken)."""
+    """The momenta averaged by ``averager`` (any commpress method) as one flat float32 vector at
+    ``optimizer.step()``; a step a GradScaler skips does not count."""
 
     adam: Adam
 
@@ -107,15 +98,12 @@ class AtTheStep(BoundToProcess):
         return self.averager.traffic
 
     def connect(self, process_group: Any) -> None:
-        """The ranks agree on the settings (the one set-up exchange); the averaging method's
-        kernels are loaded now, not at the freeze (:meth:`load_kernels`)."""
+        """Agree on the settings across ranks (the one set-up exchange) and load the kernels now."""
         self.averager.connect(self.settings, self.adam.name, process_group)
         self.load_kernels()
 
     def load_kernels(self) -> None:
-        """Run the averaging method once on values shaped like the momentum's tensors, by
-        fresh compressors in a simulated world (:mod:`commpress.comm.warm`): nothing is sent
-        and no state changes."""
+        """Load the method's kernels before the freeze, in a simulated world (:mod:`commpress.comm.warm`)."""
         load_kernels(self.averager.groups, [(s.name, s.shape) for s in self.slots], self._flat.dtype, self._flat.device)
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -134,8 +122,7 @@ class AtTheStep(BoundToProcess):
         return self._steps >= self.adam.warmup_steps
 
     def start(self) -> torch.futures.Future:
-        """Start averaging the local momenta of the gradients as they stand (every rank in
-        the same order); :meth:`finish` waits for it."""
+        """Start averaging the local momenta (every rank in the same order); :meth:`finish` waits."""
         if self._check_resume and self.averager.can_block:
             checkpoint.check_resume(self.averager.backend, self._steps, digest_of(self.settings), self.adam.name)
         self._check_resume = False
@@ -159,8 +146,7 @@ class AtTheStep(BoundToProcess):
         self._steps += 1
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """The step counter and the compressor's state (error feedback), tagged with this
-        rank, the world size and the settings; ``full=True``: every rank's (a collective)."""
+        """The step counter and error feedback, tagged for this rank; ``full=True``: every rank's (a collective)."""
         backend = self.averager.backend
         part = checkpoint.tag(
             {"averager": self.averager.state_dict()}, backend.rank, backend.world_size, self._steps, self.settings
@@ -198,8 +184,7 @@ class InTheBackward(BoundToProcess):
         warmup_steps: int,
         key: str = "commpress_onebit_adam",
     ) -> "InTheBackward":
-        """``method`` with ``params`` over ``manager`` for ``module``'s buckets, exact for
-        ``warmup_steps`` steps; its shared state is registered with the manager under ``key``."""
+        """``method`` over ``manager`` for ``module``'s buckets, exact for ``warmup_steps``, its state under ``key``."""
         config = Config(method=method, params=dict(params), start_iter=warmup_steps)
         return cls(CommState.of_part(config, module, manager=manager, key=key), manager)
 
@@ -218,8 +203,7 @@ class InTheBackward(BoundToProcess):
         """Nothing: the state connected through the manager when it was built."""
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Past the warm-up the bucket's gradient becomes this replica's momentum (a healing
-        replica's stays: it counts as nothing); then the step's average through the manager."""
+        """The bucket's average through the manager: past the warm-up, of this replica's momentum."""
         buffer, params = bucket.buffer(), bucket.parameters()
         self.manager.wait_quorum()
         step = self.comm.steps
@@ -256,8 +240,7 @@ class InTheBackward(BoundToProcess):
         self._step = None
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """The hook's state (the step and the method's error feedback); the momentum and the
-        frozen variance are the optimizer's state, which the manager recovers with the model."""
+        """The hook's step and error feedback; the manager recovers the optimizer's state with the model."""
         return self.comm.state_dict(full=full)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

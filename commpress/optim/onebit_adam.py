@@ -1,33 +1,20 @@
 """1-bit Adam (Tang et al., 2021) on the user's own ``torch.optim.AdamW``: exact AdamW for a
 warm-up, then the second moment frozen and the first moment averaged compressed.
 
-During the warm-up the DDP hook averages gradients exactly (as DDP does) and AdamW steps
-unchanged, so the run is plain DDP + AdamW bit for bit. From step ``warmup_steps`` on,
-every rank forms its local momentum ``beta1 * m + (1 - beta1) * g``, the ranks average it
-through any commpress method (``onebit`` by default, with its error feedback) and every
-rank applies AdamW's update with that average and the frozen variance (where the average
-runs, at the step or in the backward under a torchft Manager: :mod:`commpress.optim.momentum`)::
+The warm-up is plain DDP + AdamW, bit for bit. From step ``warmup_steps`` on, the ranks average
+their local momenta through any commpress method (``onebit`` by default; where it runs:
+:mod:`commpress.optim.momentum`) and apply AdamW's update with it and the frozen variance::
 
     m     = average over ranks of (beta1 * m + (1 - beta1) * g_rank)
     m_hat = m / (1 - beta1**t)
     p     = p * (1 - lr * weight_decay)
     p     = p - lr * m_hat / (max(sqrt(v_T / (1 - beta2**T)), |m_hat|) + eps)
 
-``T`` is the step at which ``v`` froze, so ``v_T / (1 - beta2**T)`` is AdamW's own
-bias-corrected variance at the freeze; ``t`` keeps counting, as AdamW's bias correction of
-the momentum does. The ``max`` keeps every coordinate's step within ``lr``, Adam's own
-bound: a coordinate whose gradient grew after the freeze (an embedding row first seen
-later has ``v_T = 0``) would otherwise take a step of ``lr * m_hat / eps`` and diverge, as
-the quality suite's charlm task does at a freeze after 15% of its steps.
-
-``m`` and ``v`` stay in the optimizer's state (``exp_avg``, ``exp_avg_sq``, ``step``), so
-the optimizer's own ``state_dict`` saves them; this object's :meth:`state_dict` adds
-the step counter and the compressor's error feedback.
-
-Why a hand-over rather than a new optimizer class: the user keeps the AdamW they built,
-its param groups, LR scheduler and checkpoint, and the warm-up *is* that AdamW. After the
-freeze, the step pre-hook applies the update and hides the gradients from AdamW's own
-step (which then skips every parameter); the post-hook gives them back.
+``T`` is the step at which ``v`` froze; ``t`` keeps counting. The ``max`` keeps each step within
+``lr``, Adam's own bound, where a gradient grew after the freeze (an embedding row first seen later
+has ``v_T = 0`` and would step ``lr * m_hat / eps``). AdamW's step is taken over through its step
+hooks (:mod:`commpress.optim.takeover`), not a new optimizer class, so the user keeps their AdamW,
+its scheduler and checkpoint (which saves ``m`` and ``v``), and the warm-up *is* that AdamW.
 """
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
@@ -52,10 +39,8 @@ _WHERE = "[onebit_adam]"
 
 
 def check_adam(optimizer: Any) -> None:
-    """Refuse, naming it, an optimizer or option whose step 1-bit Adam does not reproduce:
-    it takes ``torch.optim.AdamW``, or ``torch.optim.Adam`` with ``weight_decay = 0`` or
-    ``decoupled_weight_decay = True``, without amsgrad, maximize, capturable or
-    differentiable, on real floating-point parameters."""
+    """Refuse an optimizer or option whose step 1-bit Adam does not reproduce: it takes AdamW, or
+    Adam without L2 weight decay, on real floats, without amsgrad, maximize, capturable, differentiable."""
     if isinstance(optimizer, HybridOptimizer):
         raise ConfigError(
             f"{_WHERE} takes over the step of one torch.optim.AdamW over every parameter; got a HybridOptimizer of "
@@ -85,8 +70,7 @@ def check_adam(optimizer: Any) -> None:
 def adam_parameters(
     optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]
 ) -> list[tuple[str, torch.nn.Parameter]]:
-    """The trainable ``named_parameters``, checked: the optimizer holds every one and all
-    are float32 (the momentum is averaged as float32)."""
+    """The trainable ``named_parameters``, checked: all held by the optimizer, all float32 like the momentum."""
     named = [(n, p) for n, p in named_parameters if p.requires_grad]
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [n for n, p in named if id(p) not in owned]
@@ -120,8 +104,7 @@ def adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, warmup_s
 def frozen_update(
     group: Mapping[str, Any], state: dict[str, Any], p: torch.nn.Parameter, momentum: torch.Tensor, frozen_steps: int
 ) -> None:
-    """AdamW's step of ``p`` (its param ``group`` and Adam ``state``) with the averaged
-    ``momentum`` and the variance frozen ``frozen_steps`` steps ago (see the module's formula)."""
+    """AdamW's step of ``p`` with the averaged ``momentum`` and the variance frozen ``frozen_steps`` ago."""
     beta1, beta2 = group["betas"]
     lr, eps = float(group["lr"]), group["eps"]
     state["exp_avg"].copy_(momentum)
@@ -135,18 +118,10 @@ def frozen_update(
 
 
 class OneBitAdam(StepTakeover):
-    """1-bit Adam attached to ``optimizer`` (``torch.optim.AdamW``) for the parameters
-    ``named_parameters``: ``warmup_steps`` exact steps, then the momenta averaged where
-    ``average`` says (:mod:`commpress.optim.momentum`: :class:`AtTheStep` with any
-    commpress method on a fixed group, :class:`InTheBackward` under a torchft Manager).
-    :meth:`attach` registers the DDP comm hook and the optimizer's step hooks (what
-    :func:`commpress.register` does with an ``[onebit_adam]`` table); then the loop stays
-    ``loss.backward(); optimizer.step()``. A non-finite momentum average raises
-    ``FloatingPointError`` on every rank and changes nothing.
-
-    AdamW's step is taken over through its step hooks (:mod:`commpress.optim.takeover`):
-    after the freeze the pre-hook applies the update, and AdamW's own step skips every parameter.
-    """
+    """1-bit Adam on ``optimizer`` for ``named_parameters``: ``warmup_steps`` exact steps, then the
+    momenta averaged by ``average`` (:class:`AtTheStep` or :class:`InTheBackward`). :meth:`attach`
+    hooks it in, as :func:`commpress.register` does for ``[onebit_adam]``; a non-finite momentum
+    average raises ``FloatingPointError`` on every rank and changes nothing."""
 
     name = "1-bit Adam"
 
@@ -183,16 +158,14 @@ class OneBitAdam(StepTakeover):
         return self.average.traffic
 
     def attach(self, model: DistributedDataParallel, process_group: Any = None) -> None:
-        """Register the DDP comm hook on ``model`` (before its first backward) and the
-        optimizer's step hooks, after the average's set-up (:meth:`AtTheStep.connect`: the ranks agree)."""
+        """Once the ranks agree, register the DDP comm hook (before the first backward) and step hooks."""
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
         self.average.connect(process_group)
         self._take_over(model, self.optimizer, comm_hook)
 
     def local_momentum(self, p: torch.nn.Parameter, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """This rank's momentum of ``p`` with ``grad``, ``beta1 * m + (1 - beta1) * grad``,
-        into ``out`` (which may be ``grad`` itself)."""
+        """This rank's ``beta1 * m + (1 - beta1) * grad`` of ``p`` into ``out`` (which may be ``grad``)."""
         beta1 = self._group_of[id(p)]["betas"][0]
         torch.lerp(self._state(p)["exp_avg"], grad, 1 - beta1, out=out)
 
@@ -207,8 +180,7 @@ class OneBitAdam(StepTakeover):
         self.average.stepped()
 
     def start_step(self) -> torch.futures.Future | None:
-        """Start this step's momentum average (after the freeze; every rank calls it in the
-        same order). :meth:`finish_step` applies it."""
+        """Start this step's momentum average (every rank in the same order); :meth:`finish_step` applies it."""
         return self.average.start()
 
     @torch.no_grad()
@@ -225,9 +197,8 @@ class OneBitAdam(StepTakeover):
         return adam_state(self.optimizer, p, self.warmup_steps, self.name)
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """The average's state: the step counter and the method's error feedback, this
-        rank's (``full=True``: every rank's, a collective). The momentum and the frozen
-        variance are the optimizer's state: save it as usual."""
+        """The average's step counter and error feedback (``full=True``: every rank's, a collective); the
+        momentum and frozen variance are the optimizer's state, saved as usual."""
         return self.average.state_dict(full=full)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

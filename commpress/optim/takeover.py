@@ -1,9 +1,7 @@
 """Taking over an optimizer's step through its step hooks, what 1-bit Adam and Dion share.
 
-The method's DDP comm hook runs its reduction; the optimizer's step pre-hook applies the
-method's update and hides the gradients of the parameters it stepped, so the optimizer's
-own step skips them; the post-hook gives them back. The user keeps the optimizer they
-built, its param groups, scheduler and checkpoint.
+The step pre-hook applies the method's update and hides the gradients of the parameters it
+stepped, so the optimizer's own step skips them; the post-hook gives them back.
 """
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
@@ -38,8 +36,7 @@ class StepTakeover(BoundToProcess):
         )
 
     def detach(self) -> None:
-        """Take off what :meth:`attach` registered: DDP all-reduces gradients again and the
-        optimizer's step is its own."""
+        """Take off what :meth:`attach` registered: DDP and the optimizer's step are their own again."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = ()

@@ -1,13 +1,8 @@
 """The collectives a reduction may ask for, and the scope of ranks each one spans.
 
-A compressor yields :class:`AllReduce` or :class:`AllGather` over the whole group (scope
-``"world"``); the hierarchical reduction also yields :class:`ReduceScatter` and collectives
-scoped to the ranks of one fast domain (``"domain"``) or to one rank per domain
-(``"cross"``). A backend maps every scope to the communicator holding this rank's peers.
-
-A :class:`Transfer` describes a collective by its kind and size alone: what a
-compressor's wire model (:meth:`~commpress.compressors.base.Compressor.transfers`) and the
-traffic model speak in.
+Compressors yield collectives over the whole group (``"world"``); the hierarchical reduction also
+scopes them to one fast domain (``"domain"``) or one rank per domain (``"cross"``). A
+:class:`Transfer` (kind and size alone) is what the wire and traffic models speak in.
 """
 
 from __future__ import annotations
@@ -33,16 +28,14 @@ __all__ = [
     "sum_rows",
 ]
 
-#: Scopes a collective may span: every rank, the ranks of this rank's fast domain, or the
-#: ranks of this rank's cross-domain group (one per domain).
+#: Scopes a collective may span: every rank, this rank's fast domain, or its cross-domain group.
 SCOPES = ("world", "domain", "cross")
 Scope = Literal["world", "domain", "cross"]
 
 
 @dataclass
 class AllReduce:
-    """Reduce ``tensor`` over the scope's ranks; the result (same shape and dtype) is sent
-    back. ``op`` is ``"sum"`` (the default) or ``"max"``."""
+    """Reduce ``tensor`` over the scope's ranks; the result (same shape and dtype) is sent back."""
 
     tensor: torch.Tensor
     op: Literal["sum", "max"] = "sum"
@@ -55,8 +48,7 @@ class AllReduce:
 
 @dataclass
 class AllGather:
-    """Gather ``tensor`` (1-D, the same size on every rank of the scope); the list of all
-    ranks' tensors is sent back."""
+    """Gather ``tensor`` (1-D, the same size on every rank); the list of all ranks' tensors is sent back."""
 
     tensor: torch.Tensor
     scope: Scope = "world"
@@ -68,8 +60,7 @@ class AllGather:
 
 @dataclass
 class ReduceScatter:
-    """``tensor`` (1-D) holds one equal chunk per rank of the scope; rank ``j`` gets back the
-    sum over ranks of chunk ``j``, summed in rank order (reproducible)."""
+    """``tensor`` (1-D) holds one chunk per rank; rank ``j`` gets back chunk ``j`` summed in rank order."""
 
     tensor: torch.Tensor
     scope: Scope = "world"
@@ -80,17 +71,14 @@ class ReduceScatter:
 
 
 Collective = AllReduce | AllGather | ReduceScatter
-#: Whether a reduction knows the average it wrote is finite: True or False from its decode,
-#: None when it does not know (the hook then checks the buffer itself).
+#: Whether a reduction knows its average finite; None: unknown, the hook checks the buffer.
 Finite = bool | None
-# What ``reduce`` is: yields collectives, receives their results, returns what it knows of
-# the average (composition with ``yield from`` carries it).
+# ``reduce``: yields collectives, receives results, returns what it knows of the average
 Reduction = Generator[Collective, Any, Finite]
 
 
 def sum_rows(rows: torch.Tensor) -> torch.Tensor:
-    """The sum of ``rows`` (one per rank) taken in row order: the order every backend adds
-    ranks in, so sums are reproducible and alike on all of them."""
+    """The sum of ``rows`` (one per rank) in row order, as every backend adds them: reproducible."""
     first, *rest = rows.unbind(0)
     total = first.clone()
     for row in rest:
@@ -103,8 +91,7 @@ Kind = Literal["all_reduce", "all_gather", "all_to_all"]
 
 @dataclass(frozen=True)
 class Transfer:
-    """One collective as one rank issues it: its kind and its input's bytes (what a
-    backend's ``Traffic`` counts). A :class:`ReduceScatter` is an ``"all_to_all"``."""
+    """One collective as one rank issues it: its kind and input bytes. A :class:`ReduceScatter` is ``"all_to_all"``."""
 
     kind: Kind
     nbytes: float
@@ -116,9 +103,7 @@ class Transfer:
         return cls(kinds.get(type(request), "all_reduce"), request.nbytes)
 
     def wire_bytes(self, n: int) -> float:
-        """Bytes this rank sends in a group of ``n`` ranks, by gloo's algorithms: ring
-        all-reduce ``2(n-1)/n`` of the input, ring all-gather ``n-1`` times it, all-to-all
-        ``(n-1)/n`` of it."""
+        """Bytes this rank sends in a group of ``n`` ranks, by gloo's ring and all-to-all algorithms."""
         if n < 2:
             return 0.0
         return {"all_reduce": 2 * (n - 1) / n, "all_gather": n - 1, "all_to_all": (n - 1) / n}[self.kind] * self.nbytes
@@ -135,9 +120,8 @@ def relayed(
     before: Callable[[Collective], Collective] | None = None,
     after: Callable[[Collective, Any], None] | None = None,
 ) -> Reduction:
-    """Run ``reduction`` with each collective it yields passed through ``before`` on its way
-    out (which may replace it) and handed to ``after`` with its result on the way back: the
-    one place where a reduction is watched or rewritten between it and its backend."""
+    """Run ``reduction``, passing each collective through ``before`` (which may replace it) and,
+    with its result, to ``after``: the one place a reduction is watched or rewritten."""
     try:
         request = next(reduction)
         while True:
@@ -151,6 +135,5 @@ def relayed(
 
 
 def in_scope(reduction: Reduction, scope: Scope) -> Reduction:
-    """Run ``reduction`` with every collective it yields moved to ``scope`` (e.g. a
-    compressor written for the whole group, run across domains)."""
+    """Run ``reduction`` with every collective moved to ``scope`` (a compressor run across domains)."""
     return relayed(reduction, before=lambda request: dataclasses.replace(request, scope=scope))

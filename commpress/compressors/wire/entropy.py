@@ -1,18 +1,12 @@
 """A payload entropy-coded for its all-gather: lossless, so training is the same bits.
 
-Packed codes whose symbols are far from equally likely carry fewer bits of information than
-their width: TernGrad's 2-bit codes are zero for about two values in three, and hold about
-1.2 bits a value. Huffman codes per chunk of bytes (:mod:`commpress.kernels.huffman`) code
-each byte of 4 codes by its frequency, within about 2% of that entropy
-(docs/quantization.md, "Entropy-coded codes"). Coded sizes differ between ranks, so the
-gather takes two collectives: the largest coded size (an all-reduce of one number, max),
-then every rank's coded bytes padded to it, each led by its length. Both collectives carry
-tensors on the payload's device (an NCCL-only group takes no other); the maximum is read
-back to the host once, the frame's size depends on it. A payload that does not
-shrink travels as it is. A rank whose length did not count in the maximum (a replica healing
-under a torchft Manager: its all-reduce input is the op's identity and its gathered frame is
-dropped) may code longer than the maximum: it sends a frame that says so (length -1), which
-no rank decodes.
+Codes whose symbols are far from equally likely (TernGrad's are mostly zero) carry fewer bits
+than their width; Huffman codes per chunk (:mod:`commpress.kernels.huffman`) come close to that
+entropy (docs/quantization.md). Coded sizes differ between ranks, so the gather takes two
+collectives: the max coded size, then every rank's bytes padded to it, led by their length. Both
+carry device tensors (an NCCL-only group takes no other). A payload that does not shrink travels
+as it is. A rank left out of the max (a healing torchft replica) may code longer; it sends
+length -1, which no rank decodes.
 """
 
 from __future__ import annotations
@@ -35,8 +29,7 @@ _NOT_SENT = -1
 
 
 def coded_gather(payload: torch.Tensor) -> Generator[Collective, Any, list[torch.Tensor]]:
-    """Every rank's ``payload`` (uint8, 1-D, the same size on every rank), like
-    ``yield AllGather(payload)``, with the bytes entropy-coded on the wire."""
+    """Every rank's ``payload`` (uint8, 1-D, same size everywhere), like ``yield AllGather(payload)``."""
     mine = payload.detach().reshape(-1)
     coded = huffman_encode(mine)
     if coded.numel() >= mine.numel():
@@ -52,8 +45,7 @@ def coded_gather(payload: torch.Tensor) -> Generator[Collective, Any, list[torch
     out = []
     for frame in gathered:
         received = frame.cpu()
-        # a frame equal to this rank's own decodes to its payload (decoding is a function
-        # of the bytes): skipped, it saves a decode per gather
+        # a frame equal to this rank's own decodes to its payload: skip that decode
         out.append(mine.clone() if torch.equal(received, send) else _decoded(received, mine.numel()).to(payload.device))
     return out
 

@@ -1,10 +1,5 @@
-"""Several tensors in one uint8 buffer, so a bucket's payload travels in ONE all-gather.
-
-Payloads that cannot be summed (packed codes, sparse values and indices) are gathered;
-gathering each piece separately would cost one collective per piece. :func:`frame`
-lays the raw bytes of the pieces end to end; :func:`unframe` cuts every rank's gathered
-buffer back into the pieces, stacked over ranks.
-"""
+"""Several tensors in one uint8 buffer, so a bucket's payload travels in ONE all-gather, not one
+collective per piece (codes, indices and values cannot be summed, so they are gathered)."""
 
 from __future__ import annotations
 
@@ -28,12 +23,8 @@ def framed_nbytes(layout: Sequence[tuple[torch.dtype, int]]) -> int:
 
 
 def unframe(frames: Sequence[torch.Tensor], layout: Sequence[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
-    """Cut each rank's frame into pieces; piece ``j`` comes back as a contiguous
-    ``[world, count_j]`` tensor of ``dtype_j`` (row ``r`` from rank ``r``).
-
-    ``layout`` lists (dtype, element count) of the pieces in framing order; every frame
-    must be exactly :func:`framed_nbytes` long.
-    """
+    """Cut each rank's frame into the pieces ``layout`` lists (dtype, count), each a contiguous
+    ``[world, count]`` tensor with row ``r`` from rank ``r``."""
     expected = framed_nbytes(layout)
     for rank, f in enumerate(frames):
         if f.dtype != torch.uint8 or f.numel() != expected:

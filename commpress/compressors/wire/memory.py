@@ -1,15 +1,11 @@
-"""Error-feedback memory: a compressor's per-parameter state, keyed by parameter name,
-changed only in whole steps.
+"""Error-feedback memory: a compressor's per-parameter state, keyed by name, changed in whole steps.
 
-State lives with the parameter, not with the bucket: DDP regroups parameters into new
-buckets after its first step (and again after a resume), and a bucket simply gathers its
-parameters' entries, wherever they were stored. Changes made during a step are staged and
-take effect at :meth:`ErrorMemory.commit`; :meth:`ErrorMemory.discard` drops them, so a
-step the optimizer skips leaves no trace.
+State lives with the parameter, not the bucket, since DDP regroups parameters into new buckets;
+a bucket gathers its parameters' entries wherever they are. A step's changes are staged until
+:meth:`ErrorMemory.commit`, so a step the optimizer skips leaves no trace.
 
-An entry is a view of the flat buffer it was staged from. When a bucket gathers entries
-that still lie at their offsets in one buffer (the one it staged the step before: the
-usual case), that buffer is returned as it is and nothing is copied.
+An entry is a view of the flat buffer it was staged from; when a bucket's entries still lie at
+their offsets in one buffer (the usual case), that buffer is returned without a copy.
 """
 
 from __future__ import annotations
@@ -39,11 +35,7 @@ class _Entry:
 
 
 class ErrorMemory:
-    """Float32 tensors of a few kinds ("error", "q", ...), per name.
-
-    Reads (:meth:`gather`, :meth:`tensors`) see the committed state only; :meth:`stage`
-    prepares changes that :meth:`commit` applies.
-    """
+    """Float32 tensors of a few kinds ("error", "q", ...), per name; reads see committed state only."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple[str, str], _Entry] = {}
@@ -62,13 +54,9 @@ class ErrorMemory:
         device: torch.device,
         fill: Callable[[], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[str]]:
-        """A flat float32 buffer (at least ``numel`` elements, on ``device``) holding each
-        piece's committed ``kind`` entry at the piece's offset, and the names of the pieces
-        that have none of that shape (those hold ``fill()``'s values, zeros by default).
-
-        The buffer may be committed state itself (:meth:`holds` says so): read it, never
-        write it.
-        """
+        """A flat float32 buffer holding each piece's committed ``kind`` entry at its offset, and the
+        names of pieces with none of that shape (those hold ``fill()``'s values, default zeros). The
+        buffer may be committed state itself (:meth:`holds`): read it, never write it."""
         found = [self._entries.get((kind, name)) for name, _, _ in pieces]
         first = found[0] if found else None
         if (
@@ -94,16 +82,12 @@ class ErrorMemory:
         return out, missing
 
     def holds(self, buffer: torch.Tensor) -> bool:
-        """Whether a committed or staged entry may view ``buffer``; if so it must not be
-        reused. Conservative: a buffer whose staged entries were replaced counts as held
-        until the step ends."""
+        """Whether an entry may view ``buffer`` (then it must not be reused); conservative until the step ends."""
         return id(buffer) in self._bases
 
     def spare(self, key: tuple, numel: int, device: torch.device) -> torch.Tensor:
-        """A float32 buffer of ``numel`` elements on ``device`` that no committed or staged
-        entry views, for the state a step stages (``key``: the bucket layout it is for).
-        Reusing one that no state views any more saves a fresh allocation (and its page
-        faults) every step; two per key suffice in steady state (committed + staged)."""
+        """A float32 buffer no entry views, for the state a step stages; two per ``key`` (bucket layout)
+        are reused, committed and staged, saving an allocation every step."""
         buffers = self._spares.setdefault(key, [])
         free = next((b for b in buffers if not self.holds(b)), None)
         if free is None:

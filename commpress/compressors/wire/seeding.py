@@ -1,14 +1,11 @@
-"""Names and seeds for the random choices of compressors: per tensor, keyed by stable things.
+"""Names and seeds for the random choices of compressors, per tensor.
 
-A seed depends on the parameter's *name*, not on its bucket or position, so the random
-bits a tensor gets do not change when DDP rebuilds its buckets, when ``bucket_cap_mb``
-changes, or when a resumed run starts with DDP's initial bucket layout again. Runs are
-reproducible; ranks and steps draw independent numbers where the method wants them to.
+A seed depends on the parameter's *name*, not its bucket or position, so a tensor's random bits
+survive DDP's bucket rebuilds and resumes: runs are reproducible whatever the bucketing.
 
-:func:`shared_normal` draws the random factors the low-rank methods share across ranks:
-computed on the gradient's device with integer torch operations (SplitMix64, the
-generator of :mod:`commpress.kernels.rng`), so every rank gets the same numbers without
-communication, without a host transfer and without CuPy.
+:func:`shared_normal` draws the low-rank methods' shared random factors on the gradient's device
+with integer torch operations (SplitMix64, as :mod:`commpress.kernels.rng`), so every rank gets
+the same numbers without communication or host transfer.
 """
 
 from __future__ import annotations
@@ -33,14 +30,13 @@ Seed = Annotated[int, Bounds(ge=0, lt=2**63)]
 
 
 def tensor_key(bucket: Bucket, slot: ParamSlot) -> str:
-    """What identifies a tensor across steps and bucket layouts: its parameter name. A
-    bucket without parameter names has one slot called "flat"; it is named after the bucket."""
+    """What identifies a tensor across steps and bucket layouts: its parameter name (an unnamed
+    bucket's single "flat" slot is named after the bucket)."""
     return f"flat{bucket.index}" if slot.name == "flat" else slot.name
 
 
 def tensor_seeds(seed: int, rank: int, step: int, bucket: Bucket, slots: Sequence[ParamSlot]) -> list[int]:
-    """The counter-based generator's key for each tensor of ``slots`` on ``rank`` at ``step``:
-    ``derive_seed(seed, rank, step, crc32(tensor_key))`` (the common part folded once)."""
+    """Each tensor's random key, ``derive_seed(seed, rank, step, crc32(tensor_key))``."""
     return derive_seeds((seed, rank, step), [_crc(tensor_key(bucket, s)) for s in slots])
 
 
@@ -61,8 +57,7 @@ def _name_key(seed: int, name: str) -> int:
 
 
 def stream_starts(seed: int, pieces: Sequence[tuple[str, int]], device: torch.device) -> torch.Tensor:
-    """int64 SplitMix64 counters, one per element of consecutive pieces (name, numel):
-    element ``j`` of piece ``name`` starts at ``key(seed, name) + j * GAMMA``."""
+    """int64 SplitMix64 counters of consecutive pieces (name, numel): ``key(seed, name) + j * GAMMA``."""
     parts = [
         torch.arange(numel, dtype=torch.int64, device=device).mul_(_signed(GAMMA)).add_(_signed(_name_key(seed, name)))
         for name, numel in pieces
@@ -85,8 +80,8 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
 
 
 def shared_normal(starts: torch.Tensor, draw: int) -> torch.Tensor:
-    """Standard normal float32 numbers, one per counter of :func:`stream_starts`, for draw
-    ``draw`` (the training step): Box-Muller on two 23-bit fields of one 64-bit word."""
+    """Standard normal float32 numbers per counter of :func:`stream_starts` for ``draw`` (the step),
+    by Box-Muller on two 23-bit fields of one 64-bit word."""
     z = mix64(starts + _signed(derive_seed(draw)))
     scale = 2.0**-23
     u1 = _shift(z, 41).to(torch.float32).add_(0.5).mul_(scale)  # (0, 1): the log is finite

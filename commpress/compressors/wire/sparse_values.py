@@ -1,13 +1,8 @@
 """Top-k's selected values on the wire as b-bit codes (SparseLoCo's "top-k + 2-bit" payload).
 
-Each tensor's selection (its k values, in the order the selection gives them) is quantized
-by the b-bit stochastic quantizer of :mod:`commpress.kernels` as ONE bucket: one float32
-(min, scale) per tensor and rank, codes packed ``8 / bits`` to a byte, each tensor's codes
-starting on a byte. Per tensor, not per bucket of the concatenated selection, so that which
-values share a range and which random numbers they draw do not depend on how DDP groups
-parameters into buckets (a resumed run, whose DDP starts from its initial layout, continues
-bit for bit). The rounding is stochastic, so a value is sent unbiased; Top-k puts what it
-drops back into the residual.
+Each tensor's selection is quantized stochastically (:mod:`commpress.kernels`) with one float32
+(min, scale) per tensor and rank, its codes starting on a byte. Per tensor, not per DDP bucket,
+so ranges and random numbers do not depend on the bucketing (a resumed run continues bit for bit).
 
 Wire bytes per tensor: ``ceil(k * bits / 8) + 8`` (and Top-k's 4-byte index per value).
 """
@@ -30,8 +25,7 @@ class ValueCodec:
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
-        # per (counts, device): where each value's code sits in a rank's unpacked bytes, and
-        # which tensor (hence which min and scale) it belongs to
+        # per (counts, device): each value's code position and its tensor (hence its min and scale)
         self._index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def nbytes(self, k: int) -> int:
@@ -46,9 +40,8 @@ class ValueCodec:
     def encode(
         self, values: torch.Tensor, counts: Sequence[int], seeds: Sequence[int]
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Quantize float32 ``values`` (each tensor's ``counts[t]`` values, end to end) with
-        tensor ``t``'s random key ``seeds[t]``: the frame pieces of :meth:`layout` and what
-        they decode to (float32, like ``values``)."""
+        """Quantize ``values`` (``counts[t]`` per tensor, end to end, keyed by ``seeds[t]``): the frame
+        pieces of :meth:`layout` and what they decode to."""
         packed, mins, scales, offset = [], [], [], 0
         for k, seed in zip(counts, seeds, strict=True):
             p, lo, sc = quantize_pack(values.narrow(0, offset, k), self.bits, k, seed)
@@ -63,9 +56,7 @@ class ValueCodec:
         return pieces, self.decode(*(p.unsqueeze(0) for p in pieces), counts).select(0, 0)
 
     def decode(self, mins: torch.Tensor, scales: torch.Tensor, packed: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        """Every rank's values, float32 ``[world, k]``: ``lo + q * scale`` (multiply, then
-        add, as the quantizer's own decode), from ``[world, T]`` mins and scales and
-        ``[world, bytes]`` codes."""
+        """Every rank's values, float32 ``[world, k]``: ``lo + q * scale`` (multiply, then add, like the quantizer)."""
         world, nbytes = packed.shape
         if not counts:  # every tensor of the bucket went whole: no values
             return packed.new_empty(world, 0, dtype=torch.float32)

@@ -1,9 +1,8 @@
 """Small tensors sent whole: the part of a gathered payload that is averaged exactly.
 
-Biases and normalisation weights hold a sliver of the bytes but shape training out of
-proportion to their size, so the compressors that gather a payload (Top-k, ``quant``) send
-every tensor under ``min_numel`` elements whole in float32, in the same all-gather, and
-average it exactly (docs/quantization.md, "Small tensors", measured the default).
+Biases and norm weights hold few of the bytes but shape training out of proportion, so the
+gathering compressors send tensors under ``min_numel`` whole in float32, in the same all-gather
+(docs/quantization.md, "Small tensors").
 """
 
 from __future__ import annotations

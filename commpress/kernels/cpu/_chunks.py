@@ -1,10 +1,7 @@
 """How the CPU kernels split their work over threads, and how tensors reach them as numpy arrays.
 
-A compiled kernel works on one span of its input (numpy views of the tensors, no copies);
-a call is cut into a few large spans per thread (:func:`parts`, :func:`segment_items`,
-:func:`whole_segments`) that run on commpress's own pool of ``torch.get_num_threads()``
-threads (:func:`map_blocks`). Half-precision inputs reach a kernel as float32 blocks of
-``CHUNK`` elements, so they need no full-size copy.
+Kernels work on numpy views (no copies); a call is cut into a few large spans per thread of
+commpress's own pool. Half-precision inputs arrive as float32 blocks of ``CHUNK``, never copied whole.
 """
 
 from __future__ import annotations
@@ -20,9 +17,8 @@ import torch
 if sys.byteorder != "little":  # the kernels read a uint64 word as its two uint32 draws, low first
     raise ImportError("commpress.kernels CPU kernels need a little-endian machine")
 
-# Elements per block: a multiple of 8 (whole bytes for every bit width); 64 Ki elements keep
-# a float32 block of a half-precision input (256 KiB) inside a 2 MiB L2 cache, and no span
-# of :func:`parts` is shorter.
+# Elements per block: a multiple of 8 (whole bytes at every bit width), a float32 block (256 KiB)
+# fits an L2 cache, and no span of :func:`parts` is shorter.
 CHUNK = 1 << 16
 
 
@@ -69,12 +65,8 @@ def _executor() -> ThreadPoolExecutor | None:
 
 
 def map_blocks(body: Callable[..., object], blocks: Sequence[tuple]) -> list:
-    """``[body(*block) for each block]`` (usually ``(start, stop)``), spread over torch's
-    intra-op thread count.
-
-    The compiled kernels release the GIL, so blocks run in parallel; the
-    bodies write disjoint slices of their outputs.
-    """
+    """``[body(*block) for block in blocks]`` over torch's intra-op thread count: the kernels release
+    the GIL, and the bodies write disjoint slices of their outputs."""
     pool = _executor() if len(blocks) > 1 else None
     if pool is None:
         return [body(*block) for block in blocks]
@@ -86,11 +78,8 @@ _PARTS_PER_THREAD = 4
 
 
 def parts(n: int, align: int, minimum: int = CHUNK) -> list[tuple[int, int]]:
-    """``range(n)`` as a few large spans for the compiled kernels, each start a multiple of ``align``.
-
-    One span per call on one thread (no splitting cost); otherwise about four per thread, none
-    shorter than ``minimum`` elements (rounded up to ``align``), so each worker makes few calls.
-    """
+    """``range(n)`` as spans starting at multiples of ``align``: one on one thread, else about
+    ``_PARTS_PER_THREAD`` per thread, none shorter than ``minimum`` (rounded up to ``align``)."""
     workers = torch.get_num_threads()
     count = 1 if workers <= 1 else max(1, min(workers * _PARTS_PER_THREAD, n // max(minimum, 1)))
     step = -(-n // count)
@@ -99,8 +88,7 @@ def parts(n: int, align: int, minimum: int = CHUNK) -> list[tuple[int, int]]:
 
 
 def float32_out(out: torch.Tensor, start: int, stop: int, fill: Callable[[int, np.ndarray], None]) -> None:
-    """Run ``fill(first, float32 array)`` for ``out[start:stop]``: in place for float32, else
-    through a float32 block per ``CHUNK`` rounded into out's dtype."""
+    """``fill(first, float32 array)`` over ``out[start:stop]``: in place for float32, else per block."""
     if out.dtype == torch.float32:
         fill(start, as_numpy(out[start:stop]))
         return
@@ -111,8 +99,7 @@ def float32_out(out: torch.Tensor, start: int, stop: int, fill: Callable[[int, n
 
 
 def float32_pieces(x: torch.Tensor, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
-    """``(offset, float32 array)`` pieces of ``x[start:stop]``: one view for float32, else
-    converted blocks of ``CHUNK`` elements (so a half-precision input needs no full-size copy)."""
+    """``(offset, float32 array)`` pieces of ``x[start:stop]``: one view for float32, else converted blocks."""
     if x.dtype == torch.float32:
         yield start, as_numpy(x[start:stop])
         return
@@ -121,13 +108,8 @@ def float32_pieces(x: torch.Tensor, start: int, stop: int) -> Iterator[tuple[int
 
 
 def segment_items(lengths: np.ndarray, align: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Work for a compiled kernel over several segments (tensors) of ``lengths`` elements:
-    ``(segment, start, stop)`` arrays of items, grouped for the threads as :func:`parts` does.
-
-    Segments are cut into items of at most about ``total / (4 * threads)`` elements (at least
-    ``CHUNK``), each start a multiple of ``align``; consecutive items form groups of about
-    equal work, one call each. Many small segments make few calls, not one per segment.
-    """
+    """Segments of ``lengths`` elements as ``(segment, start, stop)`` item arrays (starts multiples of
+    ``align``), grouped like :func:`parts` into calls of about equal work: small segments share calls."""
     lengths = np.asarray(lengths, np.int64)
     total = int(lengths.sum())
     workers = torch.get_num_threads()
@@ -146,8 +128,8 @@ def segment_items(lengths: np.ndarray, align: int) -> list[tuple[np.ndarray, np.
 
 
 def whole_segments(lengths: np.ndarray) -> list[np.ndarray]:
-    """Indices of segments of ``lengths`` elements in consecutive groups of about equal total,
-    about four per thread (one group on one thread); a segment is never split."""
+    """Indices of the segments in consecutive groups of about equal total, like :func:`parts`; a
+    segment is never split."""
     lengths = np.asarray(lengths, np.int64)
     workers = torch.get_num_threads()
     groups = 1 if workers <= 1 else max(1, min(workers * _PARTS_PER_THREAD, lengths.size))

@@ -1,15 +1,9 @@
 """What the compiled CPU kernels share: numba's decorators and the size of their scratch pieces.
 
-Every kernel releases the GIL (``nogil``), is compiled on first use and cached on disk
-(``cache=True``), and uses numpy's error model (a division by zero gives Inf or NaN, as in
-float32 arithmetic). No fast-math: no reassociation and no fused multiply-add, so each step
-is the one IEEE float32 operation the CUDA kernels perform.
-
-numba caches beside the source (``__pycache__`` of this package) when that is writable,
-else in the user-wide cache (``$XDG_CACHE_HOME/numba``, by default ``~/.cache/numba``), or
-wherever ``NUMBA_CACHE_DIR`` says (docs/kernels.md, "Where the compiled kernels are
-cached"). Where none is writable numba refuses to decorate a cached function at all; the
-kernels are then compiled without the disk cache, in every process, with one warning.
+Kernels release the GIL, are cached on disk and use numpy's error model. No fast-math (no
+reassociation or fused multiply-add), so each step is the CUDA kernels' IEEE float32 operation.
+Where no cache directory is writable (docs/kernels.md, "Where the compiled kernels are cached"),
+they are compiled uncached in every process, with one warning.
 """
 
 from __future__ import annotations
@@ -29,9 +23,7 @@ _OPTIONS = {"nogil": True, "error_model": "numpy"}
 
 
 def _compiler(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """numba's ``njit`` with the shared options and ``cache=True``; without the cache for
-    a function whose source directory, user-wide cache and ``NUMBA_CACHE_DIR`` are all
-    unwritable (numba raises there, at decoration)."""
+    """numba's ``njit`` with the shared options and the disk cache, or without it where numba finds none."""
     cached, plain = njit(cache=True, **_OPTIONS, **options), njit(**_OPTIONS, **options)
 
     def compile_(fn: Callable[..., Any]) -> Any:

@@ -1,11 +1,7 @@
 """Byte-wise Huffman coding on the CPU (numba): each chunk of bytes with its own code.
 
-A chunk's code gives each byte value a length of at most ``MAX_BITS`` bits (canonical codes,
-written least significant bit first), so decoding looks ``MAX_BITS`` bits up in one table,
-whose entries hold two symbols where both codes fit. The decoder reads only its chunk's
-bytes and reports a body that is not exactly a code of its chunk (a bit pattern no code
-starts, bytes ending early or left over) instead of decoding past it. Chunks are coded
-independently, so a call spreads them over the threads.
+Canonical codes of at most ``MAX_BITS`` bits, LSB first, decoded by one table lookup of ``MAX_BITS``
+bits; the decoder reports a body that is not exactly a code of its chunk instead of reading past it.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ MAX_BITS = 11
 
 @jit
 def _tree_lengths(freq, lengths):
-    """Huffman code lengths (unlimited) of the symbols with ``freq > 0`` into ``lengths``:
-    the two-queue construction over the symbols sorted by frequency."""
+    """Unlimited Huffman code lengths of the symbols with ``freq > 0`` (two-queue construction)."""
     symbols = np.nonzero(freq)[0]
     n = symbols.size
     if n == 1:
@@ -56,10 +51,8 @@ def _tree_lengths(freq, lengths):
 
 @jit
 def _chunk_lengths(chunk, lengths):
-    """Code lengths (1 .. MAX_BITS, 0 for absent bytes) of the bytes of ``chunk`` (not
-    empty) into ``lengths`` (uint8[256]): Huffman's, the longest cut to MAX_BITS, the Kraft
-    sum restored by lengthening the rarest codes that are still short enough, then the
-    commonest shortened while it stays at most 1 (a complete code where the cut bit)."""
+    """Code lengths (0 for absent bytes) of non-empty ``chunk``: Huffman's cut to MAX_BITS, the Kraft sum
+    restored by lengthening the rarest short codes, then the commonest shortened while it stays <= 1."""
     freq = np.zeros(256, np.int64)
     for b in chunk:
         freq[b] += 1
@@ -77,7 +70,7 @@ def _chunk_lengths(chunk, lengths):
             if 0 < full[s] < MAX_BITS and kraft > limit:
                 kraft -= limit >> (full[s] + 1)
                 full[s] += 1
-    for k in range(255, -1, -1):  # then the commonest codes shortened where the sum has room
+    for k in range(255, -1, -1):
         s = rare[k]
         while full[s] > 1 and kraft + (limit >> full[s]) <= limit:
             kraft += limit >> full[s]
@@ -88,8 +81,7 @@ def _chunk_lengths(chunk, lengths):
 
 @jit
 def _reversed_codes(lengths):
-    """Each symbol's canonical code, bit-reversed (the stream is least significant bit
-    first); None of the lengths may exceed MAX_BITS."""
+    """Each symbol's canonical code, bit-reversed for the LSB-first stream."""
     count = np.zeros(MAX_BITS + 1, np.int64)
     for s in range(256):
         count[lengths[s]] += 1
@@ -115,8 +107,7 @@ def _reversed_codes(lengths):
 
 @jit
 def _encode_chunk(chunk, lengths, out):
-    """The code of ``chunk`` under ``lengths`` into ``out`` (room for MAX_BITS bits a byte
-    and 4 more bytes); returns the bytes written."""
+    """Code ``chunk`` into ``out`` (room for MAX_BITS bits a byte plus 4 bytes); return the bytes written."""
     codes = _reversed_codes(lengths)
     acc = np.uint64(0)
     filled = 0
@@ -140,9 +131,8 @@ def _encode_chunk(chunk, lengths, out):
 
 @jit
 def _table(lengths):
-    """The decoding table of ``MAX_BITS``-bit windows: the window's first symbol, the second
-    where its code fits too (else 0), how many (1 or 2) << 16 and their codes' length << 20;
-    0 where no code starts."""
+    """Decoding tables of ``MAX_BITS``-bit windows, entries ``first | second << 8 | count << 16 |
+    length << 20`` (0: no code starts): ``one`` a symbol each, ``table`` two where both fit."""
     codes = _reversed_codes(lengths)
     size = 1 << MAX_BITS
     one = np.zeros(size, np.int32)  # symbol | 1 << 16 | length << 20
@@ -164,9 +154,7 @@ def _table(lengths):
 
 @jit
 def _decode_chunk(body, lengths, out):
-    """``out.size`` symbols from ``body``, which must be exactly their code under
-    ``lengths``; False if it is not. Two symbols a lookup where both codes fit the window
-    (the last symbol alone)."""
+    """``out.size`` symbols from ``body``; False unless ``body`` is exactly their code."""
     one, table = _table(lengths)
     mask = np.uint64((1 << MAX_BITS) - 1)
     acc = np.uint64(0)
@@ -194,8 +182,7 @@ def _decode_chunk(body, lengths, out):
 
 
 def _valid_lengths(lengths: np.ndarray) -> bool:
-    """Rows of code lengths (uint8[chunks, 256]) of at most MAX_BITS bits, each with at
-    least one code, whose codes form a prefix code (Kraft's sum at most 1)."""
+    """Whether every row of lengths has a code, none over MAX_BITS, and Kraft's sum at most 1."""
     if lengths.size and lengths.max() > MAX_BITS:
         return False
     kraft = np.where(lengths > 0, (1 << MAX_BITS) >> lengths.astype(np.int64), 0).sum(axis=1)
@@ -203,8 +190,7 @@ def _valid_lengths(lengths: np.ndarray) -> bool:
 
 
 def encode(raw: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """``raw`` (uint8) in chunks of ``chunk`` bytes: their code lengths (uint8[chunks, 256]),
-    their bodies' sizes (int64[chunks]) and the bodies."""
+    """Chunks of ``raw``: their code lengths (uint8[chunks, 256]), body sizes (int64) and bodies."""
     starts = list(range(0, raw.size, chunk))
     lengths = np.zeros((len(starts), 256), np.uint8)
 
@@ -219,10 +205,8 @@ def encode(raw: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray, list[np
 
 
 def decode(lengths: np.ndarray, bodies: list[np.ndarray], chunk: int, out: np.ndarray) -> str | None:
-    """``out`` (uint8) decoded from the chunks' code ``lengths`` and ``bodies`` as
-    :func:`encode` gave them; None, or what is wrong where they are not such a code of
-    ``out.size`` bytes. The lengths are checked first: the tables are built from them
-    unchecked."""
+    """Decode :func:`encode`'s ``lengths`` and ``bodies`` into ``out``: None, or what is wrong. The
+    lengths are checked first, since the tables are built from them unchecked."""
     if len(bodies) != -(-out.size // chunk) or lengths.shape != (len(bodies), 256):
         return f"holds {len(bodies)} chunks where {out.size} bytes need {-(-out.size // chunk)}"
     if not _valid_lengths(lengths):

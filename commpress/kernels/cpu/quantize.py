@@ -15,11 +15,8 @@ __all__ = ["quantize_pack", "unpack_accumulate"]
 
 @jit
 def _bucket_range(x, start, stop):
-    """``(min, max)`` of float32 ``x[start:stop]`` (not empty), both NaN if it holds a NaN.
-
-    Eight independent lanes, so the compare-and-select chains overlap (and vectorize); min
-    and max do not depend on the order, and which zero comes out is settled by ``+ 0.0``.
-    """
+    """``(min, max)`` of non-empty float32 ``x[start:stop]``, both NaN if it holds one; eight lanes
+    so the compare-and-select chains overlap and vectorize (the caller's ``+ 0.0`` settles zeros)."""
     lo = np.full(8, x[start], np.float32)
     hi = np.full(8, x[start], np.float32)
     nans = 0
@@ -56,9 +53,8 @@ def _encode(x, u, lo, sc, top, codes):
 
 @jit
 def quantize(x, levels, bits, bucket_size, seed, first, mins, scales, out):
-    """Codes, minima and scales of float32 ``x``: elements ``first ..`` of the tensor, where
-    ``first`` starts a bucket on a byte boundary. ``mins``/``scales`` are this span's buckets,
-    ``out`` its bytes."""
+    """Codes, minima and scales of float32 ``x``, elements ``first ..`` of the tensor (``first`` starts
+    a bucket on a byte boundary); ``mins``, ``scales`` and ``out`` are this span's buckets and bytes."""
     m = x.size
     u = np.empty(PIECE, np.float32)
     codes = np.empty(PIECE, np.uint8)
@@ -163,7 +159,7 @@ def quantize_pack(
     align = bucket_size * (8 // np.gcd(bucket_size * bits, 8))  # spans start on a bucket and a byte
 
     def body(start: int, stop: int) -> None:
-        block = _chunks.float32_block(x, start, stop)  # a view for float32
+        block = _chunks.float32_block(x, start, stop)
         j = start // bucket_size
         quantize(block, levels, bits, bucket_size, seed64, start, mins_np[j:], scales_np[j:], dst[start * bits // 8 :])
 

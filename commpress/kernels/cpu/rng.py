@@ -1,10 +1,5 @@
-"""SplitMix64 on the CPU (numba): the random stream of the CPU kernels and the seed derivation.
-
-The generator is defined in :mod:`commpress.kernels.rng`; this is its only CPU
-implementation. Words are uint64 with wrapping multiplies; draw ``i`` of a stream is the low
-(``i`` even) or high half of word ``i // 2`` (on a little-endian machine, the uint32 halves
-of the word in order).
-"""
+"""SplitMix64 on the CPU (numba), as :mod:`commpress.kernels.rng` defines it: the CPU kernels'
+random stream and the seed derivation, on uint64 words with wrapping multiplies."""
 
 from __future__ import annotations
 
@@ -65,9 +60,8 @@ def unit(bits):
 
 @inline
 def unit_pairs(seed, c, words):
-    """``words[j]``: words ``c + j`` of stream ``seed`` as two float32 in [1, 2) (low draw
-    first): the 23 bits of each draw under the exponent of 1.0, so ``value - 1`` is its
-    uniform, exactly. The counter advances by addition (no multiply in the loop)."""
+    """``words[j]``: word ``c + j`` of stream ``seed`` as two float32 in [1, 2) (low draw first),
+    each draw's 23 bits under 1.0's exponent, so ``value - 1`` is its uniform exactly."""
     z = seed + c * _GAMMA
     for j in range(words.size):
         words[j] = (mix(z) & _M23X2) | _ONEX2

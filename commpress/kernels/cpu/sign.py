@@ -19,10 +19,8 @@ _CHUNK = STATS_LANES * STATS_ROWS  # elements per chunk of the magnitude sums (a
 
 @jit
 def sign_pack_items(x, error, acc, offsets, out_at, chunk_at, item_segment, item_start, item_stop, sums, packed):
-    """For items ``(segment t, start, stop)`` (``start`` a multiple of the chunk): per element
-    ``a = x`` (``+ error`` in float32 and stored in ``acc`` when ``error`` is not empty), its
-    sign bit (``a < 0``) packed 8 per byte into ``packed[out_at[t]:]``, and per chunk ``g``
-    the float64 lane sums of ``|a|`` (rows in order) into ``sums[chunk_at[t] + g]``."""
+    """Per item ``(t, start, stop)``, ``start`` a chunk multiple: each ``a = x`` (``+ error``, kept in ``acc``,
+    when ``error`` is not empty) as a sign bit into ``packed``, and each chunk's lane sums of ``|a|``."""
     feedback = error.size > 0
     bits = np.empty(STATS_LANES, np.uint8)
     for i in range(item_segment.size):
@@ -52,8 +50,7 @@ def sign_pack_items(x, error, acc, offsets, out_at, chunk_at, item_segment, item
 
 @jit
 def chunk_totals(sums, chunk_at, totals):
-    """Per span ``t``: lane ``j`` sums ``sums[g, j]`` over its chunks in order, the total sums
-    the lanes in order (span_stats' order)."""
+    """Per span: its chunks' lane sums, then the lanes, each in order (span_stats' order)."""
     lanes = np.empty(STATS_LANES, np.float64)
     for t in range(totals.size):
         lanes[:] = 0.0
@@ -68,10 +65,8 @@ def chunk_totals(sums, chunk_at, totals):
 
 @jit
 def sign_decode_items(packed, scales, packed_at, offsets, rank, item_segment, item_start, item_stop, out, residual):
-    """For items ``(segment t, start, stop)`` (``start`` a multiple of 8): ``out`` = sum over
-    ranks (in order) of ``+-scales[t, r]`` (bit 1: minus), / world if > 1; ``residual`` (when not
-    empty) minus this ``rank``'s own value. A piece at a time: each rank's values into a row,
-    then the rows summed in vector loops."""
+    """Per item (``start`` a multiple of 8): ``out`` = the rank-order sum of ``+-scales[t, r]`` (bit 1:
+    minus), / world if > 1, and ``residual`` (if not empty) minus ``rank``'s own value."""
     world = packed.shape[0]
     div = np.float32(world)
     part = np.empty(world * PIECE, np.float32)
@@ -123,8 +118,7 @@ def sign_unpack_accumulate(
     residual: torch.Tensor | None,
     rank: int,
 ) -> None:
-    """Decode every span's payloads (``packed`` columns end to end) into ``out[offsets[t]:]``,
-    and take this rank's own values from ``residual``."""
+    """Decode every span's payloads into ``out[offsets[t]:]``; take this rank's values from ``residual``."""
     nbytes = (lengths + 7) // 8
     packed_at = np.cumsum(nbytes) - nbytes
     flat = out.view(-1)

@@ -17,8 +17,7 @@ _KEY_ABS = np.uint32(0x7FFFFFFF)
 
 @inline
 def _stats_row(xs, bs, part, top):
-    """Add a row's squares to the lanes ``part`` and its magnitudes' bits to ``top``; a full
-    row is a loop of constant length (it vectorizes without a remainder)."""
+    """Add a row's squares to ``part`` and its magnitudes' bits to ``top`` (a full row vectorizes)."""
     if xs.size == STATS_LANES:
         for j in range(STATS_LANES):
             v = np.float64(xs[j])
@@ -33,11 +32,8 @@ def _stats_row(xs, bs, part, top):
 
 @jit
 def span_stats_items(x, xbits, offsets, lengths, items, peak, sumsq):
-    """For the tensors ``items`` (tensor ``t`` is ``x[offsets[t]:][:lengths[t]]``, float32):
-    the largest magnitude's bits into ``peak`` (uint32: for floats >= 0 the integer order is
-    the float order and a NaN's bits exceed +inf's, so a NaN wins) and the sum of squares
-    into ``sumsq`` (float64) in the order of ``stats.span_stats``. The lane loops are plain
-    element-wise loops over small arrays, so they vectorize without reassociation."""
+    """Per tensor of ``items``: the largest magnitude's bits into ``peak`` (ordered like the floats; a
+    NaN's win) and the sum of squares into ``sumsq``, in :mod:`commpress.kernels.stats`' order."""
     lanes = np.empty(STATS_LANES, np.float64)
     part = np.empty(STATS_LANES, np.float64)
     top = np.empty(STATS_LANES, np.uint32)
@@ -62,8 +58,7 @@ def span_stats_items(x, xbits, offsets, lengths, items, peak, sumsq):
 
 
 def span_stats(x: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(peak float32[T], sum of squares float64[T]) of the segments ``x[offsets[t]:][:lengths[t]]``;
-    whole tensors are spread over the threads."""
+    """(peak float32[T], sum of squares float64[T]) of the segments, whole ones per thread."""
     src = _chunks.as_numpy(x if x.dtype == torch.float32 else x.float())
     peak, sumsq = np.zeros(offsets.size, np.uint32), np.zeros(offsets.size, np.float64)
     run = lambda items: span_stats_items(src, src.view(np.uint32), offsets, lengths, items, peak, sumsq)  # noqa: E731

@@ -20,8 +20,7 @@ __all__ = [
 
 @inline
 def _ternary_codes(x, xbits, ones, scale, bound, codes):
-    """1 (keep, +), 2 (keep, -) or 0: keep iff u < min(|x|, bound) / scale (NaN: never),
-    with ``u = ones - 1``."""
+    """1 (keep, +), 2 (keep, -) or 0: keep iff ``ones - 1 < min(|x|, bound) / scale`` (NaN: never)."""
     for t in range(x.size):
         a = abs(x[t])
         a = bound if a > bound else a
@@ -31,8 +30,7 @@ def _ternary_codes(x, xbits, ones, scale, bound, codes):
 
 @jit
 def ternary_pack(x, xbits, scale, bound, seed, first, out):
-    """Codes of float32 ``x`` (elements ``first ..``, ``first % 4 == 0``) packed 4 per byte
-    into ``out``, a piece at a time: random words, codes, packing."""
+    """Codes of float32 ``x`` (elements ``first ..``, ``first % 4 == 0``) packed 4 per byte into ``out``."""
     m = x.size
     ones = np.empty(PIECE, np.float32)
     words = ones.view(np.uint64)
@@ -47,9 +45,8 @@ def ternary_pack(x, xbits, scale, bound, seed, first, out):
 
 @jit
 def ternary_pack_items(x, scales, bounds, seeds, x_at, out_at, item_segment, item_start, item_stop, out):
-    """:func:`ternary_pack` for items ``(segment t, start, stop)`` of several tensors: tensor
-    ``t`` is ``x[x_at[t]:]`` with its own scale, bound and seed, its bytes ``out[out_at[t]:]``;
-    a scale that is not > 0 gives zero codes."""
+    """:func:`ternary_pack` for items ``(segment t, start, stop)``: tensor ``t`` is ``x[x_at[t]:]``,
+    its bytes ``out[out_at[t]:]``; a scale that is not > 0 gives zero codes."""
     xbits = x.view(np.uint32)
     for i in range(item_segment.size):
         t, s, e = item_segment[i], item_start[i], item_stop[i]
@@ -81,9 +78,8 @@ def ranks_average(part, world, stride, div, out):
 
 @jit
 def ternary_decode(packed, scales, first, out):
-    """``out[i]`` = sum over ranks (in order) of ``scales[r] * code_r(first + i)``, / world if > 1
-    (``first % 4 == 0``). A piece at a time: each rank's bytes become their four values by one
-    16-byte table copy per byte, then the ranks' rows are summed in vector loops."""
+    """``out[i]`` = rank-order sum of ``scales[r] * code_r(first + i)``, / world if > 1 (``first % 4 == 0``);
+    a byte becomes its four values by one 16-byte table copy, then the rows are summed in vector loops."""
     world = packed.shape[0]
     div = np.float32(world)
     value = np.zeros((world, 4), np.float32)  # code -> value, per rank
@@ -98,7 +94,7 @@ def ternary_decode(packed, scales, first, out):
     rows = table.view(np.complex128)  # one byte's four float32 values as one 16-byte item
     part = np.empty(world * PIECE, np.float32)  # the piece's values, one row per rank
     items = part.view(np.complex128)
-    per = PIECE >> 2  # bytes per piece
+    per = PIECE >> 2
     base = first >> 2
     m = out.size
     whole = m >> 2
@@ -121,9 +117,8 @@ def ternary_decode(packed, scales, first, out):
 
 @jit
 def ternary_decode_items(packed, scales, packed_at, out_at, item_segment, item_start, item_stop, out):
-    """:func:`ternary_decode` for items of several tensors: tensor ``t``'s payloads start at
-    column ``packed_at[t]`` of ``packed``, its scales are ``scales[t]`` (one per rank), its
-    elements ``out[out_at[t]:]``."""
+    """:func:`ternary_decode` for items: tensor ``t``'s payloads start at column ``packed_at[t]``,
+    its scales are ``scales[t]``, its elements ``out[out_at[t]:]``."""
     for i in range(item_segment.size):
         t, s, e = item_segment[i], item_start[i], item_stop[i]
         ternary_decode(packed[:, packed_at[t] :], scales[t], s, out[out_at[t] + s : out_at[t] + e])
@@ -164,7 +159,7 @@ def ternary_quantize_pack_many(
 def ternary_unpack_accumulate_many(
     packed: torch.Tensor, scales: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, out: torch.Tensor
 ) -> None:
-    """Decode every segment's payloads (``packed`` columns end to end) into ``out[offsets[t]:]``."""
+    """Decode every segment's payloads into ``out[offsets[t]:]``."""
     nbytes = (lengths + 3) // 4
     packed_at = np.cumsum(nbytes) - nbytes
     flat = out.view(-1)

@@ -52,9 +52,8 @@ def sampled_magnitudes(x, r, seed, sample):
 
 @inline
 def _hits(flags, words, length, xs, base, count, cand, vals):
-    """Append ``base + i`` and ``xs[i]`` for every set byte ``flags[i]`` of a piece of
-    ``length`` elements to ``cand``/``vals`` while they have room (eight flags at a time: a
-    word's set bytes give the hits); return the new count."""
+    """Append ``base + i`` and ``xs[i]`` to ``cand``/``vals`` (while there is room) for every set flag
+    of a piece, eight flags a word; return the new count."""
     flags[length : (length + 7) // 8 * 8] = 0
     cap = cand.size
     for w in range((length + 7) // 8):
@@ -71,16 +70,9 @@ def _hits(flags, words, length, xs, base, count, cand, vals):
 
 @jit
 def candidates(x, g, r, limit, first, cand, vals):
-    """Write ``first + i`` and ``x[i]`` for each ``i`` with ``not |x[i]| < limit`` (NaN
-    included) into ``cand`` and ``vals`` while they have room; return how many there are.
-    With ``g`` not empty, ``x = g + r`` (float32) first, in the same pass.
-
-    The test runs on the bits (for floats >= 0 the integer order is the float order, and a NaN's
-    bits exceed +inf's), first as a byte flag per element over a piece (vectorized), then
-    eight flags at a time as one word whose set bytes give the hits. The values are kept so
-    the selection among the candidates never reads ``x`` again; the sum is tested while
-    its piece is in cache, so it is not read back from memory.
-    """
+    """Write ``first + i`` and ``x[i]`` for each ``i`` with key not below ``limit``'s into ``cand``/``vals``
+    while they have room; return how many there are. With ``g`` not empty, ``x = g + r`` first, tested
+    while in cache; the values are kept so the selection never reads ``x`` again."""
     xb = x.view(np.uint32)
     limit_bits = np.array([limit], np.float32).view(np.uint32)[0]
     count = 0
@@ -101,8 +93,7 @@ def candidates(x, g, r, limit, first, cand, vals):
 
 @inline
 def _key(bits):
-    """A magnitude's order as an integer: |x|'s bits (for floats >= 0 the integer order is the
-    float order), NaN given +inf's (as ``_magnitude``)."""
+    """A magnitude's order as an integer: |x|'s bits (ordered like the floats), NaN given +inf's."""
     a = bits & _KEY_ABS
     return a if a <= _KEY_INF else _KEY_INF
 
@@ -117,10 +108,8 @@ def keys(x, out):
 
 @jit
 def take_top_np(x, cand, vals, mags, kth, k, first, values, chosen):
-    """Of ``cand`` (increasing indices into float32 ``x``, values ``vals``, magnitudes as the
-    keys ``mags`` of :func:`_key`), the ``k`` with magnitude above ``kth`` and, to make up
-    ``k``, the first ties at ``kth``: their values into ``values``, indices (+ ``first``)
-    into ``chosen`` (int32), and zero them in ``x``."""
+    """Of ``cand`` (values ``vals``, keys ``mags``), the ``k`` with key above ``kth`` plus the first ties
+    at ``kth``: values into ``values``, indices + ``first`` into ``chosen``, zeroed in ``x``."""
     need = k
     for j in range(cand.size):
         need -= mags[j] > kth  # what the ties must fill
@@ -163,12 +152,8 @@ def kth_key(items, k):
 
 @jit
 def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
-    """``topk_select`` of one tensor ``x`` (float32, ``first`` its offset in the buffer, indices
-    written as ``first + i``): a threshold (the k-th magnitude with ``sample`` = 0, else the
-    sampled estimate, widened while it leaves fewer than k candidates), the candidates not
-    below it, and of those the k largest, ties to the lower index; zeroed in ``x``. With
-    ``g`` not empty, ``x = g + r`` is computed first (fused into the candidates' pass when
-    the threshold is sampled)."""
+    """``topk_select`` of float32 ``x`` (indices written as ``first + i``; ``sample`` 0: exact threshold);
+    with ``g`` not empty, ``x = g + r`` first (in the candidates' pass when the threshold is sampled)."""
     n = x.size
     fused = g.size > 0
     exact = sample == 0 or sample >= n or k == n
@@ -210,9 +195,7 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
 
 @jit
 def top_items(x, g, r, x_at, lengths, ks, samples, seeds, out_at, items, slack, values, chosen):
-    """:func:`_top_of` for the tensors ``items``: tensor ``t`` is ``x[x_at[t]:][:lengths[t]]``
-    (with ``g`` not empty: the sum of ``g`` and ``r`` there), its ``ks[t]`` picks go to
-    ``values``/``chosen`` from ``out_at[t]``."""
+    """:func:`_top_of` for the tensors ``items`` (``x[x_at[t]:][:lengths[t]]``), picks from ``out_at[t]``."""
     for t in items:
         a, e, o = x_at[t], x_at[t] + lengths[t], out_at[t]
         gt, rt = (g[a:e], r[a:e]) if g.size else (g, r)
@@ -244,10 +227,8 @@ def divide_touched(indices, acc, world):
 def select_candidates(
     flat: torch.Tensor, threshold: float, expect: int, addends: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Increasing int64 indices of the entries of ``flat`` whose magnitude is not below
-    ``threshold`` (NaN included), and their values; ``expect`` sizes the buffers (about how
-    many there are). With ``addends`` (g, r) (float32, like ``flat``), ``flat = g + r``
-    first, in the same pass."""
+    """Increasing int64 indices of the entries of ``flat`` not below ``threshold`` in magnitude, and
+    their values; ``expect`` sizes the buffers. With ``addends`` ``(g, r)``, ``flat = g + r`` in the same pass."""
     n = flat.numel()
     limit = np.float32(threshold)
     spans = _chunks.parts(n, 1)
@@ -277,8 +258,7 @@ def select_candidates(
 def sample_threshold(
     flat: torch.Tensor, seed: int, sample: int, rank: int, addends: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> float:
-    """The ``rank``-th largest magnitude among the sampled entries of float32 ``flat`` (of
-    ``g + r`` with ``addends``)."""
+    """The ``rank``-th largest sampled magnitude of float32 ``flat`` (of ``g + r`` with ``addends``)."""
     x, r = (flat, NONE) if addends is None else (addends[0], _chunks.as_numpy(addends[1]))
     mags = sampled_magnitudes(_chunks.as_numpy(x), r, np.uint64(seed), sample)
     return _as_float(kth_key(mags.view(np.uint32), rank))  # magnitudes: their bits are their keys
@@ -298,8 +278,7 @@ def _as_float(key: np.uint32) -> float:
 
 
 def take_top(flat: torch.Tensor, candidates_: torch.Tensor, cvalues: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, int32 indices) of the ``k`` largest magnitudes among ``candidates_`` of float32
-    ``flat`` (their values ``cvalues``; ties to the lower index), zeroed in ``flat``."""
+    """(values, int32 indices) of the ``k`` largest among ``candidates_`` (values ``cvalues``), zeroed in ``flat``."""
     x, cand, vals = _chunks.as_numpy(flat), _chunks.as_numpy(candidates_), _chunks.as_numpy(cvalues)
     ckeys = np.empty(vals.size, np.uint32)
     keys(vals, ckeys)
@@ -322,10 +301,7 @@ def take_top_many(
     values: torch.Tensor,
     chosen: torch.Tensor,
 ) -> None:
-    """:func:`_top_of` for every tensor ``flat[offsets[t]:][:lengths[t]]`` of float32 ``flat``
-    (``samples[t]`` 0: exact threshold; ``addends`` (g, r) float32: first ``flat = g + r``
-    there), its picks into ``values``/``chosen`` from ``out_at[t]``; whole tensors are spread
-    over the threads."""
+    """:func:`_top_of` for every tensor ``flat[offsets[t]:][:lengths[t]]``, whole tensors per thread."""
     x, v, c = _chunks.as_numpy(flat), _chunks.as_numpy(values), _chunks.as_numpy(chosen)
     g, r = (NONE, NONE) if addends is None else (_chunks.as_numpy(addends[0]), _chunks.as_numpy(addends[1]))
     run = lambda items: top_items(x, g, r, offsets, lengths, ks, samples, seeds, out_at, items, slack, v, c)  # noqa: E731

@@ -1,10 +1,8 @@
 """Loading CuPy and the kernel sources; the only module that imports CuPy.
 
-Kernels are compiled by NVRTC on first use (CuPy caches the binaries on disk), with
-``--fmad=false`` so no multiply-add is contracted. Tensors travel as their device
-pointers (no copies, and none of DLPack's per-tensor cost in a launch) and kernels run on
-torch's current CUDA stream, so they are ordered with the torch work around them (the
-caching allocator reuses a freed tensor's memory only after that stream's earlier work).
+NVRTC compiles a source on first use (CuPy caches it on disk) with ``--fmad=false``: no contracted
+multiply-add. Tensors pass as device pointers (no per-launch DLPack cost); kernels run on torch's
+current stream, ordered with its work (the caching allocator reuses memory only after that work).
 """
 
 from __future__ import annotations
@@ -82,12 +80,8 @@ def pointer(t: torch.Tensor) -> np.uint64:
 def launch(
     module: str, function: str, device: torch.device, work: int, args: tuple, block: int = THREADS, grid: int | None = None
 ) -> None:
-    """Run ``function`` with blocks for ``work`` threads (its loops grid-stride over the rest) on
-    torch's current stream of ``device``.
-
-    Tensors in ``args`` are passed as their device pointers; other arguments must already
-    be numpy scalars of the kernel's parameter types.
-    """
+    """Run ``function`` on torch's current stream of ``device`` with blocks for ``work`` threads (its
+    loops grid-stride over the rest); tensors in ``args`` pass as pointers, others as numpy scalars."""
     if work <= 0:
         return
     cupy = require_cupy()

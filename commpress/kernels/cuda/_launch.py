@@ -1,9 +1,5 @@
-"""The CUDA side of every op: allocate outputs with torch, run the kernels of the ``.cu`` sources through CuPy.
-
-Called by the front ends of :mod:`commpress.kernels` after their argument checks, only for
-CUDA tensors. Top-k's selection is torch operations around two kernels (the sample's
-indices, the compaction of the chosen entries).
-"""
+"""The CUDA side of every op, called by the front ends after their checks: allocate outputs with
+torch and run the ``.cu`` kernels; Top-k's selection is torch ops around two kernels."""
 
 from __future__ import annotations
 
@@ -22,8 +18,8 @@ SPAN = 8  # elements a thread of cp_bucket_quantize reads at a time for the min/
 
 
 def _inverse(world: int, average: bool = True) -> np.float32:
-    """The kernels' ``inverse`` (cp_average in common.cuh): 1 for no division, 1/world where that
-    is a power of two (a multiplication with the division's bits), else 0 for a division."""
+    """The kernels' ``inverse`` (cp_average in common.cuh): 1 for no division, 1/world for a power of
+    two (a multiply with the division's bits), else 0 for a division."""
     if not average or world == 1:
         return np.float32(1.0)
     return np.float32(1.0 / world) if world & (world - 1) == 0 else np.float32(0.0)
@@ -91,11 +87,10 @@ _NULL = np.uint64(0)  # a null pointer argument: the kernel leaves that array al
 
 
 def _chunk_list(offsets: np.ndarray, lengths: np.ndarray, device: torch.device) -> tuple[int, list[torch.Tensor]]:
-    """The spans cut into chunks of span_stats' order: the chunk count and, on ``device``, each
-    chunk's first element, its end, its first packed byte at one bit per element, and every
-    span's first chunk (and the count after the last)."""
+    """The spans cut into span_stats' chunks: their count and, on ``device``, each chunk's first
+    element, end and first byte at one bit per element, and each span's first chunk (plus the count)."""
     chunk = STATS_LANES * STATS_ROWS
-    per = -(-lengths // chunk)  # chunks per tensor
+    per = -(-lengths // chunk)
     span_chunks = np.concatenate([np.zeros(1, np.int64), np.cumsum(per)])
     count = int(span_chunks[-1])
     tensor = np.repeat(np.arange(lengths.size), per)
@@ -200,10 +195,8 @@ def _magnitudes(acc: torch.Tensor) -> torch.Tensor:
 
 
 def _kth_largest(mag: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k``-th largest of ``mag`` (NaN-free): the smallest of its top ``k``. Not
-    ``torch.kthvalue``, which on CUDA works on a slice within one thread block: with it,
-    selecting 1% of 25M entries took 179 ms on an H200, where ``torch.topk`` of the same
-    tensor takes under 1 ms."""
+    """The ``k``-th largest of NaN-free ``mag``, the smallest of its top ``k``: ``torch.kthvalue``
+    works within one CUDA thread block and is far slower."""
     return torch.topk(mag, k, sorted=False).values.min()
 
 
@@ -213,8 +206,7 @@ def exact_threshold(flat: torch.Tensor, k: int) -> float:
 
 
 def sample_threshold(flat: torch.Tensor, seed: int, sample: int, rank: int) -> float:
-    """The ``rank``-th largest magnitude among ``sample`` entries of ``flat``: entry ``j`` is
-    ``floor(draw_j * n / 2**32)``, with draw ``j`` of stream ``seed``."""
+    """The ``rank``-th largest magnitude among the ``sample`` entries the CPU's ``sampled_magnitudes`` reads."""
     idx = sample_indices(seed, sample, flat.numel(), flat.device)
     return _kth_largest(_magnitudes(flat[idx]), rank).item()
 
@@ -225,8 +217,7 @@ def select_candidates(flat: torch.Tensor, threshold: float, expect: int) -> tupl
 
 
 def take_top(flat: torch.Tensor, candidates: torch.Tensor, cvalues: None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Of ``candidates`` (increasing indices, at least k), the k largest magnitudes, ties to the
-    lower index: their values and int32 indices, zeroed in ``flat``."""
+    """Values and int32 indices of the k largest among increasing ``candidates``, ties to the lower index, zeroed."""
     cmag = _magnitudes(flat[candidates])
     chosen = candidates
     if cmag.numel() > k:
