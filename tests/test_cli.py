@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import commpress.bench.launch
+from commpress.bench.arguments import LIST_HELP
 from commpress.cli import COMMANDS, build_parser, main, summary
-from commpress.cmdline import LIST_HELP
 
 #: Variables that would make a command think a launcher started it.
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMI_SIZE")

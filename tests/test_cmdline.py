@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from commpress.cmdline import choice, integer, listed, method_list, number, parse_method_spec, split_method_list
+from commpress.bench.arguments import choice, integer, listed, method_list, number, split_method_list
+from commpress.cmdline import parse_method_spec
 from commpress.errors import ConfigError
 
 

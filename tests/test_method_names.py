@@ -39,7 +39,7 @@ CONFIGURATION = {
     "cli/race.py": "the race's default rows",
     "cli/ranks.py": "an example in its help",
     "cli/bench_fsdp.py": "fp16 and bf16 here are FSDP's mixed-precision dtypes, not methods",
-    "cmdline.py": "an example of the method grammar in its messages",
+    "bench/arguments.py": "an example of the method grammar in its messages",
     "kernels/cuda/_launch.py": "topk is the top-k selection op's CUDA source (kernels/cuda/topk.cu), below the methods",
 }
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from commpress.bench import quality, simulated_training
+from commpress.bench.fsdp_layout import plan_units
 from commpress.bench.launch import run_local
 from commpress.bench.optimizers import make_optimizer
 from commpress.comm import SimulatedWorld
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.config import load_fsdp_config
-from commpress.fsdp.layout import plan_units
 from commpress.workloads.charlm import CharMLP, CharTask
 from commpress.workloads.train import cosine_lr
 

@@ -1,6 +1,6 @@
 """The progress bar on a pipe: quiet between redraws, the finished count and note at the end."""
 
-from commpress.terminal import Progress
+from commpress.bench.progress import Progress
 
 
 def test_progress_on_a_pipe_draws_the_start_and_the_end_only(capsys):

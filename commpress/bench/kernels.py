@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 import commpress.kernels as cc
-from commpress.cmdline import integer
+from commpress.bench.arguments import integer
 from commpress.kernels.cpu.openmp import wait_setting
 
 WORLD = 2  # ranks decoded by the accumulate ops

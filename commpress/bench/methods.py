@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from commpress.cmdline import parse_method_spec, split_method_list
+from commpress.bench.arguments import split_method_list
+from commpress.cmdline import parse_method_spec
 from commpress.compressors import available
 from commpress.config import Config
 from commpress.errors import ConfigError

@@ -37,12 +37,12 @@ from torch.nn.parallel import DistributedDataParallel
 from commpress.bench.attach import attach, bucket_cap, count_plain
 from commpress.bench.methods import BenchMethod
 from commpress.bench.optimizers import make_optimizer, set_lr
+from commpress.bench.progress import Progress
 from commpress.bench.race_report import crossing, reference_target
 from commpress.bench.sharding import replica_mesh, shard_model
 from commpress.comm import Traffic
 from commpress.errors import ConfigError
 from commpress.registration import register
-from commpress.terminal import Progress
 from commpress.workloads.charlm import CharTask
 from commpress.workloads.schedule import Schedule
 from commpress.workloads.synthetic import CharTransformerTask

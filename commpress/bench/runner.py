@@ -24,10 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commpress.bench.attach import Counting, attach, bucket_cap
 from commpress.bench.methods import BenchMethod
+from commpress.bench.progress import Progress
 from commpress.bench.workloads import make_workload
 from commpress.comm.counters import Traffic
 from commpress.layerwise.plan import PlanningCost
-from commpress.terminal import Progress
 
 __all__ = ["BenchPlan", "bench_rank"]
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from commpress.bench.fsdp_layout import flat_shards, plan_units, unshard
 from commpress.bench.optimizers import set_lr
 from commpress.comm import SimulatedWorld
 from commpress.comm.averager import ParameterAverager
@@ -23,7 +24,6 @@ from commpress.compressors.wire.collectives import sum_rows
 from commpress.config import Config
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.fsdp2 import Unit
-from commpress.fsdp.layout import flat_shards, plan_units, unshard
 from commpress.hooks.optimizer import hand_over_momentum
 from commpress.layerwise.groups import LayerwiseGroups, method_groups
 from commpress.local_sgd.config import trainer_for

@@ -26,7 +26,8 @@ from collections.abc import Callable
 import torch
 
 import commpress.kernels as cc
-from commpress.cmdline import LIST_HELP, integer, listed, method_list, number, parse_method_spec
+from commpress.bench.arguments import LIST_HELP, integer, listed, method_list, number
+from commpress.cmdline import parse_method_spec
 from commpress.compressors import AllGather, AllReduce, Bucket, Compressor, Context, build
 from commpress.kernels.cpu.openmp import wait_setting
 from commpress.terminal import format_table

@@ -25,7 +25,8 @@ import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
-from commpress.cmdline import LIST_HELP, integer, listed, method_list, number, parse_method_spec
+from commpress.bench.arguments import LIST_HELP, integer, listed, method_list, number
+from commpress.cmdline import parse_method_spec
 from commpress.errors import ConfigError
 from commpress.terminal import format_table
 

@@ -17,9 +17,9 @@ import functools
 import sys
 from typing import TYPE_CHECKING
 
+from commpress.bench.arguments import integer, number
 from commpress.bench.catalog import WORKLOADS
 from commpress.cli.ranks import add_method_arguments, add_rank_arguments, check_outputs, methods_from_args
-from commpress.cmdline import integer, number
 from commpress.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -21,10 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from commpress.bench.arguments import LIST_HELP, integer, method_list, split_method_list
+from commpress.bench.progress import Progress
 from commpress.cli.demo import progress_labels
-from commpress.cmdline import LIST_HELP, integer, method_list, parse_settings, split_method_list
+from commpress.cmdline import parse_settings
 from commpress.errors import ConfigError
-from commpress.terminal import Progress, format_table
+from commpress.terminal import format_table
 
 __all__ = ["FSDP_ROWS", "MIXED_PRECISION", "Row", "add_arguments", "parse_rows", "run"]
 

@@ -18,9 +18,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from commpress.cmdline import LIST_HELP, integer, method_list, parse_method_spec
+from commpress.bench.arguments import LIST_HELP, integer, method_list
+from commpress.bench.progress import Progress
+from commpress.cmdline import parse_method_spec
 from commpress.errors import ConfigError
-from commpress.terminal import Progress, format_table
+from commpress.terminal import format_table
 
 __all__ = ["DEFAULT_STEPS", "DEMO_ROWS", "DemoRow", "add_arguments", "demo_rows", "progress_labels", "render", "run"]
 

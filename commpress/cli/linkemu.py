@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 
-from commpress.cmdline import integer, number
+from commpress.bench.arguments import integer, number
 
 __all__ = ["add_arguments", "run"]
 

@@ -16,10 +16,10 @@ import argparse
 import importlib.util
 import sys
 
+from commpress.bench.arguments import LIST_HELP, choice, integer, listed, method_list
 from commpress.bench.catalog import METHODS, OPTIMIZERS, TASKS
-from commpress.cmdline import LIST_HELP, choice, integer, listed, method_list
+from commpress.bench.progress import Progress
 from commpress.errors import ConfigError
-from commpress.terminal import Progress
 
 __all__ = ["add_arguments", "run"]
 

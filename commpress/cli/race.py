@@ -22,8 +22,8 @@ import functools
 import sys
 from typing import Any
 
+from commpress.bench.arguments import integer, number
 from commpress.cli.ranks import add_method_arguments, add_rank_arguments, check_outputs, methods_from_args
-from commpress.cmdline import integer, number
 
 __all__ = ["DEFAULT_METHODS", "add_arguments", "run"]
 

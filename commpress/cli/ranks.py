@@ -10,7 +10,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from commpress.cmdline import LIST_HELP, integer, method_list, number
+from commpress.bench.arguments import LIST_HELP, integer, method_list, number
 from commpress.errors import ConfigError
 
 if TYPE_CHECKING:
