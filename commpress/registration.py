@@ -117,10 +117,14 @@ class Registration:
         for part in self.parts:
             part.finish()
 
-    def averaged(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
         """A block in which the model holds the job's model, the same on every rank, to evaluate or
         save mid-run (under ``[local_sgd]``: the model at its last sync, this rank's own restored after)."""
-        return _averaged(self.parts)
+        with contextlib.ExitStack() as stack:
+            for part in self.parts:
+                stack.enter_context(part.averaged())
+            yield
 
     def remove(self) -> None:
         """Take every hook :func:`register` added off the model and the optimizer (RuntimeError for a
@@ -201,12 +205,3 @@ def register(
     if part is None:
         return Registration(cfg)  # a single process: nobody to send to, nothing to apply
     return Registration(cfg, [PART_TYPES[part.name].build(model, cfg, request)])
-
-
-@contextlib.contextmanager
-def _averaged(parts: Sequence[AppliedPart]) -> Iterator[None]:
-    """Every part's :meth:`~commpress.parts.AppliedPart.averaged` block, entered at ``with``."""
-    with contextlib.ExitStack() as stack:
-        for part in parts:
-            stack.enter_context(part.averaged())
-        yield

@@ -63,13 +63,18 @@ def _number(bound: float) -> str:
     return f"{bound:g}"
 
 
+def _annotated(tp: Any) -> tuple[Any, Bounds | None]:
+    """An ``Annotated`` type's inner type and its first :class:`Bounds` (None without one)."""
+    inner, *extras = typing.get_args(tp)
+    return inner, next((e for e in extras if isinstance(e, Bounds)), None)
+
+
 def _bounds(tp: Any, value: Any) -> tuple[Any, Bounds] | None:
     """(the type, its Bounds) that ``value``, already type-checked, falls under, or None."""
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
-        inner, *extras = typing.get_args(tp)
-        found = [e for e in extras if isinstance(e, Bounds)]
-        return (inner, found[0]) if found else None
+        inner, found = _annotated(tp)
+        return (inner, found) if found is not None else None
     if origin in (types.UnionType, typing.Union):
         for arg in typing.get_args(tp):
             if _coerce(value, arg)[0]:
@@ -81,9 +86,8 @@ def _describe(tp: Any, ranged: bool = True) -> str:
     """What type ``tp`` accepts; with ``ranged``, a number's declared range too (not for a union's members)."""
     origin = typing.get_origin(tp)
     if origin is typing.Annotated:
-        inner, *extras = typing.get_args(tp)
-        found = [e for e in extras if isinstance(e, Bounds)]
-        return found[0].describe(inner, finite=True) if found and ranged else _describe(inner)
+        inner, found = _annotated(tp)
+        return found.describe(inner, finite=True) if found is not None and ranged else _describe(inner)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (types.UnionType, typing.Union):
@@ -115,17 +119,10 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
             return False, value
         (item,) = typing.get_args(tp)[:1]
-        out = []
-        for v in value:
-            ok, conv = _coerce(v, item)
-            if not ok:
-                return False, value
-            out.append(conv)
-        return True, tuple(out)
-    if tp is type(None):
-        return value is None, value
-    if tp is bool:
-        return isinstance(value, bool), value
+        coerced = [_coerce(v, item) for v in value]
+        if not all(ok for ok, _ in coerced):
+            return False, value
+        return True, tuple(conv for _, conv in coerced)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
     if tp is float:
@@ -136,9 +133,7 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         except OverflowError:  # an integer too large for a float
             return False, value
         return math.isfinite(conv), conv
-    if tp is str:
-        return isinstance(value, str), value
-    return isinstance(value, tp), value
+    return isinstance(value, tp), value  # None, bool, str, a class
 
 
 def check_keys(where: str, data: Any) -> None:
@@ -167,26 +162,18 @@ def check_kwargs(
     missing = [k for k, (_, required) in fields.items() if required and k not in data]
     if missing:
         raise ConfigError(f"{where}: missing required key {missing[0]!r}")
-    out = {}
-    for key, value in data.items():
-        tp = fields[key][0]
-        ok, conv = _coerce(value, tp)
-        if not ok:
-            raise ConfigError(f"{where}: {key} = {value!r} is not accepted; expected {_describe(tp)}")
-        out[key] = conv
-    return out
+    return _converted(where, {k: fields[k][0] for k in data}, data)
 
 
 @functools.cache
 def signature_fields(fn: Callable[..., Any]) -> dict[str, tuple[Any, bool]]:
     """The keyword parameters of ``fn`` as :func:`check_kwargs` fields (cached: do not change it)."""
     hints = typing.get_type_hints(fn, include_extras=True)
-    fields = {}
-    for p in inspect.signature(fn).parameters.values():
-        if p.name == "self" or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-            continue
-        fields[p.name] = (hints.get(p.name, Any), p.default is inspect.Parameter.empty)
-    return fields
+    return {
+        p.name: (hints.get(p.name, Any), p.default is inspect.Parameter.empty)
+        for p in inspect.signature(fn).parameters.values()
+        if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
 
 
 @functools.cache
@@ -224,15 +211,21 @@ def _check_values(
     where: str, fields: Mapping[str, Any], values: Mapping[str, Any], key: str = "{where}: {key}"
 ) -> dict[str, Any]:
     """``values`` converted to their ``fields`` types, every type checked before any range."""
+    out = _converted(where, fields, values)
+    for name, tp in fields.items():
+        found = _bounds(tp, out[name])
+        if found is not None and not found[1].holds(out[name]):
+            named = key.format(where=where, key=name)
+            raise ConfigError(f"{named} = {out[name]!r} is not accepted; expected {found[1].describe(found[0])}")
+    return out
+
+
+def _converted(where: str, fields: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` converted to their ``fields`` types (name -> type), refusing the first that is not one."""
     out = {}
     for name, tp in fields.items():
         ok, conv = _coerce(values[name], tp)
         if not ok:
             raise ConfigError(f"{where}: {name} = {values[name]!r} is not accepted; expected {_describe(tp)}")
         out[name] = conv
-    for name, tp in fields.items():
-        found = _bounds(tp, out[name])
-        if found is not None and not found[1].holds(out[name]):
-            named = key.format(where=where, key=name)
-            raise ConfigError(f"{named} = {out[name]!r} is not accepted; expected {found[1].describe(found[0])}")
     return out

@@ -71,8 +71,7 @@ def _serve(links: Links, peer: int, max_elems: int) -> None:
         size = int(header.item())  # a deliberate host read: the probe's size
         if size == 0:
             return
-        if size:
-            links.recv(buf[:size], peer)
+        links.recv(buf[:size], peer)
         links.send(buf.new_zeros(1), peer)
 
 

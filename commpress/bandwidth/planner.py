@@ -147,8 +147,8 @@ class _Search:
     def span(self) -> tuple[float, float]:
         """The nominal ratios whose predicted ratio lies in [min_ratio, max_ratio] (the
         lowest reaching min_ratio wins where no setting lies inside)."""
-        low = _first(lambda r: self.ratio(self.at(r)[1]) >= self.cfg.min_ratio, _LOWEST, _HIGHEST)
-        high = _last(lambda r: self.ratio(self.at(r)[1]) <= self.cfg.max_ratio, _LOWEST, _HIGHEST)
+        low = _edge(lambda r: self.ratio(self.at(r)[1]) >= self.cfg.min_ratio, _HIGHEST, _LOWEST)
+        high = _edge(lambda r: self.ratio(self.at(r)[1]) <= self.cfg.max_ratio, _LOWEST, _HIGHEST)
         low = _HIGHEST if low is None else low
         return low, max(low, _LOWEST if high is None else high)
 
@@ -161,29 +161,18 @@ class _Search:
         if self.cfg.max_ratio >= 1 and self.none[1].seconds <= target:
             return self.none
         low, high = self.span
-        best = _last(lambda r: self.at(r)[1].seconds <= target, low, high)
+        best = _edge(lambda r: self.at(r)[1].seconds <= target, low, high)
         return self.at(low if best is None else best)
 
 
-def _last(ok: Callable[[float], bool], lo: float, hi: float) -> float | None:
-    """The largest point of [lo, hi] where ``ok`` (true, then false) holds; None if false at ``lo``."""
-    if ok(hi):
-        return hi
-    if not ok(lo):
+def _edge(ok: Callable[[float], bool], start: float, end: float) -> float | None:
+    """The point of [start, end] (either order) nearest ``end`` up to which ``ok`` holds from ``start``
+    (true, then false); None if false at ``start``."""
+    if ok(end):
+        return end
+    if not ok(start):
         return None
     for _ in range(_STEPS):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
-
-def _first(ok: Callable[[float], bool], lo: float, hi: float) -> float | None:
-    """The smallest point of [lo, hi] where ``ok`` (false, then true) holds; None if false at ``hi``."""
-    if ok(lo):
-        return lo
-    if not ok(hi):
-        return None
-    for _ in range(_STEPS):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    return hi
+        mid = (start + end) / 2
+        start, end = (mid, end) if ok(mid) else (start, mid)
+    return start

@@ -10,7 +10,7 @@ import itertools
 import math
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -60,16 +60,14 @@ def find_domains(bandwidth: Sequence[Sequence[float]], threshold: float) -> tupl
     for (i, j), rate in _links(bandwidth).items():
         if rate >= threshold:
             parent[root(j)] = root(i)
-    groups: dict[int, list[int]] = {}
-    for r in range(n):
-        groups.setdefault(root(r), []).append(r)
-    return tuple(sorted(tuple(g) for g in groups.values()))
+    return _grouped([root(r) for r in range(n)])
 
 
-def _host_domains(hosts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-    groups: dict[str, list[int]] = {}
-    for r, h in enumerate(hosts):
-        groups.setdefault(h, []).append(r)
+def _grouped(keys: Sequence[Hashable]) -> tuple[tuple[int, ...], ...]:
+    """The ranks grouped by their ``keys`` (a root, a host), sorted."""
+    groups: dict[Hashable, list[int]] = {}
+    for r, key in enumerate(keys):
+        groups.setdefault(key, []).append(r)
     return tuple(sorted(tuple(g) for g in groups.values()))
 
 
@@ -150,12 +148,12 @@ class Topology:
             doms = tuple(sorted(tuple(sorted(d)) for d in domains))
             group_by = "declared"
         elif group_by == "host":
-            doms = _host_domains(hosts_t)
+            doms = _grouped(hosts_t)
         else:
             threshold = fast_gbps * 1e9 / 8 if fast_gbps > 0 else auto_threshold(bw)
             doms = find_domains(bw, threshold)
             if group_by == "auto":
-                doms = _merge(doms, _host_domains(hosts_t), n)
+                doms = _merge(doms, _grouped(hosts_t), n)
         return cls(hosts_t, bw, lat, doms, threshold, group_by, **kwargs)
 
     def domain_of(self, rank: int) -> int:

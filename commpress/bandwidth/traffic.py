@@ -30,7 +30,7 @@ from commpress.bandwidth.hierarchical import Place, shard_ranges, shard_slots
 from commpress.bandwidth.hierarchy import Hierarchy
 from commpress.bandwidth.topology import Topology
 from commpress.comm.simulated import SimulatedWorld
-from commpress.compressors import EXACT, Bucket, Context, ParamSlot, Transfer, build
+from commpress.compressors import EXACT, Bucket, Context, ParamSlot, Transfer, build, lay_out
 from commpress.compressors.wire.collectives import relayed
 from commpress.config.groups import MAIN
 
@@ -157,15 +157,7 @@ class ModelLayout:
         groups: dict[str, list[ParamSlot]] = {}
         for s in slots:
             groups.setdefault(self.keys.get(s.name, MAIN), []).append(s)
-        return [(key, _packed([(s.name, s.shape) for s in members])) for key, members in groups.items()]
-
-
-def _packed(named: Sequence[tuple[str, Sequence[int]]]) -> tuple[ParamSlot, ...]:
-    out, offset = [], 0
-    for name, shape in named:
-        out.append(ParamSlot(name, torch.Size(shape), offset))
-        offset += out[-1].numel
-    return tuple(out)
+        return [(key, lay_out((s.name, s.shape) for s in members)[0]) for key, members in groups.items()]
 
 
 def ddp_buckets(
@@ -187,13 +179,16 @@ def ddp_buckets(
             current, size, limit = [], 0, bucket_cap_mb * _MIB
     if current:
         buckets.append(current)
-    return tuple(_packed(b) for b in buckets)
+    return tuple(lay_out(b)[0] for b in buckets)
 
 
-def _shard(slots: Sequence[ParamSlot], place: Place) -> tuple[ParamSlot, ...]:
-    """This place's shard of one bucket, as the hierarchical reduction cuts it."""
-    start, stop = shard_ranges(slots, max(s.offset + s.numel for s in slots), place.shards)[place.local_rank]
-    return shard_slots(slots, start, stop)
+def _shard_parts(layout: ModelLayout, place: Place) -> list[tuple[str, tuple[ParamSlot, ...]]]:
+    """(method group, slots) of this place's shard of every bucket, as the hierarchical reduction cuts it."""
+    out = []
+    for slots in (b for b in layout.buckets if b):
+        start, stop = shard_ranges(slots, max(s.offset + s.numel for s in slots), place.shards)[place.local_rank]
+        out += layout.parts(shard_slots(slots, start, stop))
+    return out
 
 
 def _domain_transfers(slots: Sequence[ParamSlot], place: Place, element_size: int) -> list[Transfer]:
@@ -209,14 +204,7 @@ def _domain_transfers(slots: Sequence[ParamSlot], place: Place, element_size: in
 def group_shapes(layout: ModelLayout, hierarchy: Hierarchy, group: int, key: str) -> list[tuple[int, ...]]:
     """Shapes of the tensors (or cut 1-D pieces) cross group ``group`` reduces with method group ``key``."""
     place = Place.of(hierarchy, hierarchy.cross_groups[group][0])
-    return [
-        tuple(s.shape)
-        for slots in layout.buckets
-        if slots
-        for k, part in layout.parts(_shard(slots, place))
-        if k == key
-        for s in part
-    ]
+    return [tuple(s.shape) for k, part in _shard_parts(layout, place) if k == key for s in part]
 
 
 def _pairs(topology: Topology, ranks: Sequence[int]) -> Link:
@@ -252,12 +240,9 @@ def cross_traffic(topology: Topology, hierarchy: Hierarchy, layout: ModelLayout,
     ranks = hierarchy.cross_groups[group]
     place = Place.of(hierarchy, ranks[0])
     transfers: list[Transfer] = []
-    for slots in layout.buckets:
-        if not slots:
-            continue
-        for key, part in layout.parts(_shard(slots, place)):
-            method, params = methods.get(key, (EXACT, {}))
-            transfers += method_transfers(method, params, part, layout.element_size, len(ranks))
+    for key, part in _shard_parts(layout, place):
+        method, params = methods.get(key, (EXACT, {}))
+        transfers += method_transfers(method, params, part, layout.element_size, len(ranks))
     return GroupTraffic(f"cross {group}", "cross", ranks, tuple(transfers), cross_link(topology, hierarchy, group))
 
 

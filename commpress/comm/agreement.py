@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from commpress.comm.torch_backend import require_initialized
+import torch.distributed as dist
+
+from commpress.comm.torch_backend import allgather_object, require_initialized
 from commpress.config import Config, digest_of
 from commpress.errors import CollectiveError, ConfigError
 
@@ -28,8 +30,6 @@ def agree_on_settings(settings: Any, entry: str, backend: str = "torch", process
 def agree_on_digest(digest: str, entry: str, backend: str = "torch", process_group: Any = None, detail: Any = None) -> None:
     """Raise :class:`ConfigError` on every rank if ``digest`` differs (:class:`CollectiveError` if a
     rank never joins); torch.distributed first even for ``"mpi"``, to catch a rank on the other."""
-    import torch.distributed as dist
-
     if backend == "mpi" and not (dist.is_available() and dist.is_initialized()):
         from mpi4py import MPI
 
@@ -38,9 +38,8 @@ def agree_on_digest(digest: str, entry: str, backend: str = "torch", process_gro
     else:
         require_initialized(entry)
         group = process_group if process_group is not None and backend == "torch" else dist.group.WORLD
-        digests = [None] * dist.get_world_size(group)
         try:
-            dist.all_gather_object(digests, digest, group=group)
+            digests = allgather_object(digest, group)
         except RuntimeError as exc:
             raise CollectiveError(
                 f"{entry}: comparing the commpress config across ranks failed (a rank that never builds it, "

@@ -123,9 +123,7 @@ class ParameterAverager(OnBackend, BoundToProcess):
             name = str(dtype).removeprefix("torch.")
             takers = methods_taking(dtype)
             advice = f"average with {' / '.join(takers)}, or convert the model" if takers else "convert the model"
-            raise ConfigError(
-                f"{who} {name} values with method {compressor.name!r}, which does not take {name}: {advice}"
-            )
+            raise ConfigError(f"{who} {name} values with method {compressor.name!r}, which does not take {name}: {advice}")
 
     def settle(self, commit: bool) -> None:
         """Commit (or drop) the compressor state a ``start(..., commit=False)`` staged."""

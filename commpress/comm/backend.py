@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,10 +50,10 @@ class _Queue:
 
 
 class Backend(ABC):
-    """Drives reductions; a subclass implements :meth:`_start`, :meth:`members` and
-    :meth:`allgather_object`. ``rounds``: the most collectives one reduction issues, per scope
-    (an int: ``"world"``). ``traffic`` counts every scope but ``"domain"`` (the slow links
-    compression is for); ``domain_traffic`` the bytes inside fast domains."""
+    """Drives reductions; a subclass implements :meth:`_start` and :meth:`allgather_object`, and
+    :meth:`members` where a scope is not every rank. ``rounds``: the most collectives one
+    reduction issues, per scope (an int: ``"world"``). ``traffic`` counts every scope but
+    ``"domain"`` (the slow links compression is for); ``domain_traffic`` the bytes inside fast domains."""
 
     def __init__(self, rank: int, world_size: int, rounds: int | Mapping[str, int]) -> None:
         rounds = {"world": rounds} if isinstance(rounds, int) else dict(rounds)
@@ -117,10 +118,7 @@ class Backend(ABC):
     @property
     def rounds(self) -> dict[str, int]:
         """How many collectives one reduction may issue, per scope."""
-        out: dict[str, int] = {}
-        for scope, _ in self._queues:
-            out[scope] = out.get(scope, 0) + 1
-        return out
+        return dict(Counter(scope for scope, _ in self._queues))
 
     @property
     def failure(self) -> CollectiveError | None:
@@ -131,9 +129,9 @@ class Backend(ABC):
     def allgather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), blocking; used for set-up checks only."""
 
-    @abstractmethod
     def members(self, scope: str) -> Sequence[int]:
-        """The global ranks this rank talks to in ``scope``."""
+        """The global ranks this rank talks to in ``scope`` (default: every rank)."""
+        return list(range(self.world_size))
 
     @abstractmethod
     def _start(self, channel: Channel, request: Collective) -> torch.futures.Future:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from commpress.comm.backend import Backend
 from commpress.compressors import Compressor
@@ -62,8 +63,6 @@ class DCPState:
     @property
     def key(self) -> str:
         if self._rank is None:
-            import torch.distributed as dist
-
             self._rank = dist.get_rank()
         return f"rank{self._rank}"
 
@@ -223,8 +222,8 @@ def combine_compressors(
 
 def check_same_mesh(state: Mapping[str, Any], shard_shapes: list[list[int]], world_size: int, what: str) -> None:
     """Refuse a sharded model's state saved on another mesh (shard shapes, replica groups)."""
-    config = state.get("config", {}) if isinstance(state, Mapping) else {}
-    saved = (config.get("shard_shapes"), state.get("world_size") if isinstance(state, Mapping) else None)
+    state = state if isinstance(state, Mapping) else {}
+    saved = (state.get("config", {}).get("shard_shapes"), state.get("world_size"))
     if saved != (shard_shapes, world_size):
         raise ConfigError(
             f"{what}: the state was saved by a rank holding shards of shapes {saved[0]} in {saved[1]} replica "

@@ -27,11 +27,7 @@ class Traffic:
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
-            return {
-                "bytes_sent": self.bytes_sent,
-                "collectives": self.collectives,
-                "compute_seconds": self.compute_seconds,
-            }
+            return {"bytes_sent": self.bytes_sent, "collectives": self.collectives, "compute_seconds": self.compute_seconds}
 
     def __getstate__(self) -> dict[str, float]:
         return self.snapshot()  # the counts travel, the lock is this process's
@@ -41,6 +37,4 @@ class Traffic:
 
     def reset(self) -> None:
         with self._lock:
-            self.bytes_sent = 0
-            self.collectives = 0
-            self.compute_seconds = 0.0
+            self.bytes_sent, self.collectives, self.compute_seconds = 0, 0, 0.0

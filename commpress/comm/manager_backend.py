@@ -34,6 +34,7 @@ _OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX}
 _FAILED = object()  # what a failed collective's future hands back once reported
 #: the prefix torch's futures give an exception raised in a callback (the type then survives only as text)
 _IN_CALLBACK = "Got the following error when running the callback: "
+#: a failed collective's or a non-finite average's error as such a text
 _SURVIVED = re.compile(rf"^({re.escape(_IN_CALLBACK)})*(CollectiveError|FloatingPointError):")
 
 
@@ -95,9 +96,6 @@ class ManagerBackend(Backend):
         """Register ``save`` and ``load`` with the manager: a healing replica loads a peer's ``save()``."""
         self.manager.register_state_dict_fn(key, load, save)
 
-    def members(self, scope: str) -> list[int]:
-        return list(range(self.world_size))
-
     def allgather_object(self, obj: Any) -> list[Any]:
         raise RuntimeError(
             "under a torchft Manager the replicas change between steps: save each replica's own state_dict() "
@@ -154,8 +152,8 @@ class ManagerBackend(Backend):
             return result()
 
         wrapped = _reported(self.manager, fut).then(done)
-        # torchft's callbacks go on after completing ``wrapped``: count one after them (comm/callbacks.py)
-        when_done(fut, _ran)
+        # torchft's callbacks go on after completing ``wrapped``: count an empty one after them (comm/callbacks.py)
+        when_done(fut, lambda _: None)
         return wrapped
 
 
@@ -176,16 +174,11 @@ def _reported(manager: Any, fut: torch.futures.Future) -> torch.futures.Future:
 def report(manager: Any, exc: Exception) -> None:
     """Fail the manager's step with ``exc``: one WARNING line for a failed collective or a
     non-finite average, which a retry survives; anything else at ERROR with its traceback."""
-    if _survived(exc):
+    if isinstance(exc, (CollectiveError, FloatingPointError)) or _SURVIVED.match(str(exc)):
         log.warning("step %s will not be committed: %s", manager.current_step(), _first_line(exc))
     else:
         log.error("the step failed and will not be committed: %s", exc, exc_info=exc)
     manager.report_error(exc)
-
-
-def _survived(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed collective or non-finite average (also as a callback's text)."""
-    return isinstance(exc, (CollectiveError, FloatingPointError)) or bool(_SURVIVED.match(str(exc)))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -198,10 +191,6 @@ def _identity(op: str, dtype: torch.dtype) -> float:
     if op == "sum":
         return 0
     return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
-
-
-def _ran(fut: torch.futures.Future) -> None:
-    """Nothing: a counted last callback on a collective's future."""
 
 
 def _forward(out: torch.futures.Future, fut: torch.futures.Future) -> None:

@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from commpress.comm.backend import Backend, Channel
 from commpress.comm.from_env import detect_launcher
@@ -97,9 +98,6 @@ class MPIBackend(Backend):
         self._thread.start()
         atexit.register(self._stop)  # before mpi4py finalizes MPI (atexit runs last-in first)
 
-    def members(self, scope: str) -> list[int]:
-        return list(range(self.world_size))
-
     def allgather_object(self, obj: object) -> list[object]:
         with self._lock:
             return self.comm.allgather(obj)
@@ -122,10 +120,7 @@ class MPIBackend(Backend):
         comm = self._comms[channel]
         if isinstance(request, AllReduce):
             return self._allreduce(comm, request)
-        if isinstance(request, ReduceScatter):
-            return self._reduce_scatter(comm, request)
-        assert isinstance(request, AllGather)
-        return self._allgather(comm, request)
+        return self._exchange(comm, request)
 
     def _host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         """A contiguous tensor MPI can use for ``tensor``, and how to copy the result back."""
@@ -164,26 +159,18 @@ class MPIBackend(Backend):
 
         return self._track(req, finish)
 
-    def _allgather(self, comm: Any, request: AllGather) -> torch.futures.Future:
+    def _exchange(self, comm: Any, request: AllGather | ReduceScatter) -> torch.futures.Future:
+        """An all-gather, or a reduce-scatter as an all-to-all summed in rank order, on raw bytes."""
+        gather = isinstance(request, AllGather)
         work, _ = self._host(request.tensor.reshape(-1))
-        out = work.new_empty(self.world_size * work.numel())
+        out = work.new_empty(self.world_size * work.numel()) if gather else torch.empty_like(work)
+        start = comm.Iallgather if gather else comm.Ialltoall
         with self._lock:
-            req = comm.Iallgather(self._buffer(work, raw=True), self._buffer(out, raw=True))
+            req = start(self._buffer(work, raw=True), self._buffer(out, raw=True))
 
-        def finish() -> list[torch.Tensor]:
-            result = out.to(request.tensor.device) if request.tensor.device != out.device else out
-            return list(result.view(self.world_size, -1).unbind(0))
-
-        return self._track(req, finish)
-
-    def _reduce_scatter(self, comm: Any, request: ReduceScatter) -> torch.futures.Future:
-        work, _ = self._host(request.tensor.reshape(-1))
-        received = torch.empty_like(work)
-        with self._lock:
-            req = comm.Ialltoall(self._buffer(work, raw=True), self._buffer(received, raw=True))
-
-        def finish() -> torch.Tensor:
-            return sum_rows(received.view(self.world_size, -1)).to(request.tensor.device)
+        def finish() -> Any:
+            rows = out.view(self.world_size, -1)
+            return list(rows.to(request.tensor.device).unbind(0)) if gather else sum_rows(rows).to(request.tensor.device)
 
         return self._track(req, finish)
 
@@ -236,8 +223,6 @@ class MPIBackend(Backend):
 
 def _check_matches_torch(comm: Any) -> None:
     """The DDP process group and the MPI communicator must hold the same ranks."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return
     if dist.get_world_size() != comm.Get_size():
@@ -253,8 +238,6 @@ def _check_matches_torch(comm: Any) -> None:
 
 
 def _torch_timeout() -> timedelta:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         found = group_timeout(dist.group.WORLD)
         if found is not None:

@@ -86,8 +86,7 @@ class TorchBackend(MeasurableBackend):
 
     def links(self) -> TorchLinks:
         """A new group of this backend's ranks (with its timeout) for measuring the links."""
-        ranks = dist.get_process_group_ranks(self.group)
-        return TorchLinks(dist.new_group(ranks, timeout=group_timeout(self.group)))
+        return TorchLinks(dist.new_group(dist.get_process_group_ranks(self.group), timeout=group_timeout(self.group)))
 
     def scoped(self, rounds: Mapping[str, int], scopes: Mapping[str, Sequence[Sequence[int]]]) -> TorchBackend:
         return TorchBackend(self.group, rounds, scopes=scopes)
@@ -111,11 +110,10 @@ class TorchBackend(MeasurableBackend):
 
     def _result(self, channel: Channel, request: Collective, fut: torch.futures.Future) -> Any:
         """The tensor reduced in place, the reduce-scatter's rows summed, or the gathered rows."""
+        out = self._outputs.pop(id(request), None)  # None for an all-reduce, or where it failed to start
+        fut.value()  # raises the collective's error: never local or uninitialised data
         if isinstance(request, AllReduce):
-            fut.value()  # raises the collective's error: never local or uninitialised data
             return request.tensor
-        out = self._outputs.pop(id(request), None)  # None where it failed to start: value() raises
-        fut.value()
         assert out is not None
         rows = out.view(self._comms[channel].size(), -1)
         return sum_rows(rows) if isinstance(request, ReduceScatter) else list(rows.unbind(0))
@@ -152,9 +150,7 @@ class TorchLinks(Links):
         dist.all_reduce(tensor, group=self.group)
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return allgather_object(obj, self.group)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]

@@ -86,8 +86,7 @@ class Bucket:
         """Copy ``tensors`` into a new flat buffer (tests and simulations use this)."""
         names = list(names) if names is not None else [f"p{i}" for i in range(len(tensors))]
         slots, _ = lay_out((name, t.shape) for name, t in zip(names, tensors, strict=True))
-        dtype = tensors[0].dtype if tensors else torch.float32
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=dtype)
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=torch.float32)
         return cls(index, flat, slots)
 
 

@@ -4,7 +4,7 @@ reduced in turn, on a gathered copy scattered back unless it is the whole buffer
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from commpress.compressors.base import Bucket, Compressor, Context, Finite, ParamSlot, Reduction
@@ -54,12 +54,10 @@ class Composite:
             if part.whole:
                 known.append((yield from compressor.reduce(Bucket(bucket.index, bucket.buffer, part.slots), ctx)))
                 continue
-            views = [bucket.buffer.narrow(0, s.offset, s.numel) for s in part.slots]
-            local = Bucket.from_tensors(
-                bucket.index, [v.view(s.shape) for v, s in zip(views, part.slots)], [s.name for s in part.slots]
-            )
+            views = [bucket.buffer.narrow(0, s.offset, s.numel).view(s.shape) for s in part.slots]
+            local = Bucket.from_tensors(bucket.index, views, [s.name for s in part.slots])
             known.append((yield from compressor.reduce(local, ctx)))
-            for view, out in zip(views, _flat_views(local)):
+            for view, out in zip(views, local.views()):
                 view.copy_(out)
         return _combined(known)
 
@@ -69,8 +67,3 @@ def _combined(known: list[Finite]) -> Finite:
     if False in known:
         return False
     return True if known and None not in known else None
-
-
-def _flat_views(bucket: Bucket) -> Iterator:
-    for s in bucket.slots:
-        yield bucket.buffer.narrow(0, s.offset, s.numel)

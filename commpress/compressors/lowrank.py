@@ -20,7 +20,7 @@ from commpress.compressors.base import Bucket, Compressor, Context, ParamSlot, R
 from commpress.compressors.ladder import pool
 from commpress.compressors.lowrank_plan import LowRankPlan, matrix_rank, matrix_shape, orthonormalize
 from commpress.compressors.tensor_stats import TensorStats
-from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.memory import ErrorMemory, MemoryState, Piece
 from commpress.compressors.wire.seeding import Seed, shared_normal, stream_starts, tensor_key
 from commpress.schema import Bounds
 
@@ -54,7 +54,7 @@ class _Step:
     m_buffer: torch.Tensor | None  # the flat buffer the ms view (with error feedback)
 
 
-class LowRankCompressor(Compressor):
+class LowRankCompressor(MemoryState, Compressor):
     """Shared machinery of the rank-``r`` compressors (batching and layout: ``lowrank_plan``); a matrix
     is compressed only if it shrinks by more than ``min_compression_rate``."""
 
@@ -138,9 +138,7 @@ class LowRankCompressor(Compressor):
         plan, grad = lay.plan, bucket.buffer
         if not plan.batches:
             return [], None
-        if not self.error_feedback:
-            if grad.dtype == torch.float32:
-                return [b.view(grad) for b in plan.batches], None
+        if not self.error_feedback:  # the gradients' own views if they are fp32
             return [b.view(grad).float() for b in plan.batches], None
         error, _ = self._memory.gather("error", lay.errors, grad.numel(), lay.device)
         if not self._memory.holds(error):  # a fresh gathered copy: M in place
@@ -254,18 +252,12 @@ class LowRankCompressor(Compressor):
 
     # ---- steps and checkpoints ---------------------------------------------------------
 
-    def end_step(self, commit: bool) -> None:
-        """Apply (``commit``) or drop the error and factors the step staged."""
-        self._memory.end_step(commit)
-
-    def state_dict(self) -> dict[str, Any]:
+    def _kinds(self) -> dict[str, str]:
         """By parameter name: "error" (shaped like the parameter), "q" (r x m, transposed), "p" (n x r)."""
-        return {kind: self._memory.tensors(kind) for kind in _STATE_KEYS}
+        return dict(zip(_STATE_KEYS, _STATE_KEYS))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; factors that no longer fit (another ``rank``) are drawn afresh."""
         if sorted(state) != list(_STATE_KEYS):
             raise ValueError(f"{self.name} state must have exactly the keys {list(_STATE_KEYS)}, got {sorted(state)}")
-        self._memory.clear()
-        for kind in _STATE_KEYS:
-            self._memory.load(kind, state[kind])
+        super().load_state_dict(state)

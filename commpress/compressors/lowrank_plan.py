@@ -87,8 +87,7 @@ class LowRankPlan:
                 continue
             shape = matrix_shape(s, rank, min_compression_rate)
             if shape is not None:
-                n, m = shape
-                by_shape.setdefault((n, m), []).append(s.offset)
+                by_shape.setdefault(shape, []).append(s.offset)
                 by_offset[s.offset] = s
             else:
                 dense.append(torch.arange(s.offset, s.offset + s.numel, device=device))

@@ -13,8 +13,8 @@ Wire bytes per rank and bucket: Σ_t ceil(n/8) + 4, plus 4 per element sent whol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from commpress.compressors.base import AllGather, Bucket, Compressor, Context, P
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.tensor_stats import TensorStats, runs
 from commpress.compressors.wire.framing import frame, unframe
-from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.memory import ErrorMemory, MemoryState, Piece
 from commpress.compressors.wire.seeding import tensor_key
 from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, MinNumel, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
@@ -34,7 +34,7 @@ __all__ = ["OneBitCompressor"]
 
 
 @register_compressor
-class OneBitCompressor(Compressor):
+class OneBitCompressor(MemoryState, Compressor):
     """Signs and a mean-magnitude scale per tensor and rank, in one all-gather, with error feedback.
 
     ``chunk`` (a multiple of 8; 0: per tensor) gives one scale per that many elements, so a tensor
@@ -79,10 +79,6 @@ class OneBitCompressor(Compressor):
             return tensor.factor * max(0.0, tensor.energy - kept)
 
         return error
-
-    def owed(self, entries: Mapping[str, Any]) -> torch.Tensor | None:
-        """With error feedback, the residual."""
-        return entries.get("residuals")
 
     def _span_array(self, layout: tuple[tuple[int, int], ...]) -> np.ndarray:
         """Every scale run of ``layout`` as an int64 ``[T, 2]`` array, cached per layout (small chunks make many)."""
@@ -130,22 +126,9 @@ class OneBitCompressor(Compressor):
         residual, _ = self._memory.gather("residual", pieces, n, grad.device)
         return residual.narrow(0, 0, n), self._memory.spare((tuple(pieces), n, grad.device), n, grad.device)
 
-    def end_step(self, commit: bool) -> None:
-        """Apply (``commit``) or drop the residuals the step staged."""
-        self._memory.end_step(commit)
+    def _kinds(self) -> dict[str, str]:
+        """``{"residuals": {name: tensor}}`` in the state; none without error feedback."""
+        return {"residuals": "residual"} if self.error_feedback else {}
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{"residuals": {name: tensor}}``; ``{}`` without error feedback."""
-        return {"residuals": self._memory.tensors("residual")} if self.error_feedback else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; buckets pick the residuals up by parameter name."""
-        expected = {"residuals"} if self.error_feedback else set()
-        if set(state) != expected:
-            raise ValueError(
-                f"compressor 'onebit' with error_feedback = {str(self.error_feedback).lower()} expects state with keys "
-                f"{sorted(expected)}, got keys {sorted(state)}"
-            )
-        self._memory.clear()
-        if state:
-            self._memory.load("residual", state["residuals"])
+    def _owner(self) -> str:
+        return f"compressor 'onebit' with error_feedback = {str(self.error_feedback).lower()}"

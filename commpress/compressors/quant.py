@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -23,7 +23,7 @@ from commpress.compressors.base import AllGather, Bucket, Compressor, Context, P
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.tensor_stats import TensorStats, runs
 from commpress.compressors.wire.framing import frame, unframe
-from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.memory import ErrorMemory, MemoryState, Piece
 from commpress.compressors.wire.seeding import Seed, tensor_key, tensor_seeds
 from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, MinNumel, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
@@ -40,7 +40,7 @@ DEFAULT_BUCKET_SIZE = 1024
 
 
 @register_compressor
-class QuantCompressor(Compressor):
+class QuantCompressor(MemoryState, Compressor):
     """Uniform b-bit stochastic quantization with a (min, scale) per bucket of elements.
 
     With ``error_feedback`` each rank keeps its rounding error for the next step: delayed, not
@@ -157,23 +157,6 @@ class QuantCompressor(Compressor):
 
         return error
 
-    def owed(self, entries: Mapping[str, Any]) -> torch.Tensor | None:
-        """With error feedback, the residual."""
-        return entries.get("residuals")
-
-    def end_step(self, commit: bool) -> None:
-        """Apply (``commit``) or drop the residuals the step staged."""
-        self._memory.end_step(commit)
-
-    def state_dict(self) -> dict[str, Any]:
-        """With ``error_feedback``: ``{"residuals": {parameter name: tensor}}``; else no state."""
-        return {"residuals": self._memory.tensors("residual")} if self.error_feedback else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; buckets pick the residuals up by parameter name."""
-        expected = ["residuals"] if self.error_feedback else []
-        if sorted(state) != expected:
-            raise ValueError(f"compressor 'quant' expects state with keys {expected}, got keys {sorted(state)}")
-        self._memory.clear()
-        if self.error_feedback:
-            self._memory.load("residual", state["residuals"])
+    def _kinds(self) -> dict[str, str]:
+        """With ``error_feedback``: ``{"residuals": {parameter name: tensor}}`` in the state; else no state."""
+        return {"residuals": "residual"} if self.error_feedback else {}

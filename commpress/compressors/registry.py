@@ -80,5 +80,4 @@ def check_params(method: str, params: Mapping[str, Any], belongs: Callable[[str]
 
 def build(method: str, params: Mapping[str, Any] | None = None) -> Compressor:
     """A new compressor instance of ``method`` with validated ``params``."""
-    cls = compressor_class(method)
-    return cls(**check_params(method, params or {}))
+    return compressor_class(method)(**check_params(method, params or {}))

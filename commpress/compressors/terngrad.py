@@ -89,9 +89,10 @@ class TernGradCompressor(Compressor):
             gathered = yield AllGather(payload)
         all_scales, all_packed = unframe(gathered, [(torch.float32, len(slots)), (torch.uint8, packed.numel())])
         ternary_unpack_accumulate_many(all_packed, all_scales, spans, bucket.buffer)
-        # one host transfer: every scale finite, and small enough that no sum overflows
+        # one host transfer: every scale finite, and small enough that no sum over the ranks overflows float32
         finite_all = torch.isfinite(all_scales).all(0)
-        *finite, bounded = host.flags(torch.cat([finite_all, host.finite(all_scales, bound=_sum_bound(ctx)).view(1)]))
+        limit = torch.finfo(torch.float32).max / ctx.world_size
+        *finite, bounded = host.flags(torch.cat([finite_all, host.finite(all_scales, bound=limit).view(1)]))
         for (offset, numel), ok in zip(spans, finite):
             if not ok:
                 bucket.buffer.narrow(0, offset, numel).fill_(math.nan)
@@ -133,8 +134,3 @@ class TernGradCompressor(Compressor):
             bound = torch.where(bound > 0, bound, math.inf)  # 0, or NaN from a non-finite tensor: no clipping
             scale = torch.minimum(peak, bound)
         return torch.where(torch.isfinite(scale) & torch.isfinite(peak), scale, math.inf)
-
-
-def _sum_bound(ctx: Context) -> float:
-    """The largest scale whose sum over the world's ranks stays finite in float32."""
-    return torch.finfo(torch.float32).max / ctx.world_size

@@ -37,7 +37,7 @@ from commpress.compressors.ladder import pool
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.tensor_stats import TensorStats
 from commpress.compressors.wire.framing import frame, unframe
-from commpress.compressors.wire.memory import ErrorMemory, Piece
+from commpress.compressors.wire.memory import ErrorMemory, MemoryState, Piece
 from commpress.compressors.wire.seeding import Seed, tensor_key, tensor_seeds
 from commpress.compressors.wire.sparse_values import ValueCodec
 from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, MinNumel, average_whole, split_whole, whole_part, write_whole
@@ -62,7 +62,7 @@ def topk_count(ratio: float, numel: int) -> int:
 
 
 @register_compressor
-class TopKCompressor(Compressor):
+class TopKCompressor(MemoryState, Compressor):
     """Send each tensor's largest-magnitude entries; keep the rest as a residual (or, with
     ``dgc``, as DGC's velocity).
 
@@ -221,7 +221,9 @@ class TopKCompressor(Compressor):
         )
         all_values = self._codec.decode(*all_wire, counts) if self._codec is not None else all_wire[0]
         scatter_add_decode(all_values, all_indices, n, bucket.buffer, average=True)
-        average = self._decode_whole(all_dense, dense_pieces)
+        average = average_whole(all_dense)
+        if self.dgc and dense_pieces:  # the tensors sent whole: their momentum U = m·U + average
+            average = dense_momentum(self._memory, dense_pieces, average, self.momentum)
         write_whole(bucket.buffer, whole, dense_pieces, average)
         # finite if the values and `average` are, bounded so that no sum overflows the bucket's dtype
         limit = torch.finfo(bucket.buffer.dtype).max
@@ -243,11 +245,6 @@ class TopKCompressor(Compressor):
         residual, _ = self._memory.gather("residual", pieces, grad.numel(), grad.device)
         out = self._memory.spare((tuple(pieces), grad.numel(), grad.device), grad.numel(), grad.device)
         return out, None, residual.narrow(0, 0, grad.numel())  # the spare itself: the memory tracks buffers by identity
-
-    def _decode_whole(self, gathered: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
-        """The average of the tensors sent whole; with DGC, their momentum ``U = m·U + average``."""
-        average = average_whole(gathered)
-        return dense_momentum(self._memory, pieces, average, self.momentum) if self.dgc and pieces else average
 
     def _stage(
         self, pieces: list[Piece], acc: torch.Tensor, u: torch.Tensor | None, dense_pieces: list[Piece], average: torch.Tensor
@@ -304,23 +301,6 @@ class TopKCompressor(Compressor):
         """The values' frame pieces (dtype, count) for ``k`` entries, ``counts`` per tensor."""
         return self._codec.layout(counts) if self._codec is not None else [(self.value_dtype, k)]
 
-    def end_step(self, commit: bool) -> None:
-        """Apply (``commit``) or drop the state the step staged."""
-        self._memory.end_step(commit)
-
     def _kinds(self) -> dict[str, str]:
-        """state_dict key -> memory kind."""
+        """``{"residuals": ...}`` in the state, or with DGC ``{"momentum": ..., "velocity": ...}``."""
         return {"momentum": "momentum", "velocity": "velocity"} if self.dgc else {"residuals": "residual"}
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"residuals": ...}``, or with DGC ``{"momentum": ..., "velocity": ...}``, by parameter name."""
-        return {key: self._memory.tensors(kind) for key, kind in self._kinds().items()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; buckets pick it up by parameter name at first use."""
-        kinds = self._kinds()
-        if set(state) != set(kinds):
-            raise ValueError(f"compressor 'topk' expects state with keys {sorted(kinds)}, got keys {sorted(state)}")
-        self._memory.clear()
-        for key, kind in kinds.items():
-            self._memory.load(kind, state[key])

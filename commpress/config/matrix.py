@@ -8,6 +8,8 @@ what to do instead. The docs' tables are rendered from here (:func:`rst_table`).
 
 from __future__ import annotations
 
+import itertools
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,15 +272,11 @@ def _verdict(items: tuple[str, ...], kind: str, managed: bool = False) -> tuple[
         where = "; ".join(f"{label(i)} applies with {_where(i)}" for i in extra)
         them = "it" if len(extra) == 1 else "them"
         return None, extra, f"{part.title} does not take {them} ({part.does}): remove {them} ({where})"
-    banned = tuple(i for i in items if i in NOT_ON.get(kind, {}))
-    if banned:
-        why = "; ".join(NOT_ON[kind][i] for i in banned)
-        return None, banned, f"{part.title} does not take {_names(banned)} on these models ({why}): remove it"
-    if managed:
-        banned = tuple(i for i in items if i in NOT_MANAGED)
+    for reasons, where in ((NOT_ON.get(kind, {}), "on these models"), (NOT_MANAGED if managed else {}, MANAGED)):
+        banned = tuple(i for i in items if i in reasons)
         if banned:
-            why = "; ".join(NOT_MANAGED[i] for i in banned)
-            return None, banned, f"{part.title} does not take {_names(banned)} {MANAGED} ({why}): remove it"
+            why = "; ".join(reasons[i] for i in banned)
+            return None, banned, f"{part.title} does not take {_names(banned)} {where} ({why}): remove it"
     for item, (need, why) in NEEDS.items():
         if item in items and need not in items:
             return None, (item,), f"{label(item)} needs a top-level {label(need)}: {why}"
@@ -361,15 +359,12 @@ def markdown_table() -> str:
 
 def rst_table(width: int = 44) -> str:
     """The same table as :mod:`commpress.registration`'s docstring holds it."""
-    import textwrap
-
     rule = f"{'=' * width}  {'=' * width}"
     lines = [rule, f"{'model':<{width}}  what applies", rule]
     for model, parts in _rows():
         left = textwrap.wrap(model, width)
         right = textwrap.wrap("; ".join(parts), width)
-        for i in range(max(len(left), len(right))):
-            a = left[i] if i < len(left) else ""
-            lines.append(f"{a:<{width}}  {right[i] if i < len(right) else ''}".rstrip())
+        for a, b in itertools.zip_longest(left, right, fillvalue=""):
+            lines.append(f"{a:<{width}}  {b}".rstrip())
     lines.append(rule)
     return "\n".join(lines)

@@ -283,10 +283,8 @@ class LayerwiseConfig:
     def __post_init__(self) -> None:
         check_fields("[layerwise]", self, key="[layerwise] {key}")
         budget = self.budget
-        if isinstance(budget, int):
-            _check("budget", budget, budget >= 1, BUDGET_ACCEPTED, "layerwise")
-        elif isinstance(budget, float):
-            _check("budget", budget, 0 < budget < 1, BUDGET_ACCEPTED, "layerwise")
+        if budget != "uniform":
+            _check("budget", budget, budget >= 1 if isinstance(budget, int) else 0 < budget < 1, BUDGET_ACCEPTED, "layerwise")
 
 
 #: What ``[layerwise] budget`` accepts, for error messages.
@@ -303,10 +301,8 @@ class OneBitAdamConfig:
 
     def __post_init__(self) -> None:
         check_fields("[onebit_adam]", self)
-        if isinstance(self.warmup, int):
-            _check("warmup", self.warmup, self.warmup >= 1, WARMUP_ACCEPTED, "onebit_adam")
-        else:
-            _check("warmup", self.warmup, 0 < self.warmup < 1, WARMUP_ACCEPTED, "onebit_adam")
+        ok = self.warmup >= 1 if isinstance(self.warmup, int) else 0 < self.warmup < 1
+        _check("warmup", self.warmup, ok, WARMUP_ACCEPTED, "onebit_adam")
 
     def warmup_steps(self, total_steps: int | None) -> int:
         """The warm-up in steps; a fraction needs ``total_steps``."""
@@ -349,15 +345,8 @@ TABLE_TYPES: dict[str, type[Table]] = {
     "dion": DionConfig,
 }
 
-#: How errors name each table's keys (``local_sgd: period = 0 ...``).
-_LABELS = {
-    "local_sgd": "local_sgd",
-    "fsdp": "fsdp",
-    "bandwidth": "[bandwidth]",
-    "layerwise": "[layerwise]",
-    "onebit_adam": "[onebit_adam]",
-    "dion": "[dion]",
-}
+#: How errors name each table's keys (``[dion] rank = 0 ...``; ``local_sgd: period = 0 ...``).
+_LABELS = {**{name: f"[{name}]" for name in TABLE_TYPES}, "local_sgd": "local_sgd", "fsdp": "fsdp"}
 
 
 def parse_table(name: str, data: Mapping[str, Any], belongs: Callable[[str], str] | None = None) -> Table:

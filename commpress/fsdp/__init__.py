@@ -20,13 +20,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from commpress.comm.agreement import agree_on_settings
 from commpress.config.tables import FSDPConfig
 from commpress.fsdp.config import load_fsdp_config
-from commpress.fsdp.fsdp1 import (
-    LowPrecisionState,
-    QuantizedState,
-    low_precision_hook,
-    quantized_hook,
-    register_fsdp1,
-)
+from commpress.fsdp.fsdp1 import LowPrecisionState, QuantizedState, low_precision_hook, quantized_hook, register_fsdp1
 from commpress.fsdp.fsdp2 import FSDP2State, QuantizedAllGather, QuantizedReduceScatter, apply_fsdp2
 
 __all__ = [

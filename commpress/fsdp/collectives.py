@@ -48,19 +48,25 @@ def quantized_reduce_scatter(
         segments.put(output, raw_out, "raw")
 
 
-def quantized_all_reduce(wire: Wire, flat: torch.Tensor, group: dist.ProcessGroup, seed: int, traffic: Traffic) -> None:
-    """Average ``flat`` over ranks by all-gathering payloads; raw ranges by an ordinary all-reduce."""
+def _gathered(wire: Wire, x: torch.Tensor, group: dist.ProcessGroup, seed: int, traffic: Traffic) -> tuple[torch.Tensor, float]:
+    """Every rank's payload of flat ``x`` as ``[world, nbytes]`` rows, and the seconds spent encoding."""
     world = group.size()
     t0 = time.perf_counter()
-    payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=flat.device)
-    wire.encode(flat, seed, payload)
-    gathered = torch.empty(world * wire.nbytes, dtype=torch.uint8, device=flat.device)
+    payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=x.device)
+    wire.encode(x, seed, payload)
+    gathered = torch.empty(world * wire.nbytes, dtype=torch.uint8, device=x.device)
     t1 = time.perf_counter()
     all_gather_single(gathered, payload, group=group)
-    traffic.add(nbytes=payload.numel(), collectives=1)
-    t2 = time.perf_counter()
-    wire.accumulate(gathered.view(world, wire.nbytes), flat, average=True)
-    traffic.add(seconds=t1 - t0 + time.perf_counter() - t2)
+    traffic.add(nbytes=wire.nbytes, collectives=1)
+    return gathered.view(world, wire.nbytes), t1 - t0
+
+
+def quantized_all_reduce(wire: Wire, flat: torch.Tensor, group: dist.ProcessGroup, seed: int, traffic: Traffic) -> None:
+    """Average ``flat`` over ranks by all-gathering payloads; raw ranges by an ordinary all-reduce."""
+    rows, encoding = _gathered(wire, flat, group, seed, traffic)
+    t0 = time.perf_counter()
+    wire.accumulate(rows, flat, average=True)
+    traffic.add(seconds=encoding + time.perf_counter() - t0)
     segments = wire.segments
     if segments.nraw:
         raw = segments.take(flat, "raw").contiguous()
@@ -73,16 +79,9 @@ def quantized_all_gather(
     wire: Wire, shard: torch.Tensor, output: torch.Tensor, group: dist.ProcessGroup, seed: int, traffic: Traffic
 ) -> None:
     """``output`` (``world * n``) = every rank's dequantized ``shard``, its own included."""
-    world, n = group.size(), shard.numel()
+    rows, encoding = _gathered(wire, shard, group, seed, traffic)
     t0 = time.perf_counter()
-    payload = torch.empty(wire.nbytes, dtype=torch.uint8, device=shard.device)
-    wire.encode(shard, seed, payload)
-    gathered = torch.empty(world * wire.nbytes, dtype=torch.uint8, device=shard.device)
-    t1 = time.perf_counter()
-    all_gather_single(gathered, payload, group=group)
-    traffic.add(nbytes=wire.nbytes, collectives=1)
-    t2 = time.perf_counter()
-    rows, out = gathered.view(world, wire.nbytes), output.view(world, n)
-    for r in range(world):
+    out = output.view(rows.shape[0], shard.numel())
+    for r in range(rows.shape[0]):
         wire.decode(rows[r], out[r])
-    traffic.add(seconds=t1 - t0 + time.perf_counter() - t2)
+    traffic.add(seconds=encoding + time.perf_counter() - t0)

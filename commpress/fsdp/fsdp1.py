@@ -109,8 +109,7 @@ def quantized_hook(state: QuantizedState, grad: torch.Tensor, output: torch.Tens
     rank = dist.get_rank(group)
     wire = state.wire(output.numel() if output is not None else grad.numel(), grad.dtype)
     if wire is None:
-        nbytes = grad.numel() * grad.element_size()
-        state.traffic.add(nbytes=nbytes, collectives=1)
+        state.traffic.add(nbytes=grad.numel() * grad.element_size(), collectives=1)
         if output is None:
             default_hooks.allreduce_hook(state, grad)
         else:

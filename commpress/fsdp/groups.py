@@ -8,6 +8,7 @@ so low-rank methods compress the shard's rows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +37,7 @@ class CrossGroupHook(BoundToProcess):
             if not param_groups:
                 continue
             named = [(names[id(fp.sharded_param)], fp.padded_sharded_param_size) for fp in param_groups[0].fsdp_params]
-            module.set_all_reduce_hook(self._hook(len(self.units)))
+            module.set_all_reduce_hook(functools.partial(self._average, len(self.units)))
             self.units.append(lay_out(named))
         self.settings = {
             "hook": "cross-group",
@@ -44,12 +45,6 @@ class CrossGroupHook(BoundToProcess):
             **groups.settings(),
         }
         self.averager.connect(self.settings, "the cross-group hook (commpress.register(..., mesh=))")
-
-    def _hook(self, index: int) -> Any:
-        def reduce(output: torch.Tensor) -> None:
-            self._average(index, output)
-
-        return reduce
 
     def _average(self, index: int, output: torch.Tensor) -> None:
         """Average one unit's gradient shard over the groups, in place."""

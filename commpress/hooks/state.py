@@ -183,14 +183,14 @@ class CommState(OnBackend):
             self.step = backend.step_of(self.step)
             self._heal.clear()
             self._ran = True
-        if first_bucket and self._check_resume and backend.can_block and backend.fixed_members:
-            checkpoint.check_resume(backend, self.step, self.config.digest(), "the DDP hook state (CommState)")
-            self._check_resume = False
-        if first_bucket and self.adaptive is not None and self.step >= self.config.start_iter:
-            # nothing in flight: safe to re-measure; before a layer-wise plan, whose budget a new setting sets
-            self.adaptive.begin_step(self.step)
-        if first_bucket and self.layerwise is not None:
-            self._replan(buffer.device)
+            if self._check_resume and backend.can_block and backend.fixed_members:
+                checkpoint.check_resume(backend, self.step, self.config.digest(), "the DDP hook state (CommState)")
+                self._check_resume = False
+            if self.adaptive is not None and self.step >= self.config.start_iter:
+                # nothing in flight: safe to re-measure; before a layer-wise plan, whose budget a new setting sets
+                self.adaptive.begin_step(self.step)
+            if self.layerwise is not None:
+                self._replan(buffer.device)
         # DDP rebuilds its buckets after the first step: re-derive when the members change.
         members = tuple(id(p) for p in params) if params is not None else (buffer.numel(),)
         cached = self._layouts.get(index)
@@ -337,10 +337,9 @@ class CommState(OnBackend):
     def __getstate__(self) -> dict[str, Any]:
         check_default_group(self._process_group, "the DDP hook state (CommState)")
         self._names.check_picklable()
-        connected = self._backend is not None
         return {
             "config": self.config,
-            "state": self.state_dict() if connected else self._saved,
+            "state": self.state_dict() if self._backend is not None else self._saved,
             "order": self._names.pickled_order(),
             "last_layer": sorted(self.groups.last_layer),
         }

@@ -14,22 +14,18 @@ class StepFlags:
 
     def __init__(self) -> None:
         self._flags: list[torch.Tensor] = []
-        self._in_flight = 0  # reductions whose completion callback has not run yet
+        self.in_flight = 0  # reductions whose completion callback has not run yet
         self._done = threading.Condition()  # guards both (callbacks run on comm threads)
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
 
     def started(self) -> None:
         """A bucket's reduction started: its flag comes with :meth:`landed`."""
         with self._done:
-            self._in_flight += 1
+            self.in_flight += 1
 
     def landed(self, flag: torch.Tensor) -> None:
         with self._done:
             self._flags.append(flag)
-            self._in_flight -= 1
+            self.in_flight -= 1
             self._done.notify_all()
 
     def add(self, flag: torch.Tensor) -> None:
@@ -40,7 +36,7 @@ class StepFlags:
     def collect(self) -> list[torch.Tensor]:
         """Once no reduction is in flight, the step's flags (and none left)."""
         with self._done:
-            self._done.wait_for(lambda: self._in_flight == 0)
+            self._done.wait_for(lambda: self.in_flight == 0)
             flags, self._flags = self._flags, []
             return flags
 

@@ -321,10 +321,8 @@ class LayerwiseGroups(MethodGroups):
 
     def load_plan_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`plan_state` (before the compressors' own states are loaded)."""
-        self.assigned, self.plan = {}, None
-        if state["plan"] is not None:
-            plan = LayerPlan.from_dict(state["plan"])
-            self.assigned, self.plan = dict(plan.keys), plan
+        self.plan = LayerPlan.from_dict(state["plan"]) if state["plan"] is not None else None
+        self.assigned = dict(self.plan.keys) if self.plan is not None else {}
         self.composite = _Planned(self)
         self._carry = {str(n): t.detach().to(torch.float32, copy=True) for n, t in state["carry"].items()}
         self._measured = {

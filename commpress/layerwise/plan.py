@@ -42,15 +42,7 @@ class LayerPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for digests and checkpoints."""
-        return {
-            "step": self.step,
-            "keys": dict(self.keys),
-            "labels": dict(self.labels),
-            "nbytes": dict(self.nbytes),
-            "budget": self.budget,
-            "error": self.error,
-            "ranks": list(self.ranks),
-        }
+        return {**dataclasses.asdict(self), "ranks": list(self.ranks)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LayerPlan:

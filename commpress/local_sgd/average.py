@@ -25,6 +25,13 @@ class Average:
     buffer: torch.Tensor
     round: int
 
+    @classmethod
+    def landed(cls, buffer: torch.Tensor, round: int) -> Average:
+        """An average already in ``buffer`` (restored, or not used)."""
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buffer)
+        return cls(done, buffer, round)
+
 
 @dataclass
 class InFlight:

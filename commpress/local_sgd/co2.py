@@ -24,7 +24,7 @@ from commpress.comm.averager import ParameterAverager
 from commpress.config.tables import check_co2_settings
 from commpress.errors import ConfigError
 from commpress.local_sgd.average import Average
-from commpress.local_sgd.outer import OuterOptimizer, check_outer_arguments, describe_optimizer
+from commpress.local_sgd.outer import OuterOptimizer, check_outer_arguments
 from commpress.local_sgd.periods import Period
 from commpress.local_sgd.trainer import Trainer
 
@@ -109,9 +109,7 @@ class CO2(Trainer):
         self._pending_anchor: torch.Tensor | None = None  # the pending round's anchor, for the adaptive penalty
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        """The given one, or momentum SGD without Nesterov (clipped: :class:`ClippedSGD`)."""
-        if self._given_outer is not None:
-            return self._given_outer(params)
+        """Momentum SGD without Nesterov (clipped: :class:`ClippedSGD`)."""
         if self.clip is None:
             return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum)
         return ClippedSGD(params, self.outer_lr, self.outer_momentum, self.clip)
@@ -122,10 +120,7 @@ class CO2(Trainer):
         return self.outer_optimizer.state.get(self.anchor, {}).get("momentum_buffer")
 
     def _settings(self) -> dict[str, Any]:
-        if self._given_outer is not None:
-            outer: dict[str, Any] = {"outer_optimizer": describe_optimizer(self.outer_optimizer)}
-        else:
-            outer = {"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "clip": self.clip}
+        outer = self._outer_settings({"outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum, "clip": self.clip})
         return {**outer, "staleness_penalty": self.staleness_penalty}
 
     def start_due(self, final: bool = False) -> None:
@@ -139,8 +134,7 @@ class CO2(Trainer):
             self._apply(local)  # waits before this round's average starts: one in flight at a time
         self.flat.write(self.anchor)  # before the quorum: a healing peer reads these values
         self._begin_sync()
-        self.transaction.keep_for_replay(self.flat.bucket, send.numel())
-        self._pending = Average(self.averager.start(self.flat.bucket(send), commit=False), send, self.clock.rounds)
+        self._pending = self._start_average(send, self.flat.bucket)
         self._pending_anchor = self.anchor.clone() if self.staleness_penalty == "adaptive" else None
         if not self.backend.participating:
             self._decide_now()
@@ -216,9 +210,6 @@ class CO2(Trainer):
         pending = part["pending"]
         self._no_syncs()
         if pending is not None:
-            done: torch.futures.Future = torch.futures.Future()
-            buffer = pending["average"].clone()
-            done.set_result(buffer)
-            self._pending = Average(done, buffer, self.clock.rounds - 1)
+            self._pending = Average.landed(pending["average"].clone(), self.clock.rounds - 1)
             self._pending_anchor = None if pending["anchor"] is None else pending["anchor"].clone()
             self._landed = (self._pending.buffer,)

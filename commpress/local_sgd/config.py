@@ -102,19 +102,13 @@ def trainer_for(
 ) -> Trainer:
     """The trainer the ``[local_sgd]`` table ``section`` describes, averaging through ``averager``."""
     common = {"averager": averager, "average_buffers": section.average_buffers, "total_steps": total_steps, "key": key}
+    period = period_policy(section)
     if section.algorithm == "local_sgd":
-        return LocalSGD(model, optimizer, period_policy(section), **common)
+        return LocalSGD(model, optimizer, period, **common)
     outer = {"outer_lr": section.value("outer_lr"), "outer_momentum": section.value("outer_momentum")}
     if section.algorithm == "diloco":
         keys = ("nesterov", "fragments", "sync_delay")
         merge = {"merge": section.merge, "merge_alpha": section.merge_alpha}  # as given: DiLoCo resolves them
-        return DiLoCo(model, optimizer, period_policy(section), **outer, **{k: section.value(k) for k in keys}, **merge, **common)
-    return CO2(
-        model,
-        optimizer,
-        period_policy(section),
-        **outer,
-        staleness_penalty=section.value("staleness_penalty"),
-        clip=section.clip,
-        **common,
-    )
+        return DiLoCo(model, optimizer, period, **outer, **{k: section.value(k) for k in keys}, **merge, **common)
+    co2 = {"staleness_penalty": section.value("staleness_penalty"), "clip": section.clip}
+    return CO2(model, optimizer, period, **outer, **co2, **common)

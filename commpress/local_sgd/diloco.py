@@ -23,7 +23,7 @@ from commpress.errors import ConfigError
 from commpress.local_sgd.average import InFlight
 from commpress.local_sgd.fragments import Fragment
 from commpress.local_sgd.local_sgd import LocalSGD
-from commpress.local_sgd.outer import OuterOptimizer, check_outer_arguments, describe_optimizer
+from commpress.local_sgd.outer import OuterOptimizer, check_outer_arguments
 from commpress.local_sgd.periods import Constant, Period
 
 __all__ = ["DiLoCo"]
@@ -91,9 +91,7 @@ class DiLoCo(LocalSGD):
         return Constant(h // self.fragment_count)
 
     def _outer_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        """The given one, or SGD as the paper steps it (torch's Nesterov, dampening 0)."""
-        if self._given_outer is not None:
-            return self._given_outer(params)
+        """SGD as the paper steps it (torch's Nesterov, dampening 0)."""
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov)
 
     def _follow_participants(self) -> None:
@@ -106,14 +104,11 @@ class DiLoCo(LocalSGD):
             group["lr"] = self.outer_lr
 
     def _settings(self) -> dict[str, Any]:
-        if self._given_outer is not None:
-            outer: dict[str, Any] = {"outer_optimizer": describe_optimizer(self.outer_optimizer)}
-        else:
-            outer = {"outer_lr": self.outer_lr_setting, "outer_momentum": self.outer_momentum, "nesterov": self.nesterov}
+        outer = {"outer_lr": self.outer_lr_setting, "outer_momentum": self.outer_momentum, "nesterov": self.nesterov}
         streaming = {"fragments": self.fragment_count, "sync_delay": self.sync_delay, "merge": self.merge}
         if self.merge == "mix":
             streaming["merge_alpha"] = self.merge_alpha
-        return {"outer_period": repr(self.outer_period), **outer, **streaming}
+        return {"outer_period": repr(self.outer_period), **self._outer_settings(outer), **streaming}
 
     def _eager_move(self, fragment: Fragment, anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor | None:
         """``merge = "eager"``: where a delayed sync moves the local values when it starts."""

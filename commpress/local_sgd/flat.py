@@ -31,7 +31,7 @@ class FlatModel:
 
     def __init__(self, model: nn.Module, buffers: bool = False) -> None:
         module = unwrap(model)
-        named = [(n, p) for n, p in module.named_parameters()]
+        named = list(module.named_parameters())
         if buffers:
             named += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
         if not named:
@@ -40,7 +40,6 @@ class FlatModel:
         if len(dtypes) > 1:
             found = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
             raise TypeError(f"Local SGD averages one flat vector: all parameters must share a dtype, found {found}")
-        self.names = [n for n, _ in named]
         self.tensors = [t for _, t in named]
         self.slots, self.numel = lay_out((name, local(t).shape) for name, t in named)
         #: every tensor's whole size (a shard's parameter's, not its shard's)
@@ -52,10 +51,6 @@ class FlatModel:
             raise ValueError("Local SGD averages one flat vector: the sharded parameters must share one mesh")
         #: the group of ranks holding the other shards of this model (None: not sharded)
         self.shard_group = next(iter(meshes.values())).get_group() if meshes else None
-
-    def empty(self) -> torch.Tensor:
-        """A new uninitialized flat vector."""
-        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
     def bucket(self, buffer: torch.Tensor, index: int = 0) -> Bucket:
         """``buffer`` (a flat vector) as a bucket whose slots name the model's tensors."""

@@ -50,15 +50,13 @@ def split(
         )
     ends = list(itertools.accumulate(sizes if sizes is not None else [s.numel for s in slots]))
     total = ends[-1]
-    cuts, previous = [], 0
+    bounds = [0]
     for f in range(1, fragments):
         target = total * f / fragments
         # the boundary nearest the target, after the previous cut, leaving a tensor per later fragment
-        lo, hi = previous + 1, len(slots) - (fragments - f)
-        cut = min(range(lo, hi + 1), key=lambda i: (abs(ends[i - 1] - target), -i))
-        cuts.append(cut)
-        previous = cut
-    bounds = [0, *cuts, len(slots)]
+        lo, hi = bounds[-1] + 1, len(slots) - (fragments - f)
+        bounds.append(min(range(lo, hi + 1), key=lambda i: (abs(ends[i - 1] - target), -i)))
+    bounds.append(len(slots))
     out = []
     for f, (a, b) in enumerate(itertools.pairwise(bounds)):
         start = slots[a].offset

@@ -3,8 +3,7 @@ fragment, on which :class:`~commpress.local_sgd.DiLoCo` builds."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -63,11 +62,7 @@ class LocalSGD(Trainer):
     def apply_due(self, final: bool = False) -> None:
         """Land the averages due by this step (``final``: all), then end the round if it ended."""
         self._apply_syncs_due(until=None if final else self.clock.step)
-        self._end_round(final)
-
-    def _end_round(self, final: bool) -> None:
-        """Count the round if this step ended it (``final``: if steps were taken in it)."""
-        if self.clock.round_ends or (final and self.clock.in_round):
+        if self.clock.round_ends or (final and self.clock.in_round):  # final: if steps were taken in it
             self.clock.round_done()
 
     def _apply_syncs_due(self, until: int | None) -> None:
@@ -79,8 +74,7 @@ class LocalSGD(Trainer):
         """Start averaging ``fragment``'s pseudo-gradient, landing at step ``due``."""
         anchor, local = self.anchor[fragment.where], self.flat.read(tensors=fragment.tensors)
         start = None if replace or due == self.clock.step else self._eager_move(fragment, anchor, local)
-        self.transaction.keep_for_replay(fragment.bucket, fragment.stop - fragment.start)
-        started = self._start(anchor, local, fragment.bucket)  # takes local for the pseudo-gradient
+        started = self._start_average(torch.sub(anchor, local, out=local), fragment.bucket)  # local: the pseudo-gradient
         if start is not None:
             self.flat.write(start, fragment.tensors)
         self._in_flight.append(InFlight(started, fragment, due, replace, start))
@@ -89,16 +83,22 @@ class LocalSGD(Trainer):
         """Where a delayed sync moves the local values when it starts (None: nowhere)."""
         return None
 
-    def _start(self, anchor: torch.Tensor, local: torch.Tensor, bucket: Callable[[torch.Tensor], Any]) -> Average:
-        """Start averaging ``anchor - local`` (into ``local``), its compressor state staged until it lands."""
-        torch.sub(anchor, local, out=local)
-        return Average(self.averager.start(bucket(local), commit=False), local, self.clock.rounds)
-
     def _land_one(self, flight: InFlight) -> None:
-        """Land a sync: the outer step and the merge, or :meth:`_skip_sync` if it does not count."""
+        """Land a sync: the outer step with the averaged pseudo-gradient, then the merge of the local
+        values (or they take the anchor's), or :meth:`_skip_sync` if it does not count."""
         verdict = None if self._outcomes else self.transaction.ask(lambda: self._wait(flight.average))
         with self.transaction.lock:  # the compressor's state and the anchor change together for a reading peer
-            self._apply_outcome(flight, self._outcomes.pop(0) if verdict is None else self._outcome_of(flight, *verdict))
+            outcome = self._outcomes.pop(0) if verdict is None else self._outcome_of(flight, *verdict)
+            if outcome in ("apply", "replace"):
+                self.outer_step(flight.fragment.index, flight.average.buffer)
+                if outcome == "replace" or flight.replace or (flight.start is None and self.merge_alpha == 0):
+                    self._to_anchor(flight.fragment)
+                else:
+                    self._merge(flight)
+            elif outcome == "anchor":
+                self._to_anchor(flight.fragment)
+            else:
+                self._skip_sync(flight)
 
     def _outcome_of(self, flight: InFlight, average: torch.Tensor | None, finite: bool, committed: bool) -> str:
         """Settle the compressor's staged state; how the sync lands: ``"apply"``, ``"replace"``
@@ -109,22 +109,6 @@ class LocalSGD(Trainer):
         if committed and landed:
             return "replace" if healed and flight.start is not None else "apply"
         return "anchor" if healed or not finite else "skip"
-
-    def _apply_outcome(self, flight: InFlight, outcome: str) -> None:
-        if outcome in ("apply", "replace"):
-            self._apply(dataclasses.replace(flight, replace=outcome == "replace" or flight.replace), flight.average.buffer)
-        elif outcome == "anchor":
-            self._to_anchor(flight.fragment)
-        else:
-            self._skip_sync(flight)
-
-    def _apply(self, flight: InFlight, average: torch.Tensor) -> None:
-        """The outer step with the averaged pseudo-gradient, then the merge of the local values."""
-        self.outer_step(flight.fragment.index, average)
-        if flight.replace or (flight.start is None and self.merge_alpha == 0):
-            self._to_anchor(flight.fragment)
-        else:
-            self._merge(flight)
 
     def _merge(self, flight: InFlight) -> None:
         """The local values after a landed average, where they do not take the anchor's."""
@@ -148,9 +132,7 @@ class LocalSGD(Trainer):
         in_flight = []
         for flight, outcome in zip(self._in_flight, self._outcomes):
             if outcome in ("anchor", "skip"):  # its average is not used (and may have failed): saved as it is
-                done: torch.futures.Future = torch.futures.Future()
-                done.set_result(flight.average.buffer)
-                flight.average = dataclasses.replace(flight.average, future=done)
+                flight.average = Average.landed(flight.average.buffer, flight.average.round)
             saved = {"fragment": flight.fragment.index, "due": flight.due, "round": flight.average.round}
             copies = {"average": flight.average.buffer.clone(), "start": None if flight.start is None else flight.start.clone()}
             in_flight.append({**saved, **copies, "replace": flight.replace})
@@ -161,10 +143,7 @@ class LocalSGD(Trainer):
         self._outcomes = [str(outcome) for outcome in part["outcomes"]]
         self._in_flight = []
         for saved in part["in_flight"]:
-            done: torch.futures.Future = torch.futures.Future()
-            buffer = saved["average"].clone()
-            done.set_result(buffer)
-            average = Average(done, buffer, int(saved["round"]))
+            average = Average.landed(saved["average"].clone(), int(saved["round"]))
             start = None if saved["start"] is None else saved["start"].clone()
             fragment = self.fragments[saved["fragment"]]
             self._in_flight.append(InFlight(average, fragment, int(saved["due"]), saved["replace"], start))

@@ -61,15 +61,14 @@ class QSR(Period):
         self.alpha, self.h_base, self.power, self.warmup_steps = alpha, h_base, power, warmup_steps
 
     def next(self, step: int, lr: float, remaining: int | None = None) -> int:
+        left = remaining if remaining is not None and remaining > 0 else None
         if step < self.warmup_steps:
             h = self.h_base
         elif lr > 0:
             h = qsr_period(lr, self.alpha, self.h_base, self.power)
         else:  # lr = 0: nothing moves; one round to the end (or h_base if the end is unknown)
-            h = remaining if remaining is not None and remaining > 0 else self.h_base
-        if remaining is not None and remaining > 0:
-            h = min(h, remaining)
-        return h
+            h = self.h_base if left is None else left
+        return h if left is None else min(h, left)
 
     def __repr__(self) -> str:
         return f"QSR(alpha={self.alpha}, h_base={self.h_base}, power={self.power}, warmup_steps={self.warmup_steps})"

@@ -25,6 +25,7 @@ from commpress.config.tables import LocalSGDConfig
 from commpress.local_sgd.average import Average, check_finite
 from commpress.local_sgd.ddp import skip_gradient_allreduce
 from commpress.local_sgd.flat import FlatModel
+from commpress.local_sgd.outer import OuterOptimizer, describe_optimizer
 from commpress.local_sgd.periods import Period
 from commpress.local_sgd.rounds import RoundClock
 from commpress.local_sgd.transaction import SyncTransaction
@@ -52,6 +53,8 @@ class Trainer(BoundToProcess):
     name = "local SGD"
     #: the ``[local_sgd]`` table's algorithm, whose defaults fill the arguments left None
     algorithm = "local_sgd"
+    #: a user's outer optimizer builder (None: the trainer's own, :meth:`_outer_optimizer`)
+    _given_outer: OuterOptimizer | None = None
 
     def __init__(
         self,
@@ -79,7 +82,8 @@ class Trainer(BoundToProcess):
         self.anchor = self.flat.read()
         #: what the outer optimizer steps: views of the anchor
         self.outer_params = self._outer_params()
-        self.outer_optimizer = self._outer_optimizer(self.outer_params)
+        given = self._given_outer
+        self.outer_optimizer = self._outer_optimizer(self.outer_params) if given is None else given(self.outer_params)
         #: what every rank must share, and a checkpoint must have been saved with
         self.settings = {"algorithm": self.name, "period": repr(period), "averager": self.averager.method, **self._settings()}
         self.settings["model"] = [[n, list(p.shape)] for n, p in model.named_parameters()]
@@ -121,6 +125,10 @@ class Trainer(BoundToProcess):
     def _settings(self) -> dict[str, Any]:
         """Settings every rank must share, beyond the period and the averaging method."""
         return {}
+
+    def _outer_settings(self, built_in: dict[str, Any]) -> dict[str, Any]:
+        """``built_in``, the settings of the trainer's own outer optimizer, or the user's one described."""
+        return built_in if self._given_outer is None else {"outer_optimizer": describe_optimizer(self.outer_optimizer)}
 
     @property
     def period(self) -> int | None:
@@ -196,15 +204,12 @@ class Trainer(BoundToProcess):
         self.start_due()
         self.apply_due()
 
-    def _check_ranks(self) -> None:
-        """After a load, fixed ranks compare step and settings at the first sync."""
+    def _begin_sync(self) -> None:
+        """A sync begins: after a load, fixed ranks compare step and settings; the backend's step opens;
+        what follows the participants follows them."""
         if self._check_resume and self.averager.can_block and self.backend.fixed_members:
             checkpoint.check_resume(self.backend, self.clock.step, digest_of(self.settings), self.name)
         self._check_resume = False
-
-    def _begin_sync(self) -> None:
-        """A sync begins: the ranks' check after a load, the backend's step, what follows the participants."""
-        self._check_ranks()
         self.transaction.begin(self.clock)
         self._follow_participants()
 
@@ -222,6 +227,11 @@ class Trainer(BoundToProcess):
     def apply_due(self, final: bool = False) -> None:
         """Land the syncs due by this step (``final``: all)."""
         raise NotImplementedError
+
+    def _start_average(self, pseudo_gradient: torch.Tensor, bucket: Callable[[torch.Tensor], Any]) -> Average:
+        """Start averaging ``pseudo_gradient`` as ``bucket`` (its replay kept), its compressor state staged until it lands."""
+        self.transaction.keep_for_replay(bucket, pseudo_gradient.numel())
+        return Average(self.averager.start(bucket(pseudo_gradient), commit=False), pseudo_gradient, self.clock.rounds)
 
     def _wait(self, average: Average) -> torch.Tensor:
         """The averaged pseudo-gradient, once it is there and finite (the wait recorded)."""
@@ -304,19 +314,16 @@ class Trainer(BoundToProcess):
                 "shards: save every rank's state_dict() (torch.save on every rank, or torch.distributed.checkpoint "
                 "with Registration.stateful(model, optimizer))"
             )
-        part = checkpoint.tag(self._part(), backend.rank, backend.world_size, self.clock.step, self.settings)
-        return checkpoint.gather_job(backend.allgather_object, part) if full else part
-
-    def _part(self) -> dict[str, Any]:
-        """The syncs in flight (asked first whether each counts, as landing would), then the rest."""
-        syncs = self._syncs_part()
-        return {
+        syncs = self._syncs_part()  # first: asked whether each counts, as landing would
+        part = {
             "clock": self.clock.state_dict(),
             "anchor": self.anchor.clone(),
             "outer": copy.deepcopy(self.outer_optimizer.state_dict()),
             "averager": self.averager.state_dict(),
             **syncs,
         }
+        part = checkpoint.tag(part, backend.rank, backend.world_size, self.clock.step, self.settings)
+        return checkpoint.gather_job(backend.allgather_object, part) if full else part
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore this rank's part, or its part of a whole-job state; the settings must be the saved ones."""
@@ -325,16 +332,13 @@ class Trainer(BoundToProcess):
             checkpoint.check_same_mesh(state, self.settings["shard_shapes"], self.averager.world_size, what)
         part = self.averager.own_part(state, what)
         checkpoint.check_config(part["config"], self.settings, what)
-        self._load_part(part)
-        self._check_resume = True
-
-    def _load_part(self, part: Mapping[str, Any]) -> None:
         self.clock.load_state_dict(part["clock"])
         self.anchor.copy_(part["anchor"])
         self.outer_optimizer.load_state_dict(copy.deepcopy(part["outer"]))
         self.averager.load_state_dict(part["averager"])
         self.transaction.forget_replays()  # what was in flight was asked about when saved
         self._load_syncs(part)
+        self._check_resume = True
 
     def _syncs_part(self) -> dict[str, Any]:
         """The syncs in flight, as a restored run lands them."""
@@ -342,4 +346,3 @@ class Trainer(BoundToProcess):
 
     def _load_syncs(self, part: Mapping[str, Any]) -> None:
         raise NotImplementedError
-

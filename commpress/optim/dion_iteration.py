@@ -14,7 +14,7 @@ matrices is Dion turns each gradient into its direction, and heals a (re)joining
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
 
 import glob
-import math
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,7 +31,7 @@ from commpress.config import Config, Override, digest_of
 from commpress.config.groups import MethodGroups
 from commpress.hooks.state import CommState
 from commpress.local_sgd.average import check_finite
-from commpress.optim.momentum import spread_non_finite
+from commpress.optim.momentum import spread_non_finite, written_grads
 
 __all__ = ["AtTheStep", "DionIteration", "InTheBackward"]
 
@@ -44,9 +44,7 @@ class _BucketSplit:
     """Where one DDP bucket's Muon matrices and other parameters sit in its flat buffer."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Mapping[int, str], muon: set[int]) -> None:
-        offsets = [0]
-        for p in params:
-            offsets.append(offsets[-1] + p.numel())
+        offsets = [0, *itertools.accumulate(p.numel() for p in params)]
         device = params[0].device
         mine = [i for i, p in enumerate(params) if id(p) in muon]
         rest = [i for i, p in enumerate(params) if id(p) not in muon]
@@ -90,12 +88,8 @@ class AtTheStep(BoundToProcess):
         self.update = ParameterAverager(backend=self.backend, compressor=dion)
         self.rest = ParameterAverager(cfg.method, cfg.params, backend=self.backend)
         self._splits: dict[int, _BucketSplit] = {}
-        self._steps = 0
+        self.steps = 0  # Muon steps taken since registration
         self._check_resume = False
-
-    @property
-    def steps(self) -> int:
-        return self._steps
 
     @property
     def traffic(self) -> Traffic:
@@ -134,33 +128,33 @@ class AtTheStep(BoundToProcess):
     def directions(self, settings: Mapping[str, Any]) -> list[torch.Tensor]:
         """Each matrix's update direction from the gradients as they stand, checked finite."""
         if self._check_resume and self.backend.can_block:
-            checkpoint.check_resume(self.backend, self._steps, digest_of(settings), NAME)
+            checkpoint.check_resume(self.backend, self.steps, digest_of(settings), NAME)
         self._check_resume = False
         for slot, (name, p) in zip(self.slots, self.named):
             if p.grad is None:
                 raise RuntimeError(
-                    f"{NAME}: parameter {name} has no gradient at step {self._steps}; every rank steps every "
+                    f"{NAME}: parameter {name} has no gradient at step {self.steps}; every rank steps every "
                     "matrix (an unused parameter needs a zero gradient)"
                 )
             self._flat.narrow(0, slot.offset, slot.numel).view(p.shape).copy_(p.grad)
         self.update.average(Bucket(0, self._flat, self.slots))
-        check_finite(self._flat, NAME, self._steps)
+        check_finite(self._flat, NAME, self.steps)
         return [self._flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots]
 
     def stepped(self) -> None:
-        self._steps += 1
+        self.steps += 1
 
     def state_dict(self, full: bool, settings: Mapping[str, Any]) -> dict[str, Any]:
         backend = self.backend
         part = {"averager": self.update.state_dict(), "rest": self.rest.state_dict()}
-        part = checkpoint.tag(part, backend.rank, backend.world_size, self._steps, settings)
+        part = checkpoint.tag(part, backend.rank, backend.world_size, self.steps, settings)
         return checkpoint.gather_job(backend.allgather_object, part) if full else part
 
     def load_state_dict(self, state: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
         what = f"{NAME}: load_state_dict"
         part = checkpoint.own_part(state, self.backend.rank, self.backend.world_size, what, lambda _: True, _resized)
         checkpoint.check_config(part["config"], settings, what)
-        self._steps = int(part["step"])
+        self.steps = int(part["step"])
         self.update.load_state_dict(part["averager"])
         self.rest.load_state_dict(part["rest"])
         self._check_resume = True
@@ -215,16 +209,7 @@ class InTheBackward(BoundToProcess):
 
     def directions(self, settings: Mapping[str, Any]) -> list[torch.Tensor]:
         """The directions DDP wrote into Muon's gradients, checked finite (one host sync)."""
-        grads = [p.grad for _, p in self.named]
-        if any(g is None for g in grads):
-            raise RuntimeError(
-                f"{NAME}: a matrix has no gradient at step {self._step}; its direction is its gradient here: do not "
-                "clear or skip gradients between backward() and step()"
-            )
-        peaks = [torch.linalg.vector_norm(g, ord=math.inf) for g in grads if g.numel()]
-        if peaks:
-            check_finite(torch.stack(peaks), NAME, self._step or 0)
-        return grads
+        return written_grads([p for _, p in self.named], NAME, self._step, "matrix", "direction")
 
     def stepped(self) -> None:
         self._step = None

@@ -64,6 +64,21 @@ def spread_non_finite(tensor: torch.Tensor, index: torch.Tensor | None = None) -
             tensor.index_fill_(0, index, math.nan)
 
 
+def written_grads(params: list[torch.nn.Parameter], name: str, step: int | None, noun: str, what: str) -> list[torch.Tensor]:
+    """What the backward wrote into ``params``' gradients (each ``noun``'s ``what``), checked finite
+    with one host sync for all: the largest magnitude of each (a NaN or an inf carries through)."""
+    grads = [p.grad for p in params]
+    if any(g is None for g in grads):
+        raise RuntimeError(
+            f"{name}: a {noun} has no gradient at step {step}; its {what} is its gradient here: do not clear or skip "
+            "gradients between backward() and step()"
+        )
+    peaks = [torch.linalg.vector_norm(g, ord=math.inf) for g in grads if g.numel()]
+    if peaks:
+        check_finite(torch.stack(peaks), name, step or 0)
+    return grads
+
+
 class AtTheStep(BoundToProcess):
     """The momenta averaged by ``averager`` (any commpress method) as one flat float32 vector at
     ``optimizer.step()``; a step a GradScaler skips does not count."""
@@ -72,7 +87,8 @@ class AtTheStep(BoundToProcess):
 
     def __init__(self, averager: ParameterAverager) -> None:
         self.averager = averager
-        self._steps = 0
+        #: optimizer steps taken since registration (the warm-up ends at ``warmup_steps``)
+        self.steps = 0
         self._check_resume = False
 
     def bind(self, adam: Adam) -> None:
@@ -89,21 +105,13 @@ class AtTheStep(BoundToProcess):
         }
 
     @property
-    def steps(self) -> int:
-        """Optimizer steps taken since registration (the warm-up ends at ``warmup_steps``)."""
-        return self._steps
-
-    @property
     def traffic(self) -> Traffic:
         return self.averager.traffic
 
     def connect(self, process_group: Any) -> None:
-        """Agree on the settings across ranks (the one set-up exchange) and load the kernels now."""
+        """Agree on the settings across ranks (the one set-up exchange) and load the method's kernels
+        now, before the freeze, in a simulated world (:mod:`commpress.comm.warm`)."""
         self.averager.connect(self.settings, self.adam.name, process_group)
-        self.load_kernels()
-
-    def load_kernels(self) -> None:
-        """Load the method's kernels before the freeze, in a simulated world (:mod:`commpress.comm.warm`)."""
         load_kernels(self.averager.groups, [(s.name, s.shape) for s in self.slots], self._flat.dtype, self._flat.device)
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -114,22 +122,22 @@ class AtTheStep(BoundToProcess):
 
     def pending(self) -> int | None:
         """The step whose 1-bit update this ``optimizer.step()`` applies; None: AdamW's own step."""
-        return self._steps if self._frozen else None
+        return self.steps if self._frozen else None
 
     @property
     def _frozen(self) -> bool:
         """Whether the warm-up is over: from then on the hook sends only the finiteness flag."""
-        return self._steps >= self.adam.warmup_steps
+        return self.steps >= self.adam.warmup_steps
 
     def start(self) -> torch.futures.Future:
         """Start averaging the local momenta (every rank in the same order); :meth:`finish` waits."""
         if self._check_resume and self.averager.can_block:
-            checkpoint.check_resume(self.averager.backend, self._steps, digest_of(self.settings), self.adam.name)
+            checkpoint.check_resume(self.averager.backend, self.steps, digest_of(self.settings), self.adam.name)
         self._check_resume = False
         for slot, p in zip(self.slots, self.adam.params):
             if p.grad is None:
                 raise RuntimeError(
-                    f"{self.adam.name}: parameter {slot.name} has no gradient at step {self._steps}; every rank "
+                    f"{self.adam.name}: parameter {slot.name} has no gradient at step {self.steps}; every rank "
                     "averages every parameter's momentum (an unused parameter needs a zero gradient)"
                 )
             self.adam.local_momentum(p, p.grad, out=self._flat[slot.offset : slot.offset + slot.numel].view(p.shape))
@@ -139,17 +147,17 @@ class AtTheStep(BoundToProcess):
         """Each parameter's averaged momentum, checked finite on every rank."""
         if started is not None:
             started.wait()
-        check_finite(self._flat, self.adam.name, self._steps)
+        check_finite(self._flat, self.adam.name, self.steps)
         return [self._flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
 
     def stepped(self) -> None:
-        self._steps += 1
+        self.steps += 1
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """The step counter and error feedback, tagged for this rank; ``full=True``: every rank's (a collective)."""
         backend = self.averager.backend
         part = checkpoint.tag(
-            {"averager": self.averager.state_dict()}, backend.rank, backend.world_size, self._steps, self.settings
+            {"averager": self.averager.state_dict()}, backend.rank, backend.world_size, self.steps, self.settings
         )
         return checkpoint.gather_job(backend.allgather_object, part) if full else part
 
@@ -158,7 +166,7 @@ class AtTheStep(BoundToProcess):
         what = f"{self.adam.name}: load_state_dict"
         part = self.averager.own_part(state, what)
         checkpoint.check_config(part["config"], self.settings, what)
-        self._steps = int(part["step"])
+        self.steps = int(part["step"])
         self.averager.load_state_dict(part["averager"])
         self._check_resume = True
 
@@ -224,17 +232,7 @@ class InTheBackward(BoundToProcess):
 
     def finish(self, started: None) -> list[torch.Tensor]:
         """The averaged momenta DDP wrote into the gradients."""
-        params = self.adam.params
-        if any(p.grad is None for p in params):
-            raise RuntimeError(
-                f"{self.adam.name}: a parameter has no gradient at step {self._step}; its averaged momentum is its "
-                "gradient here: do not clear or skip gradients between backward() and step()"
-            )
-        # one host sync for all: the largest magnitude of each momentum (a NaN or an inf carries through)
-        peaks = [torch.linalg.vector_norm(p.grad, ord=math.inf) for p in params if p.grad.numel()]
-        if peaks:
-            check_finite(torch.stack(peaks), self.adam.name, self._step)
-        return [p.grad for p in params]
+        return written_grads(self.adam.params, self.adam.name, self._step, "parameter", "averaged momentum")
 
     def stepped(self) -> None:
         self._step = None

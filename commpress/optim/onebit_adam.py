@@ -83,23 +83,6 @@ def adam_parameters(
     return named
 
 
-def check_warmup(warmup_steps: Any) -> None:
-    """Refuse a warm-up that is not an integer >= 0."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ConfigError(f"{_WHERE}: warmup_steps = {warmup_steps!r} is not accepted; expected an integer >= 0")
-
-
-def adam_state(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter, warmup_steps: int, what: str) -> dict[str, Any]:
-    """``optimizer``'s Adam state of ``p``, which must hold the variance measured in the warm-up."""
-    state = optimizer.state[p]
-    if "exp_avg_sq" not in state:
-        raise RuntimeError(
-            f"{what}: the optimizer holds no Adam state for a parameter at the freeze (warmup_steps = "
-            f"{warmup_steps}): the variance must have been measured; use warmup_steps >= 1"
-        )
-    return state
-
-
 @torch.no_grad()
 def frozen_update(
     group: Mapping[str, Any], state: dict[str, Any], p: torch.nn.Parameter, momentum: torch.Tensor, frozen_steps: int
@@ -133,7 +116,8 @@ class OneBitAdam(StepTakeover):
         warmup_steps: int,
     ) -> None:
         check_adam(optimizer)
-        check_warmup(warmup_steps)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError(f"{_WHERE}: warmup_steps = {warmup_steps!r} is not accepted; expected an integer >= 0")
         self.named = adam_parameters(optimizer, named_parameters)
         self.params = [p for _, p in self.named]
         self.optimizer = optimizer
@@ -194,7 +178,14 @@ class OneBitAdam(StepTakeover):
             frozen_update(self._group_of[id(p)], self._state(p), p, momentum, frozen_steps)
 
     def _state(self, p: torch.nn.Parameter) -> dict[str, Any]:
-        return adam_state(self.optimizer, p, self.warmup_steps, self.name)
+        """The optimizer's Adam state of ``p``, which must hold the variance measured in the warm-up."""
+        state = self.optimizer.state[p]
+        if "exp_avg_sq" not in state:
+            raise RuntimeError(
+                f"{self.name}: the optimizer holds no Adam state for a parameter at the freeze (warmup_steps = "
+                f"{self.warmup_steps}): the variance must have been measured; use warmup_steps >= 1"
+            )
+        return state
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """The average's step counter and error feedback (``full=True``: every rank's, a collective); the

@@ -33,41 +33,39 @@ SCOPES = ("world", "domain", "cross")
 Scope = Literal["world", "domain", "cross"]
 
 
+class _Request:
+    """What every collective request holds: its ``tensor``, sent from this rank."""
+
+    tensor: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
 @dataclass
-class AllReduce:
+class AllReduce(_Request):
     """Reduce ``tensor`` over the scope's ranks; the result (same shape and dtype) is sent back."""
 
     tensor: torch.Tensor
     op: Literal["sum", "max"] = "sum"
     scope: Scope = "world"
 
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
 
 @dataclass
-class AllGather:
+class AllGather(_Request):
     """Gather ``tensor`` (1-D, the same size on every rank); the list of all ranks' tensors is sent back."""
 
     tensor: torch.Tensor
     scope: Scope = "world"
 
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
 
 @dataclass
-class ReduceScatter:
+class ReduceScatter(_Request):
     """``tensor`` (1-D) holds one chunk per rank; rank ``j`` gets back chunk ``j`` summed in rank order."""
 
     tensor: torch.Tensor
     scope: Scope = "world"
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
 
 
 Collective = AllReduce | AllGather | ReduceScatter

@@ -11,14 +11,16 @@ their offsets in one buffer (the usual case), that buffer is returned without a 
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from commpress.compressors import host
 
-__all__ = ["ErrorMemory", "Piece"]
+__all__ = ["ErrorMemory", "MemoryState", "Piece"]
 
 #: Where a parameter's entry sits in a flat buffer: (name, offset, shape).
 Piece = tuple[str, int, tuple[int, ...]]
@@ -145,3 +147,40 @@ class ErrorMemory:
         """Forget everything, staged changes included."""
         self._entries.clear()
         self.discard()
+
+
+class MemoryState:
+    """A compressor's steps and checkpoints when its state is an :class:`ErrorMemory` (``_memory``);
+    mixed in before :class:`~commpress.compressors.base.Compressor`."""
+
+    name: str
+    _memory: ErrorMemory
+
+    @abstractmethod
+    def _kinds(self) -> dict[str, str]:
+        """state_dict key -> memory kind."""
+
+    def end_step(self, commit: bool) -> None:
+        """Apply (``commit``) or drop the state the step staged."""
+        self._memory.end_step(commit)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each key of :meth:`_kinds`: its kind's committed entries by parameter name."""
+        return {key: self._memory.tensors(kind) for key, kind in self._kinds().items()}
+
+    def owed(self, entries: Mapping[str, Any]) -> torch.Tensor | None:
+        """With error feedback, the residual (state key "residuals")."""
+        return entries.get("residuals")
+
+    def _owner(self) -> str:
+        """Who refuses a state with other keys."""
+        return f"compressor {self.name!r}"
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; buckets pick the entries up by parameter name at first use."""
+        kinds = self._kinds()
+        if set(state) != set(kinds):
+            raise ValueError(f"{self._owner()} expects state with keys {sorted(kinds)}, got keys {sorted(state)}")
+        self._memory.clear()
+        for key, kind in kinds.items():
+            self._memory.load(kind, state[key])

@@ -52,14 +52,10 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _name_key(seed: int, name: str) -> int:
-    return derive_seed(seed, zlib.crc32(name.encode()))
-
-
 def stream_starts(seed: int, pieces: Sequence[tuple[str, int]], device: torch.device) -> torch.Tensor:
     """int64 SplitMix64 counters of consecutive pieces (name, numel): ``key(seed, name) + j * GAMMA``."""
     parts = [
-        torch.arange(numel, dtype=torch.int64, device=device).mul_(_signed(GAMMA)).add_(_signed(_name_key(seed, name)))
+        torch.arange(numel, dtype=torch.int64, device=device).mul_(_signed(GAMMA)).add_(_signed(derive_seed(seed, _crc(name))))
         for name, numel in pieces
     ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)

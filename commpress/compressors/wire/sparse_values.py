@@ -42,16 +42,11 @@ class ValueCodec:
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Quantize ``values`` (``counts[t]`` per tensor, end to end, keyed by ``seeds[t]``): the frame
         pieces of :meth:`layout` and what they decode to."""
-        packed, mins, scales, offset = [], [], [], 0
-        for k, seed in zip(counts, seeds, strict=True):
-            p, lo, sc = quantize_pack(values.narrow(0, offset, k), self.bits, k, seed)
-            packed.append(p)
-            mins.append(lo)
-            scales.append(sc)
-            offset += k
         if not counts:
             empty = values.new_empty(0)
             return [empty, empty, empty.to(torch.uint8)], empty
+        parts = values.split(list(counts))
+        packed, mins, scales = zip(*(quantize_pack(v, self.bits, k, s) for v, k, s in zip(parts, counts, seeds, strict=True)))
         pieces = [torch.cat(mins), torch.cat(scales), torch.cat(packed)]
         return pieces, self.decode(*(p.unsqueeze(0) for p in pieces), counts).select(0, 0)
 
