@@ -44,8 +44,5 @@ def parse_method_spec(spec: str) -> dict[str, Any]:
     method, _, rest = spec.partition(":")
     out: dict[str, Any] = {"method": method.strip(), "params": {}}
     for key, value in parse_settings(rest, f"method spec {spec!r}"):
-        if key in ("start_iter", "backend"):
-            out[key] = value
-        else:
-            out["params"][key] = value
+        (out if key in ("start_iter", "backend") else out["params"])[key] = value
     return out

@@ -128,12 +128,8 @@ class FSDPPart(AppliedPart):
         """For FSDP2, the all-gather's and the reduce-scatter's summed."""
         if not isinstance(self.target, FSDP2State):
             return self.target.traffic
-        sides = self.target.traffic().values()
-        return Traffic(
-            bytes_sent=int(sum(s["bytes_sent"] for s in sides)),
-            collectives=int(sum(s["collectives"] for s in sides)),
-            compute_seconds=sum(s["compute_seconds"] for s in sides),
-        )
+        summed = {k: sum(s[k] for s in self.target.traffic().values()) for k in ("bytes_sent", "collectives", "compute_seconds")}
+        return Traffic(int(summed["bytes_sent"]), int(summed["collectives"]), summed["compute_seconds"])
 
 
 class LocalSGDPart(AppliedPart):

@@ -63,6 +63,11 @@ from commpress.replica_state import ReplicaState
 __all__ = ["Registration", "register"]
 
 
+def _part(name: str) -> Any:
+    """A read-only attribute: the target of the applied part called ``name``, None where none is."""
+    return property(lambda reg: next((p.target for p in reg.parts if p.name == name), None))
+
+
 class Registration:
     """What :func:`register` applied to a model: its :attr:`parts`, each reachable by its name
     (``hook``, the DDP hook's :class:`~commpress.hooks.CommState`; ``local_sgd``, ``onebit_adam``,
@@ -74,32 +79,12 @@ class Registration:
         #: the applied parts, in the order they were applied
         self.parts: tuple[AppliedPart, ...] = tuple(parts)
 
-    def _target(self, name: str) -> Any:
-        return next((p.target for p in self.parts if p.name == name), None)
-
-    @property
-    def hook(self) -> CommState | None:
-        return self._target("ddp_hook")
-
-    @property
-    def local_sgd(self) -> LocalSGD | None:
-        return self._target("local_sgd")
-
-    @property
-    def onebit_adam(self) -> OneBitAdam | None:
-        return self._target("onebit_adam")
-
-    @property
-    def dion(self) -> Dion | None:
-        return self._target("dion")
-
-    @property
-    def fsdp(self) -> FSDP2State | QuantizedState | None:
-        return self._target("fsdp")
-
-    @property
-    def groups_hook(self) -> CrossGroupHook | None:
-        return self._target("groups_hook")
+    hook: CommState | None = _part("ddp_hook")
+    local_sgd: LocalSGD | None = _part("local_sgd")
+    onebit_adam: OneBitAdam | None = _part("onebit_adam")
+    dion: Dion | None = _part("dion")
+    fsdp: FSDP2State | QuantizedState | None = _part("fsdp")
+    groups_hook: CrossGroupHook | None = _part("groups_hook")
 
     @property
     def traffic(self) -> Traffic:

@@ -70,11 +70,10 @@ class Place:
 
     @classmethod
     def of(cls, plan: Hierarchy, rank: int) -> Place:
-        domain = plan.domains[plan.domain_of(rank)]
-        local = domain.index(rank)
+        domain, local = plan.domains[plan.domain_of(rank)], plan.local_rank(rank)
         group = plan.cross_groups[local] if local < plan.shards and len(plan.domains) > 1 else None
         return cls(
-            world_size=sum(len(d) for d in plan.domains),
+            world_size=plan.world_size,
             domain_size=len(domain),
             domains=len(plan.domains),
             local_rank=local,

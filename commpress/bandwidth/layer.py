@@ -109,7 +109,9 @@ class AdaptiveLayer:
             self.backend.traffic = self._main.traffic
         self.place = Place.of(plan, self._main.rank)
         self.topology, self.plan = topology, plan
-        self._apply(plan)
+        if self.place.cross_rank is not None:  # else this rank compresses nothing: keep whatever it holds
+            for key, (method, params) in plan.methods[self.place.local_rank].items():
+                self._switch(key, method, dict(params))
         self.history.append({"step": step, "plan": plan.to_dict(), "active": self._spec()})
         return plan
 
@@ -118,12 +120,6 @@ class AdaptiveLayer:
         if self._steps_seen < 2 or not self._seen:
             return self.layout
         return ModelLayout(tuple(self._seen[i] for i in sorted(self._seen)), self.layout.keys, self.layout.element_size)
-
-    def _apply(self, plan: HierarchyPlan) -> None:
-        if self.place.cross_rank is None:
-            return  # this rank compresses nothing: keep whatever it holds
-        for key, (method, params) in plan.methods[self.place.local_rank].items():
-            self._switch(key, method, dict(params))
 
     def _switch(self, key: str, method: str, params: dict[str, Any]) -> None:
         """Make ``key`` use ``method`` with ``params``, carrying the method's state over."""

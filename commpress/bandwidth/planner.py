@@ -127,12 +127,9 @@ class _Search:
         self._seen: dict[str, GroupTraffic] = {}
         self.none = self.at(1.0)
 
-    def settings(self, ratio: float) -> dict[str, tuple[str, dict[str, Any]]]:
-        """Every method group's (method, params) at nominal ``ratio`` (1.0: uncompressed)."""
-        return {key: method_for_ratio(m, p, ratio, self.shapes[key]) for key, (m, p) in self.configured.items()}
-
     def at(self, ratio: float) -> tuple[dict[str, tuple[str, dict[str, Any]]], GroupTraffic]:
-        settings = self.settings(ratio)
+        """Every method group's (method, params) at nominal ``ratio`` (1.0: uncompressed), and their traffic."""
+        settings = {key: method_for_ratio(m, p, ratio, self.shapes[key]) for key, (m, p) in self.configured.items()}
         key = json.dumps(settings, sort_keys=True)
         if key not in self._seen:
             self._seen[key] = self._traffic(settings)

@@ -90,10 +90,6 @@ class GroupTraffic:
         return sum(t.wire_bytes(len(self.ranks)) for t in self.transfers)
 
     @property
-    def collectives(self) -> int:
-        return len(self.transfers)
-
-    @property
     def seconds(self) -> float:
         return self.link.seconds(self.transfers, len(self.ranks))
 

@@ -11,6 +11,7 @@ fails its reduction with a :class:`~commpress.errors.CollectiveError`, and every
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -37,7 +38,6 @@ class _Task:
     seq: int
     gen: Reduction
     result: torch.futures.Future
-    started: bool = False
     used: dict[str, int] = field(default_factory=dict)  # collectives issued per scope
 
 
@@ -157,8 +157,7 @@ class Backend(ABC):
             return self._finish(task, self._failure)
         t0 = time.perf_counter()
         try:
-            request = task.gen.send(result) if task.started else next(task.gen)
-            task.started = True
+            request = task.gen.send(result)  # the first result is None: send(None) starts a generator
         except StopIteration as done:
             self.traffic.add(seconds=time.perf_counter() - t0)
             return self._finish(task, None, done.value)
@@ -170,13 +169,10 @@ class Backend(ABC):
         channel = (request.scope, task.used.get(request.scope, 0))
         if channel not in self._queues:
             limit = self.rounds.get(request.scope, 0)
-            return self._finish(
-                task,
-                RuntimeError(
-                    f"a reduction yielded more than {limit} collectives in scope {request.scope!r}; "
-                    "raise the compressor's `rounds`"
-                ),
+            error = RuntimeError(
+                f"a reduction yielded more than {limit} collectives in scope {request.scope!r}; raise the compressor's `rounds`"
             )
+            return self._finish(task, error)
         task.used[request.scope] = channel[1] + 1
         queue = self._queues[channel]
         with queue.lock:
@@ -208,41 +204,35 @@ class Backend(ABC):
                     task, request, ready = queue.pending.pop(seq)
                     if ready is not None:  # issued from another thread or stream than it was made on
                         torch.cuda.current_stream(request.tensor.device).wait_event(ready)
-                    started.append((task, request, self._issue(channel, request)))
+                    try:
+                        fut = self._start(channel, request)
+                    except BaseException as exc:
+                        fut = torch.futures.Future()
+                        fut.set_exception(exc)
+                    started.append((task, request, fut))
                 else:
                     break
                 queue.next_seq += 1
         for task, request, fut in started:
             traffic = self.domain_traffic if channel[0] == "domain" else self.traffic
             traffic.add(nbytes=request.nbytes, collectives=1)
-            when_done(fut, self._callback(task, channel, request))
+            when_done(fut, functools.partial(self._on_done, task, channel, request))
 
-    def _issue(self, channel: Channel, request: Collective) -> torch.futures.Future:
+    def _on_done(self, task: _Task, channel: Channel, request: Collective, fut: torch.futures.Future) -> None:
+        """Send the completed collective's result on, or fail ``task`` (and every later reduction)."""
         try:
-            return self._start(channel, request)
+            result = self._result(channel, request, fut)
         except BaseException as exc:
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_exception(exc)
-            return fut
-
-    def _callback(self, task: _Task, channel: Channel, request: Collective) -> Callable[[torch.futures.Future], None]:
-        def on_done(fut: torch.futures.Future) -> None:
-            try:
-                result = self._result(channel, request, fut)
-            except BaseException as exc:
-                error = CollectiveError(
-                    f"{describe(request)} on channel {channel[0]}/{channel[1]} over ranks "
-                    f"{list(self.members(channel[0]))} failed on rank {self.rank}: {exc}"
-                )
-                error.__cause__ = exc
-                if self._failure is None:
-                    self._failure = error
-                task.gen.close()
-                self._finish(task, error)
-                return
-            self._advance(task, result)
-
-        return on_done
+            error = CollectiveError(
+                f"{describe(request)} on channel {channel[0]}/{channel[1]} over ranks "
+                f"{list(self.members(channel[0]))} failed on rank {self.rank}: {exc}"
+            )
+            error.__cause__ = exc
+            if self._failure is None:
+                self._failure = error
+            task.gen.close()
+            return self._finish(task, error)
+        self._advance(task, result)
 
 
 def future_on(device: torch.device | None = None) -> torch.futures.Future:

@@ -49,27 +49,6 @@ def cuda_aware() -> bool:
     return bool(query()) if query is not None else False
 
 
-class _Ops:
-    """MPI reduction ops, with user-defined ones in torch for bfloat16 (unknown to numpy)."""
-
-    def __init__(self, mpi: Any) -> None:
-        self.mpi = mpi
-        self._user: dict[tuple[torch.dtype, str], Any] = {}
-
-    def get(self, dtype: torch.dtype, op: str) -> Any:
-        if dtype != torch.bfloat16:
-            return {"sum": self.mpi.SUM, "max": self.mpi.MAX}[op]
-        key = (dtype, op)
-        if key not in self._user:
-            fn = torch.Tensor.add_ if op == "sum" else lambda out, x: torch.maximum(out, x, out=out)
-
-            def combine(inbuf: Any, outbuf: Any, _datatype: Any) -> None:
-                fn(torch.frombuffer(outbuf, dtype=dtype), torch.frombuffer(inbuf, dtype=dtype))
-
-            self._user[key] = self.mpi.Op.Create(combine, commute=True)
-        return self._user[key]
-
-
 class MPIBackend(Backend):
     """Runs reductions over ``comm`` (default ``MPI.COMM_WORLD``), in the ``"world"`` scope; every
     rank constructs it together. ``timeout`` defaults to torch.distributed's group timeout."""
@@ -85,9 +64,11 @@ class MPIBackend(Backend):
         _check_matches_torch(comm)
         super().__init__(comm.Get_rank(), comm.Get_size(), rounds)
         self.comm = comm
-        self.timeout = (timeout or _torch_timeout()).total_seconds()
+        if not timeout and dist.is_available() and dist.is_initialized():
+            timeout = group_timeout(dist.group.WORLD)
+        self.timeout = (timeout or timedelta(minutes=30)).total_seconds()
         self._comms = {channel: comm.Dup() for channel in self._queues}
-        self._ops = _Ops(mpi)
+        self._bf16_ops: dict[str, Any] = {}
         self._cuda_aware = cuda_aware()
         # one lock around every MPI call (correct at any MPI thread level)
         self._lock = threading.RLock()
@@ -122,8 +103,9 @@ class MPIBackend(Backend):
             return self._allreduce(comm, request)
         return self._exchange(comm, request)
 
-    def _host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-        """A contiguous tensor MPI can use for ``tensor``, and how to copy the result back."""
+    def _host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+        """A contiguous tensor MPI can use for ``tensor``, and the call that copies the result back
+        into ``tensor`` and returns it."""
         if tensor.is_cuda and not self._cuda_aware:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor)
@@ -133,7 +115,7 @@ class MPIBackend(Backend):
             return flat, lambda: tensor.copy_(flat)
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()  # MPI reads the buffer now
-        return tensor, lambda: None
+        return tensor, lambda: tensor
 
     @staticmethod
     def _buffer(tensor: torch.Tensor, raw: bool = False) -> Any:
@@ -146,18 +128,25 @@ class MPIBackend(Backend):
             view = view.view(torch.int16)
         return view if view.is_cuda else view.numpy()
 
+    def _op(self, dtype: torch.dtype, op: str) -> Any:
+        """The MPI reduction op, user-defined in torch for bfloat16 (unknown to numpy)."""
+        if dtype != torch.bfloat16:
+            return {"sum": self._mpi.SUM, "max": self._mpi.MAX}[op]
+        if op not in self._bf16_ops:
+            fn = torch.Tensor.add_ if op == "sum" else lambda out, x: torch.maximum(out, x, out=out)
+
+            def combine(inbuf: Any, outbuf: Any, _datatype: Any) -> None:
+                fn(torch.frombuffer(outbuf, dtype=dtype), torch.frombuffer(inbuf, dtype=dtype))
+
+            self._bf16_ops[op] = self._mpi.Op.Create(combine, commute=True)
+        return self._bf16_ops[op]
+
     def _allreduce(self, comm: Any, request: AllReduce) -> torch.futures.Future:
-        tensor = request.tensor
-        work, copy_back = self._host(tensor)
-        op = self._ops.get(tensor.dtype, request.op)
+        work, copy_back = self._host(request.tensor)
+        op = self._op(request.tensor.dtype, request.op)
         with self._lock:
             req = comm.Iallreduce(self._mpi.IN_PLACE, self._buffer(work), op=op)
-
-        def finish() -> torch.Tensor:
-            copy_back()
-            return tensor
-
-        return self._track(req, finish)
+        return self._track(req, copy_back)
 
     def _exchange(self, comm: Any, request: AllGather | ReduceScatter) -> torch.futures.Future:
         """An all-gather, or a reduce-scatter as an all-to-all summed in rank order, on raw bytes."""
@@ -235,11 +224,3 @@ def _check_matches_torch(comm: Any) -> None:
         raise RuntimeError(
             f"ranks disagree: this process is rank {dist.get_rank()} in torch.distributed but {comm.Get_rank()} in MPI"
         )
-
-
-def _torch_timeout() -> timedelta:
-    if dist.is_available() and dist.is_initialized():
-        found = group_timeout(dist.group.WORLD)
-        if found is not None:
-            return found
-    return timedelta(minutes=30)

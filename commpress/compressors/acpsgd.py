@@ -30,7 +30,6 @@ class ACPSGDCompressor(LowRankCompressor):
     a P step from a fresh shared random Q."""
 
     name: ClassVar[str] = "acpsgd"
-    rounds: ClassVar[int] = 1
 
     def slot_transfers(self, slot: ParamSlot, element_size: int) -> tuple[Transfer, ...]:
         """The mean of the P and Q factors per step (P without ``warm_start``), plus the dense elements."""

@@ -125,31 +125,25 @@ class LowRankCompressor(MemoryState, Compressor):
         """The method's collectives for a started step (``step`` from :meth:`_begin`)."""
 
     def _begin(self, bucket: Bucket) -> _Step | None:
-        """Check the dtype and form the layout and matrices ``M``; None for an empty bucket."""
+        """Check the dtype, form the layout and ``M`` of every batch in fp32: ``grad + error`` in a buffer
+        that is not committed state, or the gradients; None for an empty bucket."""
         self.check_dtype(bucket)
         if bucket.buffer.numel() == 0:
             return None
-        lay = self._layout(bucket)
-        ms, m_buffer = self._matrices(bucket, lay)
-        return _Step(lay, ms, m_buffer)
-
-    def _matrices(self, bucket: Bucket, lay: _Layout) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """``M`` of every batch in fp32: ``grad + error`` in a buffer that is not committed state, or the gradients."""
-        plan, grad = lay.plan, bucket.buffer
-        if not plan.batches:
-            return [], None
-        if not self.error_feedback:  # the gradients' own views if they are fp32
-            return [b.view(grad).float() for b in plan.batches], None
+        lay, grad = self._layout(bucket), bucket.buffer
+        batches = lay.plan.batches
+        if not batches or not self.error_feedback:  # the gradients' own views if they are fp32
+            return _Step(lay, [b.view(grad).float() for b in batches], None)
         error, _ = self._memory.gather("error", lay.errors, grad.numel(), lay.device)
         if not self._memory.holds(error):  # a fresh gathered copy: M in place
             lay.buffers = [error]
-            return [b.view(error).add_(b.view(grad)) for b in plan.batches], error
+            return _Step(lay, [b.view(error).add_(b.view(grad)) for b in batches], error)
         # the committed error itself: M goes to the other buffer, if no entry lives there
         out = next((b for b in lay.buffers if b is not error and not self._memory.holds(b)), None)
         if out is None:
             out = torch.empty(grad.numel(), dtype=torch.float32, device=lay.device)
         lay.buffers = [error, out]
-        return [torch.add(b.view(error), b.view(grad), out=b.view(out)) for b in plan.batches], out
+        return _Step(lay, [torch.add(b.view(error), b.view(grad), out=b.view(out)) for b in batches], out)
 
     @staticmethod
     def _payload(bucket: Bucket, plan: LowRankPlan, factor_numel: int, world_size: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from commpress.compressors.base import AllGather, Bucket, Compressor, Context, P
 from commpress.compressors.registry import register_compressor
 from commpress.compressors.tensor_stats import TensorStats, runs
 from commpress.compressors.wire.framing import frame, unframe
-from commpress.compressors.wire.memory import ErrorMemory, MemoryState, Piece
+from commpress.compressors.wire.memory import ErrorMemory, MemoryState
 from commpress.compressors.wire.seeding import tensor_key
 from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, MinNumel, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
@@ -43,7 +43,6 @@ class OneBitCompressor(MemoryState, Compressor):
     """
 
     name: ClassVar[str] = "onebit"
-    rounds: ClassVar[int] = 1
     per_rank_state: ClassVar[tuple[str, ...]] = ("residuals",)
 
     def __init__(self, min_numel: MinNumel = DEFAULT_MIN_NUMEL, error_feedback: bool = True, chunk: int = 0) -> None:
@@ -81,18 +80,13 @@ class OneBitCompressor(MemoryState, Compressor):
         return error
 
     def _span_array(self, layout: tuple[tuple[int, int], ...]) -> np.ndarray:
-        """Every scale run of ``layout`` as an int64 ``[T, 2]`` array, cached per layout (small chunks make many)."""
+        """The (offset, length) of every run of ``layout`` sharing one scale (``chunk`` elements, or a
+        tensor) as an int64 ``[T, 2]`` array, cached per layout (small chunks make many)."""
         spans = self._layouts.get(layout)
         if spans is None:
-            runs = [span for offset, numel in layout for span in self._spans(offset, numel)]
+            runs = [(o + at, min(self.chunk or n, n - at)) for o, n in layout for at in range(0, n, self.chunk or max(n, 1))]
             spans = self._layouts[layout] = np.array(runs, dtype=np.int64).reshape(-1, 2)
         return spans
-
-    def _spans(self, offset: int, numel: int) -> list[tuple[int, int]]:
-        """The (offset, length) of each run of elements that shares one scale."""
-        if not self.chunk:
-            return [(offset, numel)] if numel else []
-        return [(offset + at, min(self.chunk, numel - at)) for at in range(0, numel, self.chunk)]
 
     @over_tensors
     def reduce(self, bucket: Bucket, ctx: Context, slots: list[ParamSlot]) -> Reduction:
@@ -100,7 +94,7 @@ class OneBitCompressor(MemoryState, Compressor):
         signed, whole = split_whole(slots, self.min_numel)
         pieces = [(tensor_key(bucket, s), s.offset, tuple(s.shape)) for s in signed]
         spans = self._span_array(tuple((s.offset, s.numel) for s in signed))
-        error, acc = self._feedback(grad, pieces)
+        error, acc = self._memory.residuals(pieces, grad) if self.error_feedback and pieces else (None, None)
         packed, scales = sign_pack_many(grad, spans, error, acc)
         dense, dense_pieces = whole_part(grad, bucket, whole)
         gathered = yield AllGather(frame([scales, packed, dense]))
@@ -117,14 +111,6 @@ class OneBitCompressor(MemoryState, Compressor):
         if finite and acc is not None:  # a non-finite step keeps the old residuals
             self._memory.stage("residual", pieces, acc)
         return True if bounded else (None if finite else False)
-
-    def _feedback(self, grad: torch.Tensor, pieces: list[Piece]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The committed residuals (read only) and a spare buffer for ``acc``; (None, None) without."""
-        if not (self.error_feedback and pieces):
-            return None, None
-        n = grad.numel()
-        residual, _ = self._memory.gather("residual", pieces, n, grad.device)
-        return residual.narrow(0, 0, n), self._memory.spare((tuple(pieces), n, grad.device), n, grad.device)
 
     def _kinds(self) -> dict[str, str]:
         """``{"residuals": {name: tensor}}`` in the state; none without error feedback."""

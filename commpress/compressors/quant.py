@@ -49,7 +49,6 @@ class QuantCompressor(MemoryState, Compressor):
     """
 
     name: ClassVar[str] = "quant"
-    rounds: ClassVar[int] = 1
     per_rank_state: ClassVar[tuple[str, ...]] = ("residuals",)
     knob: ClassVar[str | None] = "bits"
 

@@ -60,7 +60,6 @@ class TernGradCompressor(Compressor):
     """
 
     name: ClassVar[str] = "terngrad"
-    rounds: ClassVar[int] = 1
 
     def __init__(
         self,

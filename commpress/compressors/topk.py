@@ -83,7 +83,6 @@ class TopKCompressor(MemoryState, Compressor):
     """
 
     name: ClassVar[str] = "topk"
-    rounds: ClassVar[int] = 1
     per_rank_state: ClassVar[tuple[str, ...]] = ("residuals", "momentum", "velocity")
     knob: ClassVar[str | None] = "ratio"
 
@@ -216,9 +215,8 @@ class TopKCompressor(MemoryState, Compressor):
         wire = self._to_wire(acc, indices, values, counts, seeds, finite)
         dense, dense_pieces = whole_part(grad, bucket, whole)
         gathered = yield AllGather(frame([indices, dense, *wire]))
-        all_indices, all_dense, *all_wire = unframe(
-            gathered, [(torch.int32, k), (torch.float32, dense.numel()), *self._wire_layout(k, counts)]
-        )
+        values_layout = self._codec.layout(counts) if self._codec is not None else [(self.value_dtype, k)]
+        all_indices, all_dense, *all_wire = unframe(gathered, [(torch.int32, k), (torch.float32, dense.numel()), *values_layout])
         all_values = self._codec.decode(*all_wire, counts) if self._codec is not None else all_wire[0]
         scatter_add_decode(all_values, all_indices, n, bucket.buffer, average=True)
         average = average_whole(all_dense)
@@ -242,9 +240,8 @@ class TopKCompressor(MemoryState, Compressor):
         if self.dgc:
             u, v = correct(self._memory, pieces, grad, self.momentum)
             return v, u, None
-        residual, _ = self._memory.gather("residual", pieces, grad.numel(), grad.device)
-        out = self._memory.spare((tuple(pieces), grad.numel(), grad.device), grad.numel(), grad.device)
-        return out, None, residual.narrow(0, 0, grad.numel())  # the spare itself: the memory tracks buffers by identity
+        residual, out = self._memory.residuals(pieces, grad)
+        return out, None, residual  # the spare itself: the memory tracks buffers by identity
 
     def _stage(
         self, pieces: list[Piece], acc: torch.Tensor, u: torch.Tensor | None, dense_pieces: list[Piece], average: torch.Tensor
@@ -270,21 +267,15 @@ class TopKCompressor(MemoryState, Compressor):
         """Every tensor's top entries of ``acc`` (set to grad + ``error`` if given) as (indices, values), zeroed in ``acc``."""
         if not slots:
             return torch.empty(0, dtype=torch.int32, device=acc.device), acc.new_empty(0)
-        values, indices = topk_select_many(
-            acc,
-            [(s.offset, s.numel) for s in slots],
-            counts,
-            seeds,
-            [self.selection == "exact" or (self.selection == "auto" and s.numel <= EXACT_MAX_NUMEL) for s in slots],
-            grad=None if error is None else grad,
-            error=error,
-        )
+        spans = [(s.offset, s.numel) for s in slots]
+        exact = [self.selection == "exact" or (self.selection == "auto" and s.numel <= EXACT_MAX_NUMEL) for s in slots]
+        values, indices = topk_select_many(acc, spans, counts, seeds, exact, grad=None if error is None else grad, error=error)
         return indices, values
 
     def _to_wire(
         self, acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, counts: list[int], seeds: list[int], finite: bool
     ) -> list[torch.Tensor]:
-        """``values`` as the frame pieces of :meth:`_wire_layout`; if ``finite``, what they drop goes back into ``acc``."""
+        """``values`` as frame pieces (``value_dtype``, or the codec's); if ``finite``, what they drop goes back into ``acc``."""
         if self._codec is not None:
             wire, sent = self._codec.encode(values, counts, [derive_seed(s, _VALUE_STREAM) for s in seeds])
         elif self.value_dtype == torch.float32 or not finite:  # Inf is not clamped away: it must reach every rank
@@ -296,10 +287,6 @@ class TopKCompressor(MemoryState, Compressor):
         if finite:
             acc.index_put_((indices.long(),), values - sent, accumulate=True)
         return wire
-
-    def _wire_layout(self, k: int, counts: list[int]) -> list[tuple[torch.dtype, int]]:
-        """The values' frame pieces (dtype, count) for ``k`` entries, ``counts`` per tensor."""
-        return self._codec.layout(counts) if self._codec is not None else [(self.value_dtype, k)]
 
     def _kinds(self) -> dict[str, str]:
         """``{"residuals": ...}`` in the state, or with DGC ``{"momentum": ..., "velocity": ...}``."""

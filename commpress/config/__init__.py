@@ -121,7 +121,10 @@ class Config:
                 accepted = ", ".join([*TOP_LEVEL, *sorted(TABLE_TYPES)])
                 raise ConfigError(f"unknown config key {key!r}{belongs(key, TOP_LEVEL_HOME)}; accepted keys: {accepted}")
         core = {k: data.pop(k) for k in ("method", "params", "start_iter", "backend") if k in data}
-        overrides = tuple(_parse_override(i, o) for i, o in enumerate(_as_list(data.pop("overrides", []))))
+        overrides = data.pop("overrides", [])
+        if not isinstance(overrides, (list, tuple)):
+            raise ConfigError(f"overrides = {overrides!r} is not accepted; expected a list of tables ([[overrides]])")
+        overrides = tuple(_parse_override(i, o) for i, o in enumerate(overrides))
         sections = {key: parse_table(key, value, functools.partial(belongs, here=f"[{key}]")) for key, value in data.items()}
         return cls(overrides=overrides, sections=sections, **core)
 
@@ -183,12 +186,6 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
-
-
-def _as_list(value: Any) -> list[Any]:
-    if isinstance(value, Mapping) or not isinstance(value, (list, tuple)):
-        raise ConfigError(f"overrides = {value!r} is not accepted; expected a list of tables ([[overrides]])")
-    return list(value)
 
 
 def _parse_override(i: int, raw: Any) -> Override:

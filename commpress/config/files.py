@@ -41,7 +41,7 @@ def read_config_file(source: str | os.PathLike[str]) -> dict[str, Any]:
         )
     try:
         with open(path, "rb") as fh:
-            return tomllib.load(fh) if suffix == ".toml" else _json_table(path, json.load(fh, object_pairs_hook=_object))
+            data = tomllib.load(fh) if suffix == ".toml" else json.load(fh, object_pairs_hook=_object)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
     except json.JSONDecodeError as exc:
@@ -52,6 +52,9 @@ def read_config_file(source: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} is not UTF-8 text (byte {exc.start}); config files are UTF-8") from None
     except OSError as exc:
         raise _unreadable(path, exc) from None
+    if not isinstance(data, dict):  # a JSON file holds one object, as a TOML file holds one table
+        raise ConfigError(f"config file {path!r} holds a JSON {type(data).__name__}; expected one object of settings")
+    return data
 
 
 class _RepeatedKey(Exception):
@@ -66,13 +69,6 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise _RepeatedKey(key)
         out[key] = value
     return out
-
-
-def _json_table(path: str, data: Any) -> dict[str, Any]:
-    """A JSON file holds one object, as a TOML file holds one table."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} holds a JSON {type(data).__name__}; expected one object of settings")
-    return data
 
 
 def _unreadable(path: str, exc: Exception) -> ConfigError:

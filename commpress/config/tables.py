@@ -141,10 +141,9 @@ def check_diloco_settings(
         raise ConfigError(
             "nesterov = true is not accepted with outer_momentum = 0; expected outer_momentum > 0 or nesterov = false"
         )
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ConfigError(f"fragments = {fragments!r} is not accepted; expected an integer >= 1")
-    if isinstance(sync_delay, bool) or not isinstance(sync_delay, int) or sync_delay < 0:
-        raise ConfigError(f"sync_delay = {sync_delay!r} is not accepted; expected an integer >= 0")
+    for key, value, least in (("fragments", fragments, 1), ("sync_delay", sync_delay, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{key} = {value!r} is not accepted; expected an integer >= {least}")
     if not (_real(merge_alpha) and 0 <= merge_alpha < 1):
         raise ConfigError(f"merge_alpha = {merge_alpha!r} is not accepted; expected a number in [0, 1)")
 

@@ -35,9 +35,7 @@ def _spend_unused_notice() -> None:
     global _notice_spent
     if _notice_spent:
         return
-    _notice_spent = True
-    from torchft.process_group import ProcessGroupDummy
-
+    _notice_spent = True  # before the probe: its managed_ddp() returns here at once
     try:
         saved = os.dup(2)
     except OSError:
@@ -46,7 +44,7 @@ def _spend_unused_notice() -> None:
         sys.stderr.flush()
         os.dup2(captured.fileno(), 2)
         try:
-            probe = DistributedDataParallel(_Probe(), process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True)
+            probe = managed_ddp(_Probe())
             probe(torch.ones(1)).sum().backward()
         finally:
             sys.stderr.flush()

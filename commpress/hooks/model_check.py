@@ -36,24 +36,21 @@ def check_model(model: torch.nn.Module, config: Config, groups: MethodGroups) ->
         raise ConfigError(f"overrides: params {unmatched} match no parameter of the model (names look like {names[:3]})")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _dtype_advice(method: str, dtype: torch.dtype, names: list[str], config: Config) -> str:
     """Which parameters of ``dtype`` ``method`` refuses, and a fix: an override to a method that
     takes the dtype, or converting them."""
     shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
-    accepted = ", ".join(_dtype_name(d) for d in compressor_class(method).dtypes)
-    found = f"{len(names)} parameter{'s' if len(names) > 1 else ''} of dtype {_dtype_name(dtype)} ({shown})"
+    dtype_name = str(dtype).removeprefix("torch.")
+    accepted = ", ".join(str(d).removeprefix("torch.") for d in compressor_class(method).dtypes)
+    found = f"{len(names)} parameter{'s' if len(names) > 1 else ''} of dtype {dtype_name} ({shown})"
     takers = methods_taking(dtype)
     if not takers:
-        return f"{found}: no method takes {_dtype_name(dtype)} (method {method!r} takes {accepted}): convert them to one of those"
+        return f"{found}: no method takes {dtype_name} (method {method!r} takes {accepted}): convert them to one of those"
     globs = ", ".join(f'"{n}"' for n in names[:4])
     if len(names) > 4:
         globs += f", ... (all {len(names)}, or globs that match them)"
     first = " as the first [[overrides]] entry (the first match wins)" if config.overrides else ""
     return (
-        f"{found}: method {method!r} does not take {_dtype_name(dtype)} (accepted: {accepted}); convert them, or send "
+        f"{found}: method {method!r} does not take {dtype_name} (accepted: {accepted}); convert them, or send "
         f'them with {" / ".join(takers)} through an override{first}: [[overrides]] params = [{globs}], method = "{takers[0]}"'
     )

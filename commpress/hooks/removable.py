@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["CommHookSwitch", "register_removable_hook", "switched_hook"]
+__all__ = ["CommHookSwitch", "register_removable_hook"]
 
 
 class CommHookSwitch:
@@ -29,13 +29,6 @@ class CommHookSwitch:
         self.on = False
 
 
-def switched_hook(switch: CommHookSwitch, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The DDP comm hook registered in place of ``switch.hook``."""
-    if switch.on:
-        return switch.hook(switch.state, bucket)
-    return default_hooks.allreduce_hook(switch.process_group, bucket)
-
-
 def register_removable_hook(model: DistributedDataParallel, state: Any, hook: Callable[..., Any]) -> CommHookSwitch:
     """``model.register_comm_hook(state, hook)``, through a switch that :meth:`CommHookSwitch.remove` turns off."""
     switch = CommHookSwitch(state, hook, model.process_group)
@@ -44,10 +37,12 @@ def register_removable_hook(model: DistributedDataParallel, state: Any, hook: Ca
 
 
 def _named_after(hook: Callable[..., Any]) -> Callable[[CommHookSwitch, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
-    """:func:`switched_hook` under ``hook``'s names, for DDP's logging."""
+    """The DDP comm hook registered in place of ``hook``, under its names (for DDP's logging)."""
 
     def named(switch: CommHookSwitch, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return switched_hook(switch, bucket)
+        if switch.on:
+            return switch.hook(switch.state, bucket)
+        return default_hooks.allreduce_hook(switch.process_group, bucket)
 
     named.__name__, named.__qualname__, named.__module__ = hook.__name__, hook.__qualname__, hook.__module__
     return named

@@ -252,24 +252,20 @@ class CommState(OnBackend):
             committed = not ran or self._backend.committed()
             if not committed:
                 self._flags.add(torch.tensor(False))
-            self._settle_step()
+            if self._flags.in_flight and self._backend is not None and not self._backend.can_block:
+                raise RuntimeError("end_step with reductions in flight in a one-process world: they would never finish")
+            flags = self._flags.collect()
+            if self._step_open:
+                self._step_open = False
+                self.groups.end_step(False)
+            elif flags:
+                finite = step_was_finite(flags)
+                self.groups.end_step(finite)
+                if not finite:
+                    self.step -= 1
             if ran and committed and self._joined:
                 self.groups.load_state_dict(self.groups.shared(self.groups.state_dict()))
                 self._joined = False
-
-    def _settle_step(self) -> None:
-        if self._flags.in_flight and self._backend is not None and not self._backend.can_block:
-            raise RuntimeError("end_step with reductions in flight in a one-process world: they would never finish")
-        flags = self._flags.collect()
-        if self._step_open:
-            self._step_open = False
-            self.groups.end_step(False)
-            return
-        if flags:
-            finite = step_was_finite(flags)
-            self.groups.end_step(finite)
-            if not finite:
-                self.step -= 1
 
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """This rank's committed state, tagged with rank, world size and config, as plain data

@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_FLOAT_NAMES = "float32, float16 or bfloat16"
 
 
 def check_float(name: str, t: torch.Tensor) -> None:
@@ -16,7 +15,7 @@ def check_float(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; accepted dtypes: {_FLOAT_NAMES}")
+        raise TypeError(f"{name} has dtype {t.dtype}; accepted dtypes: float32, float16 or bfloat16")
 
 
 def check_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -47,6 +46,20 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     """ValueError unless ``t.shape == shape``."""
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+
+
+def check_out(out: torch.Tensor, n: int) -> None:
+    """TypeError unless ``out`` is a float tensor, ValueError unless it is contiguous of ``n`` elements."""
+    check_float("out", out)
+    if out.numel() != n or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor of {n} elements, got shape {tuple(out.shape)}")
+
+
+def check_world(packed: torch.Tensor) -> int:
+    """The world size of ``packed`` (a row per rank); ValueError unless it is 2-D with at least one row."""
+    if packed.dim() != 2 or packed.shape[0] < 1:
+        raise ValueError(f"packed must be 2-D [world >= 1, bytes], got shape {tuple(packed.shape)}")
+    return packed.shape[0]
 
 
 def check_count(name: str, value: int, low: int = 0) -> None:
@@ -91,6 +104,4 @@ def check_gathered(
     check_dtype("packed", packed, torch.uint8)
     check_dtype("scales", scales, torch.float32)
     offsets, lengths = check_bucket("out", out, spans)
-    if packed.dim() != 2 or packed.shape[0] < 1:
-        raise ValueError(f"packed must be 2-D [world >= 1, bytes], got shape {tuple(packed.shape)}")
-    return offsets, lengths, packed.shape[0]
+    return offsets, lengths, check_world(packed)

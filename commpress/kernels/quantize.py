@@ -37,14 +37,7 @@ def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tu
         return _launch.quantize_pack(x, bits, bucket_size, seed)
     from .cpu import quantize
 
-    x = x.contiguous()
-    n = x.numel()
-    nb = -(-n // bucket_size)
-    packed = torch.empty(packed_size(n, bits), dtype=torch.uint8)
-    mins = torch.empty(nb, dtype=torch.float32)
-    scales = torch.empty(nb, dtype=torch.float32)
-    quantize.quantize_pack(x, bits, bucket_size, seed, packed, mins, scales)
-    return packed, mins, scales
+    return quantize.quantize_pack(x.contiguous(), bits, bucket_size, seed)
 
 
 def _check_payload(packed, mins, scales, bits, bucket_size, n, world: int | None) -> None:
@@ -60,12 +53,6 @@ def _check_payload(packed, mins, scales, bits, bucket_size, n, world: int | None
     _checks.check_shape("scales", scales, (*lead, nb))
 
 
-def _check_out(out: torch.Tensor, n: int) -> None:
-    _checks.check_float("out", out)
-    if out.numel() != n or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous tensor of {n} elements, got shape {tuple(out.shape)}")
-
-
 def dequantize(
     packed: torch.Tensor,
     mins: torch.Tensor,
@@ -79,7 +66,6 @@ def dequantize(
     _check_payload(packed, mins, scales, bits, bucket_size, n, None)
     if out is None:
         out = torch.empty(n, dtype=torch.float32, device=packed.device)
-    _check_out(out, n)
     return unpack_accumulate(
         packed.unsqueeze(0), mins.unsqueeze(0), scales.unsqueeze(0), bits, bucket_size, n, out, average=False
     )
@@ -97,13 +83,9 @@ def unpack_accumulate(
 ) -> torch.Tensor:
     """Overwrite ``out`` (``n`` elements) with every rank's decode summed in rank order in float32
     (``/ world`` when ``average``); ``packed``, ``mins`` and ``scales`` have one row per rank."""
-    if packed.dim() != 2:
-        raise ValueError(f"packed must be 2-D [world, bytes], got shape {tuple(packed.shape)}")
-    world = packed.shape[0]
-    if world < 1:
-        raise ValueError("packed must hold at least one rank")
+    world = _checks.check_world(packed)
     _check_payload(packed, mins, scales, bits, bucket_size, n, world)
-    _check_out(out, n)
+    _checks.check_out(out, n)
     _checks.check_same_device(packed=packed, mins=mins, scales=scales, out=out)
     packed, mins, scales = packed.contiguous(), mins.contiguous(), scales.contiguous()
     if out.is_cuda:

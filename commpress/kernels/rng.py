@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import _checks
 from ._constants import GAMMA, MASK64, MIX1, MIX2, SEED_BASIS
 from .cuda import _launch
 
@@ -61,10 +62,8 @@ def check_seed(seed: int) -> int:
 def uniform(seed: int, n: int, offset: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
     """``n`` float32 uniforms in [0, 1), draws ``offset ..`` of stream ``seed``; the same bits on every device."""
     seed = check_seed(seed)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n={n!r} must be an integer >= 0")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"offset={offset!r} must be an integer >= 0")
+    _checks.check_count("n", n)
+    _checks.check_count("offset", offset)
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda":
         return _launch.uniform(seed, n, offset, device)

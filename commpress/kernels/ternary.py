@@ -38,15 +38,13 @@ def ternary_quantize_pack(x: torch.Tensor, scale: torch.Tensor, seed: int, bound
     b = np.float32(np.inf if bound is None else bound.item())
     if not b >= 0:
         raise ValueError(f"bound must be a number >= 0 (inf: no clipping), got {float(b)}")
-    x = x.contiguous()
-    n = x.numel()
-    out = torch.empty(packed_size(n, 2), dtype=torch.uint8)
+    out = torch.empty(packed_size(x.numel(), 2), dtype=torch.uint8)
     s = np.float32(scale.item())
     if not s > 0:
         return out.zero_()
     from .cpu import ternary as cpu
 
-    cpu.ternary_quantize_pack(x, s, b, seed, out)
+    cpu.ternary_quantize_pack(x.contiguous(), s, b, seed, out)
     return out
 
 
@@ -61,17 +59,11 @@ def ternary_unpack_accumulate(packed: torch.Tensor, scales: torch.Tensor, n: int
     summed in rank order in float32; ``packed`` is uint8[world, ceil(n/4)]. Returns ``out``."""
     _checks.check_dtype("packed", packed, torch.uint8)
     _checks.check_dtype("scales", scales, torch.float32)
-    _checks.check_float("out", out)
     _checks.check_count("n", n)
-    if packed.dim() != 2:
-        raise ValueError(f"packed must be 2-D [world, ceil(n/4)], got shape {tuple(packed.shape)}")
-    world = packed.shape[0]
+    _checks.check_out(out, n)
+    world = _checks.check_world(packed)
     _checks.check_shape("packed", packed, (world, packed_size(n, 2)))
     _checks.check_shape("scales", scales, (world,))
-    if out.numel() != n or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous tensor of {n} elements, got shape {tuple(out.shape)}")
-    if world < 1:
-        raise ValueError("packed must hold at least one rank")
     _checks.check_same_device(packed=packed, scales=scales, out=out)
     packed, scales = packed.contiguous(), scales.contiguous()
     if out.is_cuda:

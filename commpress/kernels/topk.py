@@ -9,6 +9,7 @@ and the device change only the time.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from types import ModuleType
@@ -65,33 +66,24 @@ def topk_select(
         raise ValueError(f"acc has {n} elements; int32 indices allow at most {2**31 - 1}")
     if k == 0:
         return flat.new_empty(0), torch.empty(0, dtype=torch.int32, device=acc.device)
-    if not flat.is_cuda and flat.dtype != torch.float32:
-        return _select_converted(flat, k, exact, sample, seed)
+    if not flat.is_cuda and flat.dtype != torch.float32:  # half precision on the CPU: via an exact float32 copy, same entries
+        _, chosen = topk_select(flat.float(), k, exact=exact, sample=sample, seed=seed)
+        where = chosen.long()
+        values = flat.index_select(0, where)
+        flat.index_fill_(0, where, 0)
+        return values, chosen
     sample = default_sample(n) if sample is None else sample
     impl = _device(flat)
     if exact or sample >= n or k == n:
         candidates, cvalues = impl.select_candidates(flat, impl.exact_threshold(flat, k), k)
     else:
-        widen = 0
-        while True:  # a threshold that about k * _SLACK * 4**widen entries reach, from the sample
+        for widen in itertools.count():  # a threshold that about k * _SLACK * 4**widen entries reach, from the sample
             rank = sample_rank(k, n, sample, _SLACK, widen)
             threshold = -math.inf if rank >= sample else impl.sample_threshold(flat, derive_seed(seed, widen), sample, rank)
             candidates, cvalues = impl.select_candidates(flat, threshold, candidate_room(k, _SLACK, widen))
             if candidates.numel() >= k:
                 break
-            widen += 1
     return impl.take_top(flat, candidates, cvalues, k)
-
-
-def _select_converted(
-    flat: torch.Tensor, k: int, exact: bool, sample: int | None, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_select` of a half-precision CPU tensor via a float32 copy (exact, so the same entries)."""
-    _, chosen = topk_select(flat.float(), k, exact=exact, sample=sample, seed=seed)
-    where = chosen.long()
-    values = flat.index_select(0, where)
-    flat.index_fill_(0, where, 0)
-    return values, chosen
 
 
 def topk_select_many(
@@ -201,13 +193,11 @@ def scatter_add_decode(
     outside ``[0, n)`` raise ValueError on the CPU; CUDA skips them (checking would sync every decode)."""
     _checks.check_float("values", values)
     _checks.check_dtype("indices", indices, torch.int32)
-    _checks.check_float("out", out)
     _checks.check_count("n", n)
+    _checks.check_out(out, n)
     if values.dim() != 2:
         raise ValueError(f"values must be 2-D [world, k], got shape {tuple(values.shape)}")
     _checks.check_shape("indices", indices, tuple(values.shape))
-    if out.numel() != n or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous tensor of {n} elements, got shape {tuple(out.shape)}")
     _checks.check_same_device(values=values, indices=indices, out=out)
     if out.is_cuda:
         return _launch.scatter_add_decode(values.contiguous(), indices.contiguous(), n, out, average)

@@ -74,11 +74,8 @@ class LayerwiseGroups(MethodGroups):
         self.per_link = bandwidth is not None and bandwidth.adaptive
         settings = candidates(*self.specs[MAIN])
         #: group key -> setting, every candidate (``main`` the one in force: configured, or the bandwidth plan's)
-        self.candidates: dict[str, Setting] = {MAIN: settings[0]}
-        for setting in settings[1:]:
-            key = f"{MAIN}@{label(setting)}"
-            self.candidates[key] = setting
-            self.compressors[key] = build(*setting)
+        self.candidates: dict[str, Setting] = {MAIN: settings[0], **{f"{MAIN}@{label(s)}": s for s in settings[1:]}}
+        self.compressors.update({key: build(*s) for key, s in self.candidates.items() if key != MAIN})
         self.composite = _Planned(self)
         self.plan: LayerPlan | None = None
         self._carry: dict[str, torch.Tensor] = {}  # tensor -> what it owes its next gradient (per rank)
@@ -150,7 +147,8 @@ class LayerwiseGroups(MethodGroups):
                 continue
             acc = bucket.buffer.narrow(0, slot.offset, slot.numel).to(torch.float32, copy=True)
             key = self.key_for(slot.name)
-            extra = self.compressors[key].owed(_entries(self._states[key], slot.name))
+            entries = {sk: d[slot.name] for sk, d in self._states[key].items() if isinstance(d, dict) and slot.name in d}
+            extra = self.compressors[key].owed(entries)  # what the tensor's committed state entries owe
             if extra is not None:
                 acc.add_(extra.to(acc.device).reshape(-1))
             errors = tensor_errors(order, tuple(slot.shape), acc)
@@ -178,9 +176,7 @@ class LayerwiseGroups(MethodGroups):
     def due(self, step: int) -> bool:
         """Whether ``step`` plans at its first bucket: a measurement waits; with
         :attr:`by_step`, the step before was measured."""
-        if self.by_step:
-            return self.measuring(step - 1)
-        return self.waiting
+        return self.measuring(step - 1) if self.by_step else self.waiting
 
     def hold(self) -> None:
         """Keep what a plan changes (plan, carries, measurement, the candidates' committed
@@ -275,8 +271,7 @@ class LayerwiseGroups(MethodGroups):
 
     def apply(self, plan: LayerPlan) -> None:
         """Switch to ``plan``, carrying every moved tensor's state (module docstring)."""
-        moves = {n: (self.key_for(n), k) for n, k in plan.keys.items() if self.key_for(n) != k}
-        self._move(moves)
+        self._move({n: (self.key_for(n), k) for n, k in plan.keys.items() if self.key_for(n) != k})
         changed = self.plan is None or plan.labels != self.plan.labels
         self.assigned, self.plan = dict(plan.keys), plan
         self.composite = _Planned(self)  # the parts of every bucket change
@@ -348,11 +343,6 @@ class _Planned(Composite):
     def reduce(self, bucket: Bucket, ctx: Context) -> Reduction:
         self.groups.prepare(bucket, ctx)
         return (yield from super().reduce(bucket, ctx))
-
-
-def _entries(state: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """One tensor's entries of a compressor's state (state key -> value)."""
-    return {sk: d[name] for sk, d in state.items() if isinstance(d, dict) and name in d}
 
 
 def _bytes(compressor: Compressor, slot: ParamSlot, element_size: int) -> float:

@@ -98,6 +98,13 @@ class ErrorMemory:
                 buffers.append(free)
         return free
 
+    def residuals(self, pieces: Sequence[Piece], grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Error feedback's buffers in ``grad``'s layout: the committed "residual" entries (read only)
+        and a :meth:`spare` for the new residuals, which the step fills and stages."""
+        n = grad.numel()
+        residual, _ = self.gather("residual", pieces, n, grad.device)
+        return residual.narrow(0, 0, n), self.spare((tuple(pieces), n, grad.device), n, grad.device)
+
     # ---- staged changes ------------------------------------------------------------------
 
     def stage(self, kind: str, pieces: Sequence[Piece], flat: torch.Tensor) -> None:
@@ -115,13 +122,6 @@ class ErrorMemory:
         """Apply the staged changes."""
         self._entries.update(self._staged)
         self.discard()
-
-    def end_step(self, commit: bool) -> None:
-        """:meth:`commit` or :meth:`discard` (a compressor's ``end_step``)."""
-        if commit:
-            self.commit()
-        else:
-            self.discard()
 
     def discard(self) -> None:
         """Drop the staged changes."""
@@ -162,7 +162,10 @@ class MemoryState:
 
     def end_step(self, commit: bool) -> None:
         """Apply (``commit``) or drop the state the step staged."""
-        self._memory.end_step(commit)
+        if commit:
+            self._memory.commit()
+        else:
+            self._memory.discard()
 
     def state_dict(self) -> dict[str, Any]:
         """Each key of :meth:`_kinds`: its kind's committed entries by parameter name."""

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import torch
 
-from commpress.compressors.base import Bucket, ParamSlot
+from commpress.compressors.base import Bucket, ParamSlot, lay_out
 from commpress.compressors.wire.collectives import sum_rows
 from commpress.compressors.wire.memory import Piece
 from commpress.compressors.wire.seeding import tensor_key
@@ -33,10 +33,8 @@ def split_whole(slots: Sequence[ParamSlot], min_numel: int) -> tuple[list[ParamS
 
 def whole_part(grad: torch.Tensor, bucket: Bucket, whole: Sequence[ParamSlot]) -> tuple[torch.Tensor, list[Piece]]:
     """The tensors sent whole, end to end in float32, and their pieces in that layout."""
-    pieces, offset = [], 0
-    for s in whole:
-        pieces.append((tensor_key(bucket, s), offset, tuple(s.shape)))
-        offset += s.numel
+    laid, _ = lay_out((tensor_key(bucket, s), s.shape) for s in whole)
+    pieces = [(p.name, p.offset, tuple(p.shape)) for p in laid]
     if not whole:
         return grad.new_empty(0, dtype=torch.float32), pieces
     return torch.cat([grad.narrow(0, s.offset, s.numel) for s in whole]).to(torch.float32), pieces

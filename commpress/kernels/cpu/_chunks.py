@@ -35,19 +35,7 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
 
 def float32_block(x: torch.Tensor, start: int, stop: int) -> np.ndarray:
     """``x[start:stop]`` as a float32 numpy array: a view for float32, a converted copy otherwise."""
-    block = x[start:stop]
-    if block.dtype != torch.float32:
-        block = block.float()
-    return as_numpy(block)
-
-
-def write_block(out: torch.Tensor, start: int, values: np.ndarray) -> None:
-    """Store float32 ``values`` into ``out[start:...]``, rounding to out's dtype (nearest-even)."""
-    dst = out[start : start + values.size]
-    if dst.dtype == torch.float32:
-        as_numpy(dst)[...] = values
-    else:
-        dst.copy_(torch.from_numpy(values))
+    return as_numpy(x[start:stop].float())
 
 
 _pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
@@ -77,11 +65,11 @@ def map_blocks(body: Callable[..., object], blocks: Sequence[tuple]) -> list:
 _PARTS_PER_THREAD = 4
 
 
-def parts(n: int, align: int, minimum: int = CHUNK) -> list[tuple[int, int]]:
+def parts(n: int, align: int) -> list[tuple[int, int]]:
     """``range(n)`` as spans starting at multiples of ``align``: one on one thread, else about
-    ``_PARTS_PER_THREAD`` per thread, none shorter than ``minimum`` (rounded up to ``align``)."""
+    ``_PARTS_PER_THREAD`` per thread, none shorter than ``CHUNK`` (rounded up to ``align``)."""
     workers = torch.get_num_threads()
-    count = 1 if workers <= 1 else max(1, min(workers * _PARTS_PER_THREAD, n // max(minimum, 1)))
+    count = 1 if workers <= 1 else max(1, min(workers * _PARTS_PER_THREAD, n // CHUNK))
     step = -(-n // count)
     step = max(align, -(-step // align) * align)
     return list(spans(n, step)) if n else []
@@ -95,7 +83,7 @@ def float32_out(out: torch.Tensor, start: int, stop: int, fill: Callable[[int, n
     for s, e in spans(stop - start):
         block = np.empty(e - s, np.float32)
         fill(start + s, block)
-        write_block(out, start + s, block)
+        out[start + s : start + e].copy_(torch.from_numpy(block))  # rounded to out's dtype (nearest-even)
 
 
 def float32_pieces(x: torch.Tensor, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:

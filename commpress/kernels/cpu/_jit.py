@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-__all__ = ["NONE", "ONE", "PIECE", "UNCACHED", "ZERO", "inline", "jit"]
+__all__ = ["KEY_ABS", "NONE", "ONE", "PIECE", "UNCACHED", "ZERO", "inline", "jit"]
 
 #: the kernels compiled without numba's disk cache (no cache directory was writable)
 UNCACHED: list[str] = []
@@ -53,3 +53,4 @@ PIECE = 4096  # elements per scratch piece (a multiple of 8: whole bytes at ever
 NONE = np.empty(0, np.float32)  # "no addend" for the kernels that may add one
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
+KEY_ABS = np.uint32(0x7FFFFFFF)  # a float32's bits without the sign: its magnitude, ordered like the floats

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from commpress.kernels._constants import packed_size
+
 from . import _chunks
 from ._jit import PIECE, ZERO, inline, jit
 from .bitpack import pack
@@ -150,10 +152,12 @@ def dequantize_accumulate(packed, mins, scales, bits, bucket_size, first, averag
             _divide(out[ps:pe], div)
 
 
-def quantize_pack(
-    x: torch.Tensor, bits: int, bucket_size: int, seed: int, packed: torch.Tensor, mins: torch.Tensor, scales: torch.Tensor
-) -> None:
-    """Fill ``packed``, ``mins`` and ``scales`` for contiguous ``x``."""
+def quantize_pack(x: torch.Tensor, bits: int, bucket_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed, mins, scales)`` of contiguous ``x``: uint8[ceil(n*bits/8)] and float32[ceil(n / bucket_size)] twice."""
+    n = x.numel()
+    nb = -(-n // bucket_size)
+    packed = torch.empty(packed_size(n, bits), dtype=torch.uint8)
+    mins, scales = torch.empty(nb, dtype=torch.float32), torch.empty(nb, dtype=torch.float32)
     dst, mins_np, scales_np = _chunks.as_numpy(packed), _chunks.as_numpy(mins), _chunks.as_numpy(scales)
     levels, seed64 = (1 << bits) - 1, np.uint64(seed)
     align = bucket_size * (8 // np.gcd(bucket_size * bits, 8))  # spans start on a bucket and a byte
@@ -163,7 +167,8 @@ def quantize_pack(
         j = start // bucket_size
         quantize(block, levels, bits, bucket_size, seed64, start, mins_np[j:], scales_np[j:], dst[start * bits // 8 :])
 
-    _chunks.map_blocks(body, _chunks.parts(x.numel(), int(align)))
+    _chunks.map_blocks(body, _chunks.parts(n, int(align)))
+    return packed, mins, scales
 
 
 def unpack_accumulate(

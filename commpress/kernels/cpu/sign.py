@@ -99,7 +99,7 @@ def sign_pack(
     chunk_at = np.concatenate([np.zeros(1, np.int64), np.cumsum(per)])
     packed = torch.empty(int(nbytes.sum()), dtype=torch.uint8)
     sums = np.empty((int(chunk_at[-1]), STATS_LANES), np.float64)
-    src, dst = _chunks.as_numpy(x if x.dtype == torch.float32 else x.float()), _chunks.as_numpy(packed)
+    src, dst = _chunks.as_numpy(x.float()), _chunks.as_numpy(packed)
     err = NONE if error is None else _chunks.as_numpy(error)
     out = NONE if acc is None else _chunks.as_numpy(acc)
     items = _chunks.segment_items(lengths, _CHUNK)
@@ -122,7 +122,7 @@ def sign_unpack_accumulate(
     nbytes = (lengths + 7) // 8
     packed_at = np.cumsum(nbytes) - nbytes
     flat = out.view(-1)
-    acc = flat if flat.dtype == torch.float32 else flat.float()
+    acc = flat.float()  # flat itself for float32
     src, sc, dst = _chunks.as_numpy(packed), _chunks.as_numpy(scales.t().contiguous()), _chunks.as_numpy(acc)
     res = NONE if residual is None else _chunks.as_numpy(residual)
     items = _chunks.segment_items(lengths, 8)

@@ -8,11 +8,9 @@ import torch
 from commpress.kernels._constants import STATS_LANES, STATS_ROWS
 
 from . import _chunks
-from ._jit import inline, jit
+from ._jit import KEY_ABS, inline, jit
 
 __all__ = ["span_stats"]
-
-_KEY_ABS = np.uint32(0x7FFFFFFF)
 
 
 @inline
@@ -22,12 +20,12 @@ def _stats_row(xs, bs, part, top):
         for j in range(STATS_LANES):
             v = np.float64(xs[j])
             part[j] += v * v
-            top[j] = max(top[j], bs[j] & _KEY_ABS)
+            top[j] = max(top[j], bs[j] & KEY_ABS)
     else:
         for j in range(xs.size):
             v = np.float64(xs[j])
             part[j] += v * v
-            top[j] = max(top[j], bs[j] & _KEY_ABS)
+            top[j] = max(top[j], bs[j] & KEY_ABS)
 
 
 @jit
@@ -59,7 +57,7 @@ def span_stats_items(x, xbits, offsets, lengths, items, peak, sumsq):
 
 def span_stats(x: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(peak float32[T], sum of squares float64[T]) of the segments, whole ones per thread."""
-    src = _chunks.as_numpy(x if x.dtype == torch.float32 else x.float())
+    src = _chunks.as_numpy(x.float())
     peak, sumsq = np.zeros(offsets.size, np.uint32), np.zeros(offsets.size, np.float64)
     run = lambda items: span_stats_items(src, src.view(np.uint32), offsets, lengths, items, peak, sumsq)  # noqa: E731
     _chunks.map_blocks(run, [(items,) for items in _chunks.whole_segments(lengths)])

@@ -150,7 +150,7 @@ def ternary_quantize_pack_many(
     nbytes = (lengths + 3) // 4
     out_at = np.cumsum(nbytes) - nbytes
     out = torch.empty(int(nbytes.sum()), dtype=torch.uint8)
-    src, dst = _chunks.as_numpy(x if x.dtype == torch.float32 else x.float()), _chunks.as_numpy(out)
+    src, dst = _chunks.as_numpy(x.float()), _chunks.as_numpy(out)
     items = _chunks.segment_items(lengths, 4)
     _chunks.map_blocks(lambda *item: ternary_pack_items(src, scales, bounds, seeds, offsets, out_at, *item, dst), items)
     return out
@@ -163,7 +163,7 @@ def ternary_unpack_accumulate_many(
     nbytes = (lengths + 3) // 4
     packed_at = np.cumsum(nbytes) - nbytes
     flat = out.view(-1)
-    acc = flat if flat.dtype == torch.float32 else flat.float()
+    acc = flat.float()  # flat itself for float32
     src, sc, dst = _chunks.as_numpy(packed), _chunks.as_numpy(scales.t().contiguous()), _chunks.as_numpy(acc)
     items = _chunks.segment_items(lengths, 4)
     _chunks.map_blocks(lambda *item: ternary_decode_items(src, sc, packed_at, offsets, *item, dst), items)

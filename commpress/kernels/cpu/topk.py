@@ -9,7 +9,7 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 from commpress.kernels._constants import candidate_room, sample_rank
 
 from . import _chunks
-from ._jit import NONE, PIECE, inline, jit
+from ._jit import KEY_ABS, NONE, PIECE, inline, jit
 from .rng import derive2, words_of
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
 
 _S32 = np.uint64(32)
 _KEY_INF = np.uint32(0x7F800000)  # +inf's bits: the largest top-k key (NaN is given it too)
-_KEY_ABS = np.uint32(0x7FFFFFFF)
 _sample_rank = inline(sample_rank)  # the front end's own arithmetic, compiled
 _candidate_room = inline(candidate_room)
 
@@ -86,7 +85,7 @@ def candidates(x, g, r, limit, first, cand, vals):
             for i in range(pe - ps):
                 xs[i] = gs[i] + rs[i]
         for i in range(pe - ps):
-            flags[i] = (bits[i] & _KEY_ABS) >= limit_bits
+            flags[i] = (bits[i] & KEY_ABS) >= limit_bits
         count = _hits(flags, words, pe - ps, xs, first + ps, count, cand, vals)
     return count
 
@@ -94,7 +93,7 @@ def candidates(x, g, r, limit, first, cand, vals):
 @inline
 def _key(bits):
     """A magnitude's order as an integer: |x|'s bits (ordered like the floats), NaN given +inf's."""
-    a = bits & _KEY_ABS
+    a = bits & KEY_ABS
     return a if a <= _KEY_INF else _KEY_INF
 
 
@@ -107,9 +106,12 @@ def keys(x, out):
 
 
 @jit
-def take_top_np(x, cand, vals, mags, kth, k, first, values, chosen):
-    """Of ``cand`` (values ``vals``, keys ``mags``), the ``k`` with key above ``kth`` plus the first ties
-    at ``kth``: values into ``values``, indices + ``first`` into ``chosen``, zeroed in ``x``."""
+def take_top_np(x, cand, vals, k, first, values, chosen):
+    """Of ``cand`` (values ``vals``), the ``k`` whose key is above the ``k``-th largest, plus the first ties
+    at it: values into ``values``, indices + ``first`` into ``chosen``, zeroed in ``x``."""
+    mags = np.empty(vals.size, np.uint32)
+    keys(vals, mags)
+    kth = kth_key(mags, k)
     need = k
     for j in range(cand.size):
         need -= mags[j] > kth  # what the ties must fill
@@ -187,10 +189,7 @@ def _top_of(x, g, r, first, k, sample, seed, slack, values, chosen):
         if count >= k:
             break
         widen += 1
-    cand, vals = cand[:count], vals[:count]
-    ckeys = np.empty(count, np.uint32)
-    keys(vals, ckeys)
-    take_top_np(x, cand, vals, ckeys, kth_key(ckeys, k), k, first, values, chosen)
+    take_top_np(x, cand[:count], vals[:count], k, first, values, chosen)
 
 
 @jit
@@ -233,17 +232,16 @@ def select_candidates(
     limit = np.float32(threshold)
     spans = _chunks.parts(n, 1)
     x = _chunks.as_numpy(flat)
-    g, r = (None, None) if addends is None else (_chunks.as_numpy(addends[0]), _chunks.as_numpy(addends[1]))
+    g, r = (NONE, NONE) if addends is None else (_chunks.as_numpy(addends[0]), _chunks.as_numpy(addends[1]))
     if not limit > 0:  # every magnitude (NaN too) is at least 0
-        if g is not None:
+        if g.size:
             _chunks.map_blocks(lambda start, stop: np.add(g[start:stop], r[start:stop], out=x[start:stop]), spans)
         return torch.arange(n), flat.clone()
     room = 2 * expect // max(1, len(spans)) + 1024
 
     def body(start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         cand, vals = np.empty(room, np.int64), np.empty(room, np.float32)
-        gs, rs = (NONE, NONE) if g is None else (g[start:stop], r[start:stop])
-        count = candidates(x[start:stop], gs, rs, limit, start, cand, vals)
+        count = candidates(x[start:stop], g[start:stop], r[start:stop], limit, start, cand, vals)
         if count > room:  # more than the estimate: count known now, run again (on the sum)
             cand, vals = np.empty(count, np.int64), np.empty(count, np.float32)
             candidates(x[start:stop], NONE, NONE, limit, start, cand, vals)
@@ -280,11 +278,9 @@ def _as_float(key: np.uint32) -> float:
 def take_top(flat: torch.Tensor, candidates_: torch.Tensor, cvalues: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int32 indices) of the ``k`` largest among ``candidates_`` (values ``cvalues``), zeroed in ``flat``."""
     x, cand, vals = _chunks.as_numpy(flat), _chunks.as_numpy(candidates_), _chunks.as_numpy(cvalues)
-    ckeys = np.empty(vals.size, np.uint32)
-    keys(vals, ckeys)
     values = torch.empty(k, dtype=torch.float32)
     chosen = torch.empty(k, dtype=torch.int32)
-    take_top_np(x, cand, vals, ckeys, kth_key(ckeys, k), k, 0, _chunks.as_numpy(values), _chunks.as_numpy(chosen))
+    take_top_np(x, cand, vals, k, 0, _chunks.as_numpy(values), _chunks.as_numpy(chosen))
     return values, chosen
 
 
