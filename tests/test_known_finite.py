@@ -82,6 +82,33 @@ def test_the_report_is_never_wrong(method, params, spoil, dtype):
             assert truth == clipped
 
 
+@pytest.mark.parametrize("params", [{}, {"clip_sigma": 0.0}])
+@pytest.mark.parametrize("spoil,dtype", CASES)
+def test_terngrad_on_a_gpu_reads_nothing_and_gives_the_same_average_and_verdict(monkeypatch, params, spoil, dtype):
+    """Where a host read waits for the device (``host.reads_stall``), TernGrad returns None and
+    reads nothing; its average is the host path's bit for bit (NaN in the same places), so the
+    hook's check of the buffer reaches the host path's verdict."""
+    on_host = _reduce("terngrad", params, _grads(2, dtype, spoil))
+    monkeypatch.setattr(host, "reads_stall", lambda t: True)
+    monkeypatch.setattr(host, "flags", lambda t: pytest.fail("a host read on the device path"))
+    on_device = _reduce("terngrad", params, _grads(2, dtype, spoil))
+    for (a, known), (b, unknown) in zip(on_host, on_device, strict=True):
+        assert unknown is None
+        torch.testing.assert_close(b.buffer, a.buffer, rtol=0, atol=0, equal_nan=True)
+        verdict = bool(torch.isfinite(b.buffer).all())
+        assert verdict == (known if known is not None else bool(torch.isfinite(a.buffer).all()))
+        assert verdict == (spoil is None or (spoil == "huge" and params.get("clip_sigma", 2.5) > 0))
+
+
+def test_terngrads_device_path_spoils_only_the_non_finite_tensor_across_gaps():
+    """Three tensors, gaps before, between and after them, the middle one non-finite: NaN there only."""
+    buffer = torch.ones(18)
+    build("terngrad", {})._spoil(buffer, [(1, 5), (6, 3), (12, 4)], torch.tensor([True, False, True]))
+    expected = torch.ones(18)
+    expected[6:9] = float("nan")
+    torch.testing.assert_close(buffer, expected, rtol=0, atol=0, equal_nan=True)
+
+
 def test_top_k_values_that_overflow_a_half_bucket_are_not_reported_finite():
     # float32 residuals grow past float16's range while the bucket holds float16: the
     # average of the sent values may not fit the bucket, so the report must not be True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["finite", "flags", "numbers", "to_device", "to_host"]
+__all__ = ["finite", "flags", "numbers", "reads_stall", "to_device", "to_host"]
 
 
 def finite(*tensors: torch.Tensor, bound: float | None = None) -> torch.Tensor:
@@ -34,6 +34,12 @@ def flags(t: torch.Tensor) -> list[bool]:
 def numbers(t: torch.Tensor) -> list[float]:
     """The values of ``t`` (any shape, read flat) on the host as floats: one sync."""
     return [float(v) for v in t.reshape(-1).tolist()]
+
+
+def reads_stall(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s values on the host waits for its device (anything but a CPU tensor):
+    there a compressor keeps its checks on the device for the step's one read."""
+    return t.device.type != "cpu"
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
