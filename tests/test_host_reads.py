@@ -31,9 +31,9 @@ READS = {
     "bf16": 1,
     "powersgd": 3,  # P's flag read with Q's, after the second all-reduce
     "acpsgd": 3,
-    "terngrad": 1,  # its check stays on the device: NaN where a scale is not, for the step's flag
-    "quant": 3,
-    "onebit": 3,
+    "terngrad": 1,  # its check stays on the device (NaN where a scale is not finite) for the step's flag
+    "quant": 1,
+    "onebit": 1,
     "topk": 5,
 }
 

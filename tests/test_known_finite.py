@@ -14,6 +14,7 @@ import torch
 from commpress.comm import SimulatedWorld
 from commpress.compressors import Bucket, build, host
 from commpress.compressors.composite import _combined
+from commpress.compressors.wire.spans import SpanTensors
 from commpress.hooks.state import CommState
 
 METHODS = [
@@ -46,8 +47,8 @@ def _grads(world: int, dtype: torch.dtype, spoil: str | None) -> list[list[torch
     return out
 
 
-def _reduce(method: str, params: dict, grads: list[list[torch.Tensor]], steps: int = 1) -> list[tuple[Bucket, bool | None]]:
-    """Each rank's bucket after the last step, with what its reduction returned."""
+def _reduce(method: str, params: dict, grads: list[list[torch.Tensor]], steps: int = 1) -> list[tuple[Bucket, bool | None, dict]]:
+    """Each rank's bucket after the last step, with what its reduction returned and its compressor's state."""
     world = len(grads)
     sim = SimulatedWorld(world)
     comps = sim.compressors(lambda: build(method, params))
@@ -56,7 +57,7 @@ def _reduce(method: str, params: dict, grads: list[list[torch.Tensor]], steps: i
         known = sim.reduce(comps, buckets, step=step)
         for c in comps:
             c.end_step(True)
-    return list(zip(buckets, known))
+    return list(zip(buckets, known, [c.state_dict() for c in comps]))
 
 
 CASES = [(spoil, dtype) for spoil in (None, "inf", "nan") for dtype in (torch.float32, torch.float16, torch.bfloat16)]
@@ -66,7 +67,7 @@ CASES += [("huge", torch.float32), ("huge-small", torch.float32)]  # a float32 o
 @pytest.mark.parametrize("method,params", METHODS)
 @pytest.mark.parametrize("spoil,dtype", CASES)
 def test_the_report_is_never_wrong(method, params, spoil, dtype):
-    for b, known in _reduce(method, params, _grads(2, dtype, spoil)):
+    for b, known, _ in _reduce(method, params, _grads(2, dtype, spoil)):
         truth = bool(torch.isfinite(b.buffer).all())
         if known is not None:
             assert known == truth
@@ -82,28 +83,34 @@ def test_the_report_is_never_wrong(method, params, spoil, dtype):
             assert truth == clipped
 
 
-@pytest.mark.parametrize("params", [{}, {"clip_sigma": 0.0}])
+DEVICE_PATH = [m for m in METHODS if m[0] != "topk"] + [("onebit", {"min_numel": 64}), ("onebit", {"error_feedback": False})]
+
+
+@pytest.mark.parametrize("method,params", DEVICE_PATH)
 @pytest.mark.parametrize("spoil,dtype", CASES)
-def test_terngrad_on_a_gpu_reads_nothing_and_gives_the_same_average_and_verdict(monkeypatch, params, spoil, dtype):
-    """Where a host read waits for the device (``host.reads_stall``), TernGrad returns None and
-    reads nothing; its average is the host path's bit for bit (NaN in the same places), so the
-    hook's check of the buffer reaches the host path's verdict."""
-    on_host = _reduce("terngrad", params, _grads(2, dtype, spoil))
+def test_on_a_gpu_the_check_stays_on_the_device_with_the_host_paths_bits_and_verdict(monkeypatch, method, params, spoil, dtype):
+    """Where a host read waits for the device (``host.reads_stall``), TernGrad, quant and onebit
+    read nothing and return None; their average is the host path's bit for bit (NaN in the same
+    places), so the hook's check of the buffer reaches the host path's verdict, and a finite step
+    stages the host path's state."""
+    on_host = _reduce(method, params, _grads(2, dtype, spoil))
     monkeypatch.setattr(host, "reads_stall", lambda t: True)
     monkeypatch.setattr(host, "flags", lambda t: pytest.fail("a host read on the device path"))
-    on_device = _reduce("terngrad", params, _grads(2, dtype, spoil))
-    for (a, known), (b, unknown) in zip(on_host, on_device, strict=True):
+    on_device = _reduce(method, params, _grads(2, dtype, spoil))
+    for (a, known, state_a), (b, unknown, state_b) in zip(on_host, on_device, strict=True):
         assert unknown is None
         torch.testing.assert_close(b.buffer, a.buffer, rtol=0, atol=0, equal_nan=True)
         verdict = bool(torch.isfinite(b.buffer).all())
         assert verdict == (known if known is not None else bool(torch.isfinite(a.buffer).all()))
-        assert verdict == (spoil is None or (spoil == "huge" and params.get("clip_sigma", 2.5) > 0))
+        if spoil is None:
+            assert verdict
+            torch.testing.assert_close(state_b, state_a, rtol=0, atol=0)
 
 
-def test_terngrads_device_path_spoils_only_the_non_finite_tensor_across_gaps():
-    """Three tensors, gaps before, between and after them, the middle one non-finite: NaN there only."""
+def test_the_device_path_spoils_only_the_non_finite_span_across_gaps():
+    """Three spans, gaps before, between and after them, the middle one not finite: NaN there only."""
     buffer = torch.ones(18)
-    build("terngrad", {})._spoil(buffer, [(1, 5), (6, 3), (12, 4)], torch.tensor([True, False, True]))
+    SpanTensors().spoil(buffer, [(1, 5), (6, 3), (12, 4)], torch.tensor([True, False, True]))
     expected = torch.ones(18)
     expected[6:9] = float("nan")
     torch.testing.assert_close(buffer, expected, rtol=0, atol=0, equal_nan=True)
@@ -113,7 +120,7 @@ def test_top_k_values_that_overflow_a_half_bucket_are_not_reported_finite():
     # float32 residuals grow past float16's range while the bucket holds float16: the
     # average of the sent values may not fit the bucket, so the report must not be True
     grads = [[torch.full((256,), 60000.0, dtype=torch.float16)] for _ in range(2)]
-    for b, known in _reduce("topk", {"ratio": 0.01, "min_numel": 0}, grads, steps=3):
+    for b, known, _ in _reduce("topk", {"ratio": 0.01, "min_numel": 0}, grads, steps=3):
         assert not torch.isfinite(b.buffer).all()  # 2 x 60000 sent from the residual: past float16's 65504
         assert known is None  # finite values that do not fit: left to the hook's check
 

@@ -35,6 +35,7 @@ from commpress.compressors.tensor_stats import TensorStats
 from commpress.compressors.wire.entropy import coded_gather
 from commpress.compressors.wire.framing import frame, unframe
 from commpress.compressors.wire.seeding import Seed, tensor_seeds
+from commpress.compressors.wire.spans import SpanTensors
 from commpress.kernels import packed_size, span_stats, ternary_quantize_pack_many, ternary_unpack_accumulate_many
 from commpress.schema import Bounds
 
@@ -73,8 +74,7 @@ class TernGradCompressor(Compressor):
         self.skip_last_layer = skip_last_layer
         self.entropy = entropy
         self.rounds = 2 if entropy else 1  # type: ignore[misc]  # the coded sizes' maximum, then the gather
-        #: per bucket layout and device: its tensors' sizes, and its runs for :meth:`_spoil`
-        self._layouts: dict[tuple[torch.device, tuple[tuple[int, int], ...]], tuple[torch.Tensor, ...]] = {}
+        self._spans = SpanTensors()
 
     @over_tensors
     def reduce(self, bucket: Bucket, ctx: Context, slots: list[ParamSlot]) -> Reduction:
@@ -92,7 +92,7 @@ class TernGradCompressor(Compressor):
         ternary_unpack_accumulate_many(all_packed, all_scales, spans, bucket.buffer)
         finite_all = torch.isfinite(all_scales).all(0)
         if host.reads_stall(bucket.buffer):  # no read: NaN where a scale is not finite, the hook's step flag sees it
-            self._spoil(bucket.buffer, spans, finite_all)
+            self._spans.spoil(bucket.buffer, spans, finite_all)
             return None
         # one host transfer: every scale finite, and small enough that no sum over the ranks overflows float32
         limit = torch.finfo(torch.float32).max / ctx.world_size
@@ -133,36 +133,8 @@ class TernGradCompressor(Compressor):
         peak, sumsq = span_stats(buffer, spans)  # max|g| (NaN if the tensor holds one), sum of g^2
         scale = peak
         if self.clip_sigma:
-            numel = self._layout(spans, sumsq.device)[0]
+            numel = self._spans.sizes(spans, sumsq.device)
             bound = (self.clip_sigma * (sumsq / numel).sqrt()).float()
             bound = torch.where(bound > 0, bound, math.inf)  # 0, or NaN from a non-finite tensor: no clipping
             scale = torch.minimum(peak, bound)
         return torch.where(torch.isfinite(scale) & torch.isfinite(peak), scale, math.inf)
-
-
-    def _layout(self, spans: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The spans' sizes (float64), and the spans with the gaps between them as runs with their
-        span's index (a gap's: ``len(spans)``), on ``device`` once per layout: a copy from the host
-        waits for the device's stream."""
-        key = (device, tuple(spans))
-        if key not in self._layouts:
-            runs, owners, end = [], [], spans[0][0]
-            for i, (offset, numel) in enumerate(spans):  # ascending
-                if offset > end:
-                    runs.append(offset - end)
-                    owners.append(len(spans))
-                runs.append(numel)
-                owners.append(i)
-                end = offset + numel
-            numels = torch.tensor([n for _, n in spans], dtype=torch.float64, device=device)
-            self._layouts[key] = (numels, torch.tensor(owners, device=device), torch.tensor(runs, device=device))
-        return self._layouts[key]
-
-    def _spoil(self, buffer: torch.Tensor, spans: list[tuple[int, int]], finite: torch.Tensor) -> None:
-        """NaN into each span whose flag in ``finite`` is False, with no host read: each run's flag
-        repeated over its length (a gap's is True)."""
-        _, owners, runs = self._layout(spans, finite.device)
-        start, stop = spans[0][0], spans[-1][0] + spans[-1][1]
-        keep = torch.cat([finite, finite.new_ones(1)]).index_select(0, owners)
-        bad = torch.repeat_interleave(torch.logical_not(keep), runs, output_size=stop - start)
-        buffer.narrow(0, start, stop - start).masked_fill_(bad, math.nan)
