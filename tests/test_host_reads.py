@@ -32,8 +32,8 @@ READS = {
     "powersgd": 3,  # P's flag read with Q's, after the second all-reduce
     "acpsgd": 3,
     "terngrad": 1,  # its check stays on the device (NaN where a scale is not finite) for the step's flag
-    "quant": 1,
-    "onebit": 1,
+    "quant": 3,
+    "onebit": 3,
     "topk": 5,
 }
 

@@ -104,10 +104,6 @@ class OneBitCompressor(MemoryState, Compressor):
         sign_unpack_accumulate_many(all_packed, all_scales, spans, grad, acc, ctx.rank)  # acc becomes the residual
         average = average_whole(all_dense)
         write_whole(grad, whole, dense_pieces, average)
-        if host.reads_stall(grad):  # no read: a non-finite scale decodes to Inf/NaN, the hook's flag sees it
-            if acc is not None:  # a non-finite step's staged residuals are dropped at its end
-                self._memory.stage("residual", pieces, acc)
-            return None
         # decoded values are at most the largest scale: bounded scales and average mean no sum overflows
         limit = torch.finfo(grad.dtype).max
         bounded = host.flags(host.finite(all_scales, bound=limit / ctx.world_size) & host.finite(average, bound=limit))[0]

@@ -25,7 +25,6 @@ from commpress.compressors.tensor_stats import TensorStats, runs
 from commpress.compressors.wire.framing import frame, unframe
 from commpress.compressors.wire.memory import ErrorMemory, MemoryState, Piece
 from commpress.compressors.wire.seeding import Seed, tensor_key, tensor_seeds
-from commpress.compressors.wire.spans import SpanTensors
 from commpress.compressors.wire.whole import DEFAULT_MIN_NUMEL, MinNumel, average_whole, split_whole, whole_part, write_whole
 from commpress.errors import ConfigError
 from commpress.kernels import add_error, dequantize, packed_size, quantize_pack, unpack_accumulate, update_error
@@ -70,7 +69,6 @@ class QuantCompressor(MemoryState, Compressor):
         self.min_numel = min_numel
         self.seed = seed
         self._memory = ErrorMemory()
-        self._spans = SpanTensors()
 
     @over_tensors
     def reduce(self, bucket: Bucket, ctx: Context, slots: list[ParamSlot]) -> Reduction:
@@ -94,13 +92,6 @@ class QuantCompressor(MemoryState, Compressor):
             unpack_accumulate(packed, mins, scales, self.bits, self.bucket_size, s.numel, out, average=True)
         average = average_whole(all_dense)
         write_whole(bucket.buffer, whole, dense_pieces, average)
-        if host.reads_stall(bucket.buffer):  # no read: NaN where a (min, scale) is not finite, the hook's flag sees it
-            if quantized:
-                ok = torch.stack([host.finite(mins, scales) for mins, scales, _ in received])
-                self._spans.spoil(bucket.buffer, [(s.offset, s.numel) for s in quantized], ok)
-            if self.error_feedback and pieces:  # a non-finite step's staged residuals are dropped at its end
-                self._memory.stage("residual", pieces, x)
-            return None
         # one host transfer: every (min, scale) and whole tensor finite, and small enough that no sum overflows
         limit = min(torch.finfo(torch.float32).max / ctx.world_size, torch.finfo(bucket.buffer.dtype).max) / 4
         bounded = host.finite(all_dense, bound=limit)
