@@ -153,11 +153,8 @@ class CO2(Trainer):
         assert pending is not None
         verdict = None if self._landed is not None else self.transaction.ask(lambda: self._wait(pending))
         with self.transaction.lock:  # the compressor's state and the anchor change together for a reading peer
-            if verdict is None:
-                assert self._landed is not None
-                (average,), self._landed = self._landed, None
-            else:
-                average = self._keep_or_drop(*verdict)
+            (average,) = self._landed if verdict is None else (self._keep_or_drop(*verdict),)
+            self._landed = None
             self._step(average, local)
 
     def _decide_now(self) -> None:

@@ -140,8 +140,7 @@ class DiLoCo(LocalSGD):
         if lr == 0:
             self._to_anchor(fragment)
             return
-        anchor = self.anchor[fragment.where]
         local = self.flat.read(tensors=fragment.tensors)
-        local.sub_(flight.start).add_(torch.lerp(anchor, flight.start, 1 / lr))  # the values before the move
+        local.sub_(flight.start).add_(torch.lerp(self.anchor[fragment.where], flight.start, 1 / lr))  # the values before the move
         self.flat.write(local, fragment.tensors)
         self.fresh[fragment.index] = -1

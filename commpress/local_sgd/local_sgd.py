@@ -42,22 +42,21 @@ class LocalSGD(Trainer):
         """At a round's end: land what is in flight, then start fragment ``syncs % fragments``.
         ``final``: land it all, then sync every fragment changed since its last sync (under a torchft
         Manager every fragment, each landing at once: replicas cannot know what their peers changed)."""
-        if final:
-            self._apply_syncs_due(until=None)
-            fixed = self.backend.fixed_members
-            for fragment in self.fragments:
-                if fixed and self.fresh[fragment.index] == self.clock.step:
-                    continue
-                self._begin_sync()
-                self._start_fragment(fragment, self.clock.step, replace=True)
-                if not fixed:
-                    self._apply_syncs_due(until=None)
-            return
-        if not self.clock.round_ends:
+        if not (final or self.clock.round_ends):
             return
         self._apply_syncs_due(until=None)
-        self._begin_sync()
-        self._start_fragment(self.fragments[self.syncs % len(self.fragments)], self.clock.step + self.sync_delay)
+        if not final:
+            self._begin_sync()
+            self._start_fragment(self.fragments[self.syncs % len(self.fragments)], self.clock.step + self.sync_delay)
+            return
+        fixed = self.backend.fixed_members
+        for fragment in self.fragments:
+            if fixed and self.fresh[fragment.index] == self.clock.step:
+                continue
+            self._begin_sync()
+            self._start_fragment(fragment, self.clock.step, replace=True)
+            if not fixed:
+                self._apply_syncs_due(until=None)
 
     def apply_due(self, final: bool = False) -> None:
         """Land the averages due by this step (``final``: all), then end the round if it ended."""

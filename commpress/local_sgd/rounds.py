@@ -8,14 +8,9 @@ from typing import Any
 
 from commpress.local_sgd.periods import Constant, Period
 
-__all__ = ["RoundClock", "as_period"]
+__all__ = ["RoundClock"]
 
 log = logging.getLogger("commpress.local_sgd")
-
-
-def as_period(period: int | Period) -> Period:
-    """An int means :class:`Constant`."""
-    return period if isinstance(period, Period) else Constant(period)
 
 
 class RoundClock:
@@ -25,7 +20,7 @@ class RoundClock:
     def __init__(self, period: int | Period, total_steps: int | None = None, name: str = "local SGD") -> None:
         if total_steps is not None and total_steps < 1:
             raise ValueError(f"total_steps = {total_steps!r} is not accepted; expected an integer >= 1 or None")
-        self.policy = as_period(period)
+        self.policy = period if isinstance(period, Period) else Constant(period)  # an int means Constant
         self.total_steps = total_steps
         self.name = name
         self.step = 0  # optimizer steps taken

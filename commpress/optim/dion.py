@@ -9,14 +9,11 @@ and hides the gradients so Muon's own step skips them. Muon's momentum is Dion's
 Newton-Schulz settings and ``nesterov`` have no part in Dion.
 """
 
-# No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
-
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
@@ -111,7 +108,7 @@ class Dion(StepTakeover):
         """The ranks agree on the settings, then the DDP comm hook on ``model`` (before its
         first backward) and Muon's step hooks."""
         self.iteration.connect(self.settings)
-        self._take_over(model, self.muon, comm_hook)
+        self._take_over(model, self.muon, self.iteration)
 
     def _pre_step(self) -> None:
         """Dion's update of every Muon matrix; Muon's own step then skips them."""
@@ -124,9 +121,6 @@ class Dion(StepTakeover):
                 p.add_(direction.to(p.dtype), alpha=-lr * muon_lr_scale(group["adjust_lr_fn"], p.shape))
         self._hide_grads(p for _, p in self.named)
 
-    def _stepped(self) -> None:
-        self.iteration.stepped()
-
     def state_dict(self, full: bool = False) -> dict[str, Any]:
         """The step counter, each rank's momenta (Dion's error memory), the shared Q and the
         other parameters' method state, tagged with this rank, the world size and the
@@ -136,8 +130,3 @@ class Dion(StepTakeover):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore this rank's part, or its part of a whole-job state of as many ranks."""
         self.iteration.load_state_dict(state, self.settings)
-
-
-def comm_hook(state: Dion, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook of Dion: the bucket's reduction where its iteration runs."""
-    return state.iteration.reduce(bucket)

@@ -31,7 +31,7 @@ from commpress.config import Config, Override, digest_of
 from commpress.config.groups import MethodGroups
 from commpress.hooks.state import CommState
 from commpress.local_sgd.average import check_finite
-from commpress.optim.momentum import spread_non_finite, written_grads
+from commpress.optim.momentum import UnderManager, spread_non_finite, written_grads
 
 __all__ = ["AtTheStep", "DionIteration", "InTheBackward"]
 
@@ -167,7 +167,7 @@ def _resized(shared: Mapping[str, Any], parts: Sequence[Mapping[str, Any]], scal
     )
 
 
-class InTheBackward(BoundToProcess):
+class InTheBackward(UnderManager):
     """The iteration per DDP bucket of ``model`` through a :class:`CommState` under
     ``manager``: ``dion`` for ``named`` (Muon's matrices), ``cfg``'s method for the rest;
     its shared state is registered with the manager under ``key``."""
@@ -185,15 +185,6 @@ class InTheBackward(BoundToProcess):
         groups = MethodGroups(config, model)
         groups.replace(DION_GROUP, dion, ("dion", {"rank": dion.rank, "mu": dion.mu, "seed": dion.seed}))
         self.comm = CommState.of_part(config, model, manager=manager, key=key, groups=groups)
-        self._step: int | None = None
-
-    @property
-    def steps(self) -> int:
-        return self.comm.steps
-
-    @property
-    def traffic(self) -> Traffic:
-        return self.comm.traffic
 
     def connect(self, settings: Mapping[str, Any]) -> None:
         """The rest's kernels loaded now (Dion's need none); the state connected through the
@@ -210,16 +201,6 @@ class InTheBackward(BoundToProcess):
     def directions(self, settings: Mapping[str, Any]) -> list[torch.Tensor]:
         """The directions DDP wrote into Muon's gradients, checked finite (one host sync)."""
         return written_grads([p for _, p in self.named], NAME, self._step, "matrix", "direction")
-
-    def stepped(self) -> None:
-        self._step = None
-
-    def state_dict(self, full: bool, settings: Mapping[str, Any]) -> dict[str, Any]:
-        """The hook's state: the step, each replica's momenta and the shared Q, the rest's."""
-        return self.comm.state_dict(full=full)
-
-    def load_state_dict(self, state: Mapping[str, Any], settings: Mapping[str, Any]) -> None:
-        self.comm.load_state_dict(state)
 
 
 #: where a :class:`~commpress.optim.Dion` runs its power iteration

@@ -27,7 +27,7 @@ from commpress.config import Config, digest_of
 from commpress.hooks.state import CommState
 from commpress.local_sgd.average import check_finite
 
-__all__ = ["AtTheStep", "InTheBackward", "MomentumAverage"]
+__all__ = ["AtTheStep", "InTheBackward", "MomentumAverage", "UnderManager"]
 
 
 class Adam(Protocol):
@@ -171,7 +171,34 @@ class AtTheStep(BoundToProcess):
         self._check_resume = True
 
 
-class InTheBackward(BoundToProcess):
+class UnderManager(BoundToProcess):
+    """What a step takeover's backward setting under a torchft manager (1-bit Adam's, Dion's)
+    reads of its :class:`CommState` ``comm``: the committed steps, the traffic, the state."""
+
+    comm: CommState
+    _step: int | None = None  # the step whose backward ran (1-bit Adam's: if it was past the warm-up)
+
+    @property
+    def steps(self) -> int:
+        return self.comm.steps
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.comm.traffic
+
+    def stepped(self) -> None:
+        self._step = None
+
+    def state_dict(self, full: bool = False, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The hook's step and error feedback (Dion's: each replica's momenta and the shared Q, the rest's);
+        the manager recovers the optimizer's state with the model."""
+        return self.comm.state_dict(full=full)
+
+    def load_state_dict(self, state: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> None:
+        self.comm.load_state_dict(state)
+
+
+class InTheBackward(UnderManager):
     """The momenta averaged per DDP bucket by ``comm`` (a :class:`CommState` under
     ``manager`` whose ``start_iter`` is the warm-up); ``steps`` counts the committed steps."""
 
@@ -180,7 +207,6 @@ class InTheBackward(BoundToProcess):
     def __init__(self, comm: CommState, manager: Any) -> None:
         self.comm = comm
         self.manager = manager
-        self._step: int | None = None  # the step whose backward ran, if it was past the warm-up
 
     @classmethod
     def of(
@@ -198,14 +224,6 @@ class InTheBackward(BoundToProcess):
 
     def bind(self, adam: Adam) -> None:
         self.adam = adam
-
-    @property
-    def steps(self) -> int:
-        return self.comm.steps
-
-    @property
-    def traffic(self) -> Traffic:
-        return self.comm.traffic
 
     def connect(self, process_group: Any) -> None:
         """Nothing: the state connected through the manager when it was built."""
@@ -233,16 +251,6 @@ class InTheBackward(BoundToProcess):
     def finish(self, started: None) -> list[torch.Tensor]:
         """The averaged momenta DDP wrote into the gradients."""
         return written_grads(self.adam.params, self.adam.name, self._step, "parameter", "averaged momentum")
-
-    def stepped(self) -> None:
-        self._step = None
-
-    def state_dict(self, full: bool = False) -> dict[str, Any]:
-        """The hook's step and error feedback; the manager recovers the optimizer's state with the model."""
-        return self.comm.state_dict(full=full)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.comm.load_state_dict(state)
 
 
 #: where a :class:`~commpress.optim.OneBitAdam` averages its momenta

@@ -17,14 +17,11 @@ hooks (:mod:`commpress.optim.takeover`), not a new optimizer class, so the user 
 its scheduler and checkpoint (which saves ``m`` and ``v``), and the warm-up *is* that AdamW.
 """
 
-# No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
-
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from commpress.comm import Traffic
@@ -146,7 +143,7 @@ class OneBitAdam(StepTakeover):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(f"{_WHERE} runs under DistributedDataParallel; got {type(model).__name__}")
         self.average.connect(process_group)
-        self._take_over(model, self.optimizer, comm_hook)
+        self._take_over(model, self.optimizer, self.average)
 
     def local_momentum(self, p: torch.nn.Parameter, grad: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's ``beta1 * m + (1 - beta1) * grad`` of ``p`` into ``out`` (which may be ``grad``)."""
@@ -159,9 +156,6 @@ class OneBitAdam(StepTakeover):
             return
         self.finish_step(self.start_step())
         self._hide_grads(self.params)
-
-    def _stepped(self) -> None:
-        self.average.stepped()
 
     def start_step(self) -> torch.futures.Future | None:
         """Start this step's momentum average (every rank in the same order); :meth:`finish_step` applies it."""
@@ -195,8 +189,3 @@ class OneBitAdam(StepTakeover):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore this rank's part, or its part of a whole-job state."""
         self.average.load_state_dict(state)
-
-
-def comm_hook(state: OneBitAdam, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook of 1-bit Adam: the bucket's reduction where its average says."""
-    return state.average.reduce(bucket)

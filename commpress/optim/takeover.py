@@ -1,15 +1,17 @@
 """Taking over an optimizer's step through its step hooks, what 1-bit Adam and Dion share.
 
 The step pre-hook applies the method's update and hides the gradients of the parameters it
-stepped, so the optimizer's own step skips them; the post-hook gives them back.
+stepped, so the optimizer's own step skips them; the post-hook gives them back. The method's
+engine (1-bit Adam's momentum average, Dion's iteration) reduces DDP's buckets and counts the steps.
 """
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
@@ -21,15 +23,17 @@ __all__ = ["StepTakeover"]
 
 class StepTakeover(BoundToProcess):
     """A method that takes over ``optimizer.step()``: subclasses apply their update in
-    :meth:`_pre_step` (then :meth:`_hide_grads`) and count the step in :meth:`_stepped`."""
+    :meth:`_pre_step` (then :meth:`_hide_grads`); their engine counts the step after it."""
 
+    _engine: Any = None
     _hooks: tuple[RemovableHandle, ...] = ()
     _switch: CommHookSwitch | None = None
     _hidden: tuple[tuple[torch.nn.Parameter, torch.Tensor | None], ...] = ()  # during the optimizer's step
 
-    def _take_over(self, model: DistributedDataParallel, optimizer: Any, comm_hook: Callable[..., Any]) -> None:
-        """Register ``comm_hook`` on ``model`` (before its first backward) and ``optimizer``'s step hooks."""
-        self._switch = register_removable_hook(model, self, comm_hook)
+    def _take_over(self, model: DistributedDataParallel, optimizer: Any, engine: Any) -> None:
+        """Register ``engine``'s reduction as ``model``'s comm hook (before its first backward) and ``optimizer``'s step hooks."""
+        self._engine = engine
+        self._switch = register_removable_hook(model, engine, comm_hook)
         self._hooks = (
             optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self._pre_step()),
             optimizer.register_step_post_hook(lambda optimizer, args, kwargs: self._post_step()),
@@ -46,9 +50,6 @@ class StepTakeover(BoundToProcess):
     def _pre_step(self) -> None:
         raise NotImplementedError
 
-    def _stepped(self) -> None:
-        raise NotImplementedError
-
     def _hide_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
         """The optimizer's own step skips ``params``: this step has moved them."""
         self._hidden = tuple((p, p.grad) for p in params)
@@ -59,4 +60,9 @@ class StepTakeover(BoundToProcess):
         for p, grad in self._hidden:
             p.grad = grad
         self._hidden = ()
-        self._stepped()
+        self._engine.stepped()
+
+
+def comm_hook(engine: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook of a step takeover: the bucket's reduction where its engine runs it."""
+    return engine.reduce(bucket)
