@@ -97,9 +97,8 @@ class TernGradCompressor(Compressor):
         # one host transfer: every scale finite, and small enough that no sum over the ranks overflows float32
         limit = torch.finfo(torch.float32).max / ctx.world_size
         *finite, bounded = host.flags(torch.cat([finite_all, host.finite(all_scales, bound=limit).view(1)]))
-        for (offset, numel), ok in zip(spans, finite):
-            if not ok:
-                bucket.buffer.narrow(0, offset, numel).fill_(math.nan)
+        if not all(finite):
+            self._spans.spoil(bucket.buffer, spans, finite_all)
         # decoded values are averages of codes times scales of at most max|g|: finite if the scales are
         return False if not all(finite) else (True if bounded else None)
 
