@@ -8,7 +8,7 @@ engine (1-bit Adam's momentum average, Dion's iteration) reduces DDP's buckets a
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations.
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,19 +18,28 @@ from torch.utils.hooks import RemovableHandle
 from commpress.comm.pickling import BoundToProcess
 from commpress.hooks.removable import CommHookSwitch, register_removable_hook
 
-__all__ = ["StepTakeover"]
+__all__ = ["Engine", "StepTakeover"]
+
+
+class Engine(Protocol):
+    """What reduces DDP's buckets for a step takeover and counts its steps (1-bit Adam's momentum
+    average, Dion's iteration): the comm hook's state."""
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]: ...
+
+    def stepped(self) -> None: ...
 
 
 class StepTakeover(BoundToProcess):
     """A method that takes over ``optimizer.step()``: subclasses apply their update in
     :meth:`_pre_step` (then :meth:`_hide_grads`); their engine counts the step after it."""
 
-    _engine: Any = None
+    _engine: Engine | None = None
     _hooks: tuple[RemovableHandle, ...] = ()
     _switch: CommHookSwitch | None = None
     _hidden: tuple[tuple[torch.nn.Parameter, torch.Tensor | None], ...] = ()  # during the optimizer's step
 
-    def _take_over(self, model: DistributedDataParallel, optimizer: Any, engine: Any) -> None:
+    def _take_over(self, model: DistributedDataParallel, optimizer: Any, engine: Engine) -> None:
         """Register ``engine``'s reduction as ``model``'s comm hook (before its first backward) and ``optimizer``'s step hooks."""
         self._engine = engine
         self._switch = register_removable_hook(model, engine, comm_hook)
@@ -60,9 +69,10 @@ class StepTakeover(BoundToProcess):
         for p, grad in self._hidden:
             p.grad = grad
         self._hidden = ()
+        assert self._engine is not None  # the hooks are registered with it
         self._engine.stepped()
 
 
-def comm_hook(engine: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def comm_hook(engine: Engine, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook of a step takeover: the bucket's reduction where its engine runs it."""
     return engine.reduce(bucket)
